@@ -1,0 +1,1 @@
+"""Sluice's HTTP frontend: OpenAI-compatible API, SSE streaming, and the ``sluice`` command."""

@@ -1,0 +1,3 @@
+from frontend.cli import main
+
+main()

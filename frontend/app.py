@@ -1,0 +1,88 @@
+"""The Starlette application: routes, error handling, and the engine link's lifetime."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from frontend import admin, openai_api
+from frontend.engine_client import EngineClient
+from frontend.errors import APIError
+from frontend.state import AppState
+from protocol.config import FrontendConfig
+
+log = logging.getLogger("sluice.frontend")
+
+
+async def health(request: Request) -> Response:
+    """Liveness: the frontend runs and the scheduler and workers answer."""
+    state: AppState = request.app.state.sluice
+    if state.client.healthy:
+        return JSONResponse({"status": "ok"})
+    reason = state.client.engine_error or "scheduler or worker not answering"
+    return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+
+
+async def ready(request: Request) -> Response:
+    """Readiness: the model is loaded and warmed up, and the engine is healthy."""
+    state: AppState = request.app.state.sluice
+    if state.client.model is not None and state.client.healthy:
+        return JSONResponse({"status": "ready", "model": state.model_name})
+    return JSONResponse({"status": "loading" if state.client.model is None else "unhealthy"}, status_code=503)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    if not isinstance(exc, APIError):
+        raise exc
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    if not isinstance(exc, HTTPException):
+        raise exc
+    if exc.status_code == 404:
+        return APIError(404, f"no route {request.method} {request.url.path}", code="not_found").response()
+    if exc.status_code == 405:
+        return APIError(405, f"method {request.method} not allowed on {request.url.path}").response()
+    return APIError(exc.status_code, str(exc.detail)).response()
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error handling %s %s", request.method, request.url.path)
+    return APIError(500, "internal server error").response()
+
+
+def build_app(config: FrontendConfig, client: EngineClient | None = None) -> Starlette:
+    engine = client or EngineClient(config.address)
+    state = AppState(config, engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.close()
+
+    routes = [
+        Route("/v1/completions", openai_api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
+        Route("/v1/models", openai_api.list_models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/admin/stats", admin.stats, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
+    )
+    app.state.sluice = state
+    return app

@@ -1,0 +1,136 @@
+"""The ``sluice`` command: ``serve`` (everything on one machine) or one component each.
+
+Every flag maps to the config field of the same name; each component takes the flags whose field
+its config has. ``sluice scheduler`` and ``sluice worker`` replace themselves with
+``python -m scheduler|worker --config JSON`` — the frontend package never imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from typing import Any, TypeVar
+
+from protocol.config import (
+    PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
+    ConfigError,
+    FrontendConfig,
+    SchedulerConfig,
+    WorkerConfig,
+    to_json,
+)
+
+C = TypeVar("C")
+
+DEFAULT_TCP_ADDRESS = "tcp://127.0.0.1:5555"
+
+
+def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
+    p.add_argument(name, default=default, action=argparse.BooleanOptionalAction, help=help)
+
+
+def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
+    """Add the flags that concern ``components`` (subset of frontend, scheduler, worker)."""
+    fe, sc, wk = "frontend" in components, "scheduler" in components, "worker" in components
+    if fe:
+        p.add_argument("--host", default="127.0.0.1", help="HTTP listen host")
+        p.add_argument("--port", type=int, default=8000, help="HTTP listen port")
+        p.add_argument("--admin-token", default=os.environ.get("SLUICE_ADMIN_TOKEN"),
+                       help="bearer token of the admin API (default: env SLUICE_ADMIN_TOKEN; none = off)")
+        p.add_argument("--max-queued-requests", type=int, default=4096,
+                       help="beyond this many queued requests, new ones get 503 with Retry-After")
+    if fe or wk:
+        p.add_argument("--served-model-name", default=None, help="the model name clients send")
+    if wk:
+        p.add_argument("--model", default="tiny",
+                       help="'tiny' (built in, random weights) or a Hugging Face-format model directory")
+        p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+        p.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, "
+                       "bfloat16, float16")
+        p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+        p.add_argument("--num-kv-blocks", type=int, default=None,
+                       help="KV blocks in the cache (default: sized from --kv-cache-memory)")
+        p.add_argument("--kv-cache-memory", default="auto", help="KV cache size, e.g. 2GiB (default: auto)")
+        p.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output (default: model's)")
+    if sc or wk:
+        p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
+        p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+        p.add_argument("--tensor-parallel-size", type=int, default=1, help="worker processes sharing one model")
+    if sc:
+        p.add_argument("--long-prefill-threshold", type=int, default=0,
+                       help="most tokens of one prompt prefilled in one step (0 = off)")
+        p.add_argument("--min-concurrent-prefills", type=int, default=1,
+                       help="spread the prefill budget over at least this many waiting prompts")
+        p.add_argument("--num-scheduler-steps", type=int, default=8,
+                       help="decode steps a worker runs per scheduler call")
+        p.add_argument("--scheduling-policy", default="priority", choices=SCHEDULING_POLICIES)
+        _bool_flag(p, "--priority-preemption", True,
+                   "let a more urgent waiting request preempt less urgent running ones")
+        p.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
+        _bool_flag(p, "--enable-prefix-caching", True, "reuse KV blocks of identical prompt prefixes")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def build_config(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
+    """The component config from parsed flags (flag dest == field name), validated."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values.update(overrides)
+    return cls(**values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description="Sluice LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run frontend, scheduler and one worker on this machine")
+    _add_flags(serve, {"frontend", "scheduler", "worker"})
+    for name, helptext in [
+        ("frontend", "the HTTP frontend, connecting to a scheduler"),
+        ("scheduler", "the scheduler, binding the address frontends and workers connect to"),
+        ("worker", "one model worker, connecting to a scheduler"),
+    ]:
+        p = sub.add_parser(name, help=helptext)
+        _add_flags(p, {name})
+        p.add_argument("--address", default=DEFAULT_TCP_ADDRESS,
+                       help="scheduler base address: tcp://host:port uses port..port+3")
+        if name == "worker":
+            p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank of this worker")
+    return parser
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
+def _exec_component(module: str, config: object) -> None:
+    os.execv(sys.executable, [sys.executable, "-m", module, "--config", to_json(config)])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        if args.command == "serve":
+            from frontend.serve import serve
+
+            serve(
+                build_config(FrontendConfig, args, address="ipc://unset"),
+                build_config(SchedulerConfig, args, address="ipc://unset"),
+                build_config(WorkerConfig, args, address="ipc://unset"),
+            )
+        elif args.command == "frontend":
+            from frontend.serve import run_frontend
+
+            run_frontend(build_config(FrontendConfig, args))
+        elif args.command == "scheduler":
+            _exec_component("scheduler", build_config(SchedulerConfig, args))
+        elif args.command == "worker":
+            _exec_component("worker", build_config(WorkerConfig, args))
+    except ConfigError as e:
+        print(f"sluice: error: {e}", file=sys.stderr)
+        sys.exit(2)

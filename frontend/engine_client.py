@@ -1,0 +1,241 @@
+"""The frontend's side of the ZeroMQ link to the scheduler.
+
+One task owns the receiving socket: it decodes each ``SchedulerMessage`` and dispatches it by type.
+Tokens land in the ``RequestStream`` of their request; the HTTP handler awaiting that stream
+wakes once per batch of tokens, so a lagging client drains several tokens in one write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from protocol.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineError,
+    EngineReady,
+    Finish,
+    FinishReason,
+    FrontendMessage,
+    ModelInfo,
+    Ping,
+    Pong,
+    Query,
+    QueryReply,
+    TokenBatch,
+)
+from protocol.transport import Endpoints, frontend_codec, make_socket
+
+log = logging.getLogger("sluice.frontend")
+
+PING_INTERVAL_S = 0.5
+# The scheduler answers pings within milliseconds when alive; this much silence means it is not.
+SCHEDULER_TIMEOUT_S = 5.0
+
+Logprob = tuple[float, list[int], list[float]] | None
+
+
+class RequestStream:
+    """Tokens of one request as they arrive, and its single finish."""
+
+    __slots__ = ("_event", "finish", "first_token_at", "logprobs", "rid", "token_ids")
+
+    def __init__(self, rid: int) -> None:
+        self.rid = rid
+        self.token_ids: list[int] = []
+        self.logprobs: list[Logprob] = []
+        self.finish: Finish | None = None
+        self.first_token_at: float | None = None
+        self._event = asyncio.Event()
+
+    def push(self, token_id: int, logprob: Logprob) -> None:
+        if self.finish is not None:
+            return  # tokens racing an abort are dropped: nothing past a finish
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        self._event.set()
+
+    def close(self, finish: Finish) -> None:
+        if self.finish is None:
+            self.finish = finish
+            self._event.set()
+
+    async def wait(self) -> None:
+        """Wait until something new arrived since the last call."""
+        await self._event.wait()
+        self._event.clear()
+
+
+class EngineClient:
+    def __init__(self, address: str) -> None:
+        self._endpoints = Endpoints.from_base(address)
+        self._ctx = zmq.asyncio.Context()
+        self._codec = frontend_codec()
+        self._streams: dict[int, RequestStream] = {}
+        self._queries: dict[int, asyncio.Future[QueryReply]] = {}
+        self._rids = itertools.count(1)
+        self._query_ids = itertools.count(1)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
+        self.model: ModelInfo | None = None
+        self.ready = asyncio.Event()
+        self.workers_alive = False
+        self.engine_error: str | None = None
+        self._last_pong = 0.0
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            TokenBatch: self._on_tokens,
+            EngineReady: self._on_ready,
+            Pong: self._on_pong,
+            QueryReply: self._on_query_reply,
+            EngineError: self._on_engine_error,
+        }
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        self._push = make_socket(self._ctx, zmq.PUSH, self._endpoints.frontend_to_scheduler, bind=False)
+        self._pull = make_socket(self._ctx, zmq.PULL, self._endpoints.scheduler_to_frontend, bind=False)
+        self._tasks = [
+            asyncio.create_task(self._receive_loop(), name="engine-receive"),
+            asyncio.create_task(self._ping_loop(), name="engine-ping"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+
+    @property
+    def healthy(self) -> bool:
+        scheduler_alive = time.monotonic() - self._last_pong < SCHEDULER_TIMEOUT_S
+        return scheduler_alive and self.workers_alive and self.engine_error is None
+
+    @property
+    def num_live(self) -> int:
+        return len(self._streams)
+
+    @property
+    def num_waiting_first_token(self) -> int:
+        return sum(1 for s in self._streams.values() if s.first_token_at is None)
+
+    # ----------------------------------------------------------------- requests
+
+    def next_rid(self) -> int:
+        return next(self._rids)
+
+    async def add(self, request: AddRequest) -> RequestStream:
+        stream = RequestStream(request.rid)
+        self._streams[request.rid] = stream
+        await self._send(request)
+        return stream
+
+    async def abort(self, rid: int) -> None:
+        """Ask the scheduler to end ``rid``; its Finish(abort) arrives like any other finish."""
+        if rid in self._streams:
+            await self._send(AbortRequest(rid))
+
+    def abort_soon(self, rid: int) -> None:
+        """``abort`` from a place that cannot await (a handler being cancelled by a disconnect)."""
+        if rid in self._streams:
+            task = asyncio.get_running_loop().create_task(self._send(AbortRequest(rid)))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def release(self, rid: int) -> None:
+        """Forget a stream whose handler is done with it (finished, or the client went away)."""
+        self._streams.pop(rid, None)
+
+    async def query(self, what: str, rid: int = -1, timeout: float = 5.0) -> QueryReply:
+        qid = next(self._query_ids)
+        fut: asyncio.Future[QueryReply] = asyncio.get_running_loop().create_future()
+        self._queries[qid] = fut
+        try:
+            await self._send(Query(qid, what, rid))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._queries.pop(qid, None)
+
+    async def send_control(self, msg: FrontendMessage) -> None:
+        await self._send(msg)
+
+    async def _send(self, msg: FrontendMessage) -> None:
+        await self._push.send(self._codec.encode(msg), copy=False)
+
+    # ----------------------------------------------------------------- receiving
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frame = await self._pull.recv(copy=False)
+            msg = self._codec.decode(frame.buffer)
+            try:
+                self._handlers[type(msg)](msg)
+            except Exception:
+                log.exception("failed to handle %s from the scheduler", type(msg).__name__)
+
+    async def _ping_loop(self) -> None:
+        was_healthy = False
+        while True:
+            await self._send(Ping(time.time(), need_model=self.model is None))
+            await asyncio.sleep(PING_INTERVAL_S)
+            healthy = self.healthy
+            if was_healthy and not healthy and self.engine_error is None:
+                self._fail_all("the scheduler stopped answering")
+            was_healthy = healthy
+
+    def _on_tokens(self, batch: TokenBatch) -> None:
+        streams = self._streams
+        logprobs = batch.logprobs
+        for i, (rid, token) in enumerate(zip(batch.rids, batch.token_ids, strict=True)):
+            stream = streams.get(rid)
+            if stream is not None:
+                stream.push(token, logprobs[i] if logprobs else None)
+        for finish in batch.finished:
+            stream = streams.get(finish.rid)
+            if stream is not None:
+                stream.close(finish)
+
+    def _on_ready(self, msg: EngineReady) -> None:
+        if self.model is None:
+            self.model = msg.model
+            log.info(
+                "engine ready: model %s, %d KV blocks of %d tokens, max model len %d",
+                msg.model.name,
+                msg.model.num_kv_blocks,
+                msg.model.block_size,
+                msg.model.max_model_len,
+            )
+        self.ready.set()
+
+    def _on_pong(self, pong: Pong) -> None:
+        self._last_pong = time.monotonic()
+        self.workers_alive = pong.workers_alive
+
+    def _on_query_reply(self, reply: QueryReply) -> None:
+        fut = self._queries.get(reply.query_id)
+        if fut is not None and not fut.done():
+            fut.set_result(reply)
+
+    def _on_engine_error(self, msg: EngineError) -> None:
+        log.error("engine failed: %s", msg.message)
+        self.engine_error = msg.message
+        self._fail_all(msg.message)
+
+    def _fail_all(self, message: str) -> None:
+        for stream in list(self._streams.values()):
+            stream.close(Finish(stream.rid, FinishReason.ERROR, 0, 0, len(stream.token_ids), message))

@@ -1,0 +1,107 @@
+"""One request's output as text: detokenization, stop strings and finish, independent of the
+API flavour (completions or chat) and of streaming.
+
+``Generation.deltas()`` yields one ``Delta`` per generated token (its text may be empty while a
+multi-byte character or a possible stop string is incomplete) and a last one carrying the finish.
+Leaving the iterator early (client gone) aborts the request in the scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+
+from frontend.engine_client import EngineClient, Logprob, RequestStream
+from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopStringMatcher
+from protocol.messages import AddRequest, FinishReason
+
+
+@dataclasses.dataclass(slots=True)
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[Logprob]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class Generation:
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer: ModelTokenizer,
+        request: AddRequest,
+        stop_strings: list[str],
+    ) -> None:
+        self._client = client
+        self._request = request
+        self._detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+        self._stops = StopStringMatcher(stop_strings)
+        # Tokens that end generation (EOS, stop ids) are not part of the text, as in OpenAI's API.
+        sampling = request.sampling
+        self._silent_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            self._silent_ids.update(tokenizer.info.eos_token_ids)
+        self.usage = Usage(len(request.prompt_token_ids), 0, 0)
+        self._stream: RequestStream | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self._request.request_id
+
+    async def start(self) -> None:
+        self._stream = await self._client.add(self._request)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        stream = self._stream
+        if stream is None:
+            raise RuntimeError("Generation.start() must be awaited first")
+        done = False
+        seen = 0
+        try:
+            while not done:
+                await stream.wait()
+                new_ids = stream.token_ids[seen:]
+                new_logprobs = stream.logprobs[seen:]
+                seen += len(new_ids)
+                finish = stream.finish
+                for i, token_id in enumerate(new_ids):
+                    final = finish is not None and seen - len(new_ids) + i == len(stream.token_ids) - 1
+                    silent = final and finish is not None and finish.reason == FinishReason.STOP
+                    text = "" if silent and token_id in self._silent_ids else self._detok.push(token_id)
+                    text, hit_stop = self._stops.feed(text)
+                    self.usage.completion_tokens += 1
+                    if hit_stop:
+                        done = True
+                        await self._client.abort(stream.rid)
+                        yield Delta(text, [token_id], [new_logprobs[i]], FinishReason.STOP)
+                        break
+                    yield Delta(text, [token_id], [new_logprobs[i]])
+                if done or finish is None:
+                    continue
+                done = True
+                self.usage.cached_tokens = finish.cached_tokens
+                if finish.reason == FinishReason.ERROR:
+                    yield Delta("", [], [], FinishReason.ERROR, error=finish.message or "engine error")
+                else:
+                    yield Delta(self._stops.flush(), [], [], finish.reason)
+        finally:
+            if not done:
+                # The consumer left early (client disconnected): free the request's blocks now.
+                self._client.abort_soon(stream.rid)
+            self._client.release(stream.rid)

@@ -1,0 +1,292 @@
+"""``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``.
+
+Each handler: decode and validate the body, tokenize, build an ``AddRequest``, then either stream
+SSE chunks (one per token) or collect the whole answer. Validation is complete before anything
+reaches the scheduler, so a client mistake is always a 4xx and never costs the engine a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from frontend.errors import APIError, bad_request, from_decode_error
+from frontend.generation import Delta, Generation
+from frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, message_text
+from frontend.state import AppState
+from frontend.tokenizer import ChatTemplateError, ModelTokenizer
+from protocol.messages import AddRequest, FinishReason, SamplingParams
+
+_json = msgspec.json.Encoder()
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _sse(obj: object) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+def _json_response(body: object, request_id: str) -> Response:
+    return Response(_json.encode(body), media_type="application/json", headers={"X-Request-Id": request_id})
+
+
+async def _decode(request: Request, cls: type[Any]) -> Any:
+    try:
+        return msgspec.json.decode(await request.body(), type=cls)
+    except msgspec.DecodeError as e:
+        raise from_decode_error(e) from None
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def _check_model(state: AppState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise APIError(404, f"The model `{name}` does not exist; this server serves `{state.model_name}`.",
+                       param="model", code="model_not_found")
+
+
+def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is out of vocabulary (vocab size {vocab_size})", param)
+
+
+def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens: int | None,
+              logprobs: int | None, default_max_tokens: int | None) -> SamplingParams:
+    model = state.require_model()
+    limit = model.max_model_len
+    if prompt_len == 0:
+        raise bad_request("the prompt is empty", "prompt")
+    if prompt_len >= limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
+                          f"{prompt_len} tokens, leaving no room for output.", "prompt")
+    if max_tokens is None:
+        max_tokens = default_max_tokens if default_max_tokens is not None else limit - prompt_len
+    if prompt_len + max_tokens > limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                          f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
+                          f"for the completion). Reduce the prompt or max_tokens.", "max_tokens")
+    if body.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                          "min_tokens")
+    if body.n != 1:
+        raise bad_request("n > 1 is not supported yet; send several requests instead", "n")
+    if body.presence_penalty or body.frequency_penalty:
+        raise bad_request("presence_penalty and frequency_penalty are not supported yet", "presence_penalty")
+    if logprobs is not None:
+        raise bad_request("logprobs are not supported yet", "logprobs")
+    stop_ids = body.stop_token_ids or []
+    _check_token_ids(stop_ids, model.vocab_size, "stop_token_ids")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=max(body.top_k, 0),
+        min_tokens=body.min_tokens,
+        seed=body.seed,
+        stop_token_ids=stop_ids,
+        ignore_eos=body.ignore_eos,
+    )
+
+
+def _check_priority(state: AppState, request: Request, priority: int) -> None:
+    if priority < 0 and not state.is_admin(request):
+        raise APIError(403, "priority below 0 (more urgent than default) requires the admin token",
+                       param="priority", code="priority_requires_admin")
+
+
+def _check_capacity(state: AppState) -> None:
+    if state.client.num_waiting_first_token >= state.config.max_queued_requests:
+        raise APIError(503, "the server is overloaded: too many queued requests; retry later",
+                       code="overloaded", headers={"Retry-After": "1"})
+
+
+# ------------------------------------------------------------------------------------ running
+
+
+async def _run(
+    state: AppState,
+    request: Request,
+    body: SamplingFields,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    request_id: str,
+    chunk: Callable[[Delta, bool], dict[str, Any] | None],
+    final: Callable[[str, str, Any, list[int]], dict[str, Any]],
+) -> Response:
+    """Shared by both endpoints: ``chunk(delta, first)`` makes one SSE chunk body (or None to
+    send nothing), ``final(text, finish_reason, usage, token_ids)`` the non-streaming body."""
+    _check_capacity(state)
+    add = AddRequest(
+        rid=state.client.next_rid(),
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        sampling=sampling,
+        priority=body.priority,
+        user=body.user or "",
+        arrival_time=time.time(),
+    )
+    gen = Generation(state.client, state.require_tokenizer(), add, body.stop_strings())
+    await gen.start()
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _stream(gen, chunk, include_usage, request_id),
+            media_type="text/event-stream",
+            headers={"X-Request-Id": request_id, "Cache-Control": "no-cache"},
+        )
+    text, reason, token_ids = await _collect_unless_disconnected(request, gen)
+    return _json_response(final(text, reason, gen.usage.as_dict(), token_ids), request_id)
+
+
+async def _stream(gen: Generation, chunk: Callable[[Delta, bool], dict[str, Any] | None],
+                  include_usage: bool, request_id: str) -> AsyncIterator[bytes]:
+    first = True
+    async for delta in gen.deltas():
+        if delta.error is not None:
+            # Headers are gone already: the error travels as a chunk in OpenAI's error shape.
+            yield _sse({"error": {"message": delta.error, "type": "service_unavailable",
+                                  "param": None, "code": "engine_error"}})
+            break
+        body = chunk(delta, first)
+        first = False
+        if body is not None:
+            yield _sse(body)
+    if include_usage:
+        yield _sse({"id": request_id, "object": "usage", "choices": [], "usage": gen.usage.as_dict()})
+    yield SSE_DONE
+
+
+async def _collect(gen: Generation) -> tuple[str, str, list[int]]:
+    parts: list[str] = []
+    token_ids: list[int] = []
+    reason = FinishReason.ABORT
+    async for delta in gen.deltas():
+        if delta.error is not None:
+            raise APIError(503, delta.error, code="engine_error")
+        parts.append(delta.text)
+        token_ids += delta.token_ids
+        if delta.finish_reason is not None:
+            reason = delta.finish_reason
+    return "".join(parts), reason, token_ids
+
+
+async def _collect_unless_disconnected(request: Request, gen: Generation) -> tuple[str, str, list[int]]:
+    """Collect the answer, but give up (aborting the request) if the client disconnects."""
+    collect = asyncio.ensure_future(_collect(gen))
+    disconnect = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait([collect, disconnect], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not collect.done():
+            collect.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await disconnect
+    if collect.cancelled():
+        raise APIError(400, "client disconnected")  # nobody reads this response
+    return collect.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# ------------------------------------------------------------------------------------ endpoints
+
+
+async def completions(request: Request) -> Response:
+    state: AppState = request.app.state.sluice
+    body: CompletionRequest = await _decode(request, CompletionRequest)
+    tokenizer = state.require_tokenizer()
+    _check_model(state, body.model)
+    _check_priority(state, request, body.priority)
+    if body.echo:
+        raise bad_request("echo is not supported", "echo")
+    if body.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if isinstance(body.prompt, str):
+        prompt_ids = tokenizer.encode_prompt(body.prompt)
+    else:
+        prompt_ids = list(body.prompt)
+        _check_token_ids(prompt_ids, tokenizer.vocab_size, "prompt")
+    sampling = _sampling(state, body, len(prompt_ids), body.max_tokens, body.logprobs, default_max_tokens=16)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    model = state.model_name
+
+    def chunk(delta: Delta, first: bool) -> dict[str, Any]:
+        choice = {"index": 0, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
+        if body.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+            if first:
+                choice["prompt_token_ids"] = prompt_ids
+        return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                "choices": [choice]}
+
+    def final(text: str, reason: str, usage: Any, token_ids: list[int]) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        if body.return_token_ids:
+            choice.update(token_ids=token_ids, prompt_token_ids=prompt_ids)
+        return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                "choices": [choice], "usage": usage}
+
+    return await _run(state, request, body, prompt_ids, sampling, request_id, chunk, final)
+
+
+async def chat_completions(request: Request) -> Response:
+    state: AppState = request.app.state.sluice
+    body: ChatCompletionRequest = await _decode(request, ChatCompletionRequest)
+    tokenizer: ModelTokenizer = state.require_tokenizer()
+    _check_model(state, body.model)
+    _check_priority(state, request, body.priority)
+    try:
+        messages = [{"role": m.role, "content": message_text(m)} for m in body.messages]
+        prompt_ids = tokenizer.encode_chat(messages)
+    except (ValueError, ChatTemplateError) as e:
+        raise bad_request(str(e), "messages") from None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    top_logprobs = body.top_logprobs if body.logprobs else None
+    sampling = _sampling(state, body, len(prompt_ids), max_tokens, top_logprobs, default_max_tokens=None)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    model = state.model_name
+
+    def chunk(delta: Delta, first: bool) -> dict[str, Any]:
+        message: dict[str, Any] = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+        if first:
+            message = {"role": "assistant", "content": delta.text}
+        return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": 0, "delta": message, "logprobs": None,
+                             "finish_reason": delta.finish_reason}]}
+
+    def final(text: str, reason: str, usage: Any, token_ids: list[int]) -> dict[str, Any]:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": reason}
+        if body.return_token_ids:
+            choice.update(token_ids=token_ids, prompt_token_ids=prompt_ids)
+        return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+                "choices": [choice], "usage": usage}
+
+    return await _run(state, request, body, prompt_ids, sampling, request_id, chunk, final)
+
+
+async def list_models(request: Request) -> Response:
+    state: AppState = request.app.state.sluice
+    model = state.client.model
+    data = []
+    if model is not None:
+        data.append({"id": state.model_name, "object": "model", "created": state.started,
+                     "owned_by": "sluice", "max_model_len": model.max_model_len})
+    return Response(_json.encode({"object": "list", "data": data}), media_type="application/json")

@@ -1,0 +1,55 @@
+"""What the HTTP handlers share: config, the engine link, and the model's tokenizer."""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+from starlette.requests import Request
+
+from frontend.engine_client import EngineClient
+from frontend.errors import APIError
+from frontend.tokenizer import ModelTokenizer
+from protocol.config import FrontendConfig
+from protocol.messages import ModelInfo
+
+
+class AppState:
+    def __init__(self, config: FrontendConfig, client: EngineClient) -> None:
+        self.config = config
+        self.client = client
+        self.started = int(time.time())
+        self._tokenizer: ModelTokenizer | None = None
+
+    @property
+    def model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        return self.client.model.name if self.client.model else ""
+
+    def require_model(self) -> ModelInfo:
+        """The model, or 503 while it loads / when the engine is down."""
+        if self.client.engine_error is not None:
+            raise APIError(503, f"the engine failed: {self.client.engine_error}", code="engine_error")
+        model = self.client.model
+        if model is None:
+            raise APIError(503, "the model is still loading; retry when GET /ready answers 200",
+                           code="not_ready", headers={"Retry-After": "1"})
+        if not self.client.healthy:
+            raise APIError(503, "the engine is not answering (scheduler or worker down)", code="engine_down")
+        return model
+
+    def require_tokenizer(self) -> ModelTokenizer:
+        model = self.require_model()
+        if self._tokenizer is None or self._tokenizer.info is not model:
+            self._tokenizer = ModelTokenizer(model)
+        return self._tokenizer
+
+    def is_admin(self, request: Request) -> bool:
+        """Constant-time check of ``Authorization: Bearer <admin token>``."""
+        token = self.config.admin_token
+        if not token:
+            return False
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())

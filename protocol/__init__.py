@@ -1,0 +1,1 @@
+"""What Sluice's processes share: wire messages, socket helpers and component configs."""

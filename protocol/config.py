@@ -1,0 +1,113 @@
+"""One typed, validated config per component.
+
+Building a config needs no files, so tests construct them directly. ``sluice`` builds them from
+its flags and hands each child process its config as JSON on the command line
+(``python -m scheduler --config '{...}'``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+import msgspec
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
+PREEMPTION_MODES = ("recompute", "swap")
+
+C = TypeVar("C")
+
+
+class ConfigError(ValueError):
+    """A flag or config value is invalid; the message names it and the allowed range."""
+
+
+def _positive(name: str, value: int | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    address: str = "ipc:///tmp/sluice"  # base address; see protocol.transport.Endpoints
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_threshold: int = 0  # 0 = off
+    min_concurrent_prefills: int = 1
+    num_scheduler_steps: int = 8
+    scheduling_policy: str = "priority"
+    priority_preemption: bool = True
+    preemption_mode: str = "recompute"
+    enable_prefix_caching: bool = True
+    num_host_blocks: int = 0  # swap space, in blocks; 0 = same count as the device cache
+    tensor_parallel_size: int = 1
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _positive("--max-num-seqs", self.max_num_seqs)
+        _positive("--max-num-batched-tokens", self.max_num_batched_tokens)
+        _positive("--min-concurrent-prefills", self.min_concurrent_prefills)
+        _positive("--num-scheduler-steps", self.num_scheduler_steps)
+        _positive("--tensor-parallel-size", self.tensor_parallel_size)
+        if self.long_prefill_threshold < 0:
+            raise ConfigError("--long-prefill-threshold must be >= 0 (0 turns it off)")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)}")
+
+
+@dataclasses.dataclass
+class WorkerConfig:
+    address: str = "ipc:///tmp/sluice"
+    model: str = "tiny"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory
+    kv_cache_memory: str = "auto"  # bytes, or "2GiB"-style; auto: a share of free memory
+    max_model_len: int | None = None  # None: the model's
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    served_model_name: str | None = None
+    tensor_parallel_size: int = 1
+    rank: int = 0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _positive("--block-size", self.block_size)
+        _positive("--num-kv-blocks", self.num_kv_blocks, allow_none=True)
+        _positive("--max-model-len", self.max_model_len, allow_none=True)
+        _positive("--tensor-parallel-size", self.tensor_parallel_size)
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError("--dtype must be auto, float32, bfloat16 or float16")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError("--device must be auto, cpu, cuda or cuda:N")
+
+
+@dataclasses.dataclass
+class FrontendConfig:
+    address: str = "ipc:///tmp/sluice"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    admin_token: str | None = None
+    max_queued_requests: int = 4096
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+        _positive("--max-queued-requests", self.max_queued_requests)
+
+
+def to_json(config: object) -> str:
+    return msgspec.json.encode(config).decode()
+
+
+def from_json(cls: type[C], text: str) -> C:
+    """Decode and validate (``__post_init__`` runs, raising ``ConfigError`` on bad values)."""
+    raw: dict[str, Any] = msgspec.json.decode(text)
+    return cls(**raw)

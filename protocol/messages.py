@@ -1,0 +1,280 @@
+"""Every message that crosses a process boundary in Sluice.
+
+Three links, each a tagged union decoded by one typed decoder:
+
+* frontend -> scheduler: ``FrontendMessage`` (requests, aborts, controls, pings)
+* scheduler -> frontend: ``SchedulerMessage`` (tokens and finishes, readiness, replies)
+* scheduler -> worker:   ``WorkerCommand`` (step plans, swaps, shutdown)
+* worker -> scheduler:   ``WorkerMessage`` (sampled tokens per step, readiness, errors)
+
+Hot-path messages (``StepPlan``, ``StepTokens``, ``TokenBatch``) are ``array_like``: their field
+order *is* the wire format, so new fields are only ever appended. Requests are named on the hot
+path by ``rid``, a small integer the frontend assigns; the string id users see travels once, in
+``AddRequest``.
+
+Structs here carry data, not user-input validation: the frontend's API layer validates what
+clients send before anything becomes one of these.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# --------------------------------------------------------------------------------------------
+# Shared value types
+
+
+class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
+    """How one request samples and when it stops on token ids (stop *strings* are the frontend's)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_tokens: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs to return per token; None = off
+
+
+class FinishReason:
+    """Values of ``Finish.reason``; plain strings so they read the same on the wire and in JSON."""
+
+    STOP = "stop"  # EOS, a stop token id, or (decided in the frontend) a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # client disconnect, admin abort
+    ERROR = "error"  # the engine could not run it (worker crash, impossible request)
+
+
+class Finish(msgspec.Struct, array_like=True, frozen=True):
+    rid: int
+    reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    message: str = ""  # why, for reason == "error"
+
+
+# --------------------------------------------------------------------------------------------
+# frontend -> scheduler
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    rid: int
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    user: str = ""
+    arrival_time: float = 0.0
+
+
+class AbortRequest(msgspec.Struct, tag=True, array_like=True):
+    rid: int
+
+
+class SetPriority(msgspec.Struct, tag=True):
+    """Change a live request's priority from the next step; ``cut_in`` schedules it at once."""
+
+    rid: int
+    priority: int
+    cut_in: bool = False
+
+
+class PauseRequest(msgspec.Struct, tag=True):
+    rid: int
+
+
+class ResumeRequest(msgspec.Struct, tag=True):
+    rid: int
+
+
+class PauseAll(msgspec.Struct, tag=True):
+    pass
+
+
+class ResumeAll(msgspec.Struct, tag=True):
+    pass
+
+
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    pass
+
+
+class Query(msgspec.Struct, tag=True):
+    """Ask for live state; answered by a ``QueryReply`` with the same ``query_id``.
+
+    ``what`` is ``"stats"``, ``"requests"`` or ``"request"`` (then ``rid`` names it).
+    """
+
+    query_id: int
+    what: str
+    rid: int = -1
+
+
+class Ping(msgspec.Struct, tag=True):
+    """Sent by the frontend periodically; the scheduler answers with ``Pong``, and also with
+    ``EngineReady`` when ``need_model`` is set and the workers are ready. Nothing is ever sent to
+    a frontend before its first ping, so the scheduler never blocks on an absent peer.
+    """
+
+    sent_at: float
+    need_model: bool = False
+
+
+FrontendMessage = (
+    AddRequest
+    | AbortRequest
+    | SetPriority
+    | PauseRequest
+    | ResumeRequest
+    | PauseAll
+    | ResumeAll
+    | ResetPrefixCache
+    | Query
+    | Ping
+)
+
+# --------------------------------------------------------------------------------------------
+# scheduler -> frontend
+
+
+class TokenBatch(msgspec.Struct, tag=True, array_like=True):
+    """New tokens of one worker step, and the requests that ended with it.
+
+    ``rids[i]`` gained ``token_ids[i]``. A request may appear in ``finished`` without a token
+    (abort, error). ``logprobs[i]``, when the request asked for them, is
+    ``[sampled_logprob, [top ids], [top logprobs]]``; otherwise ``None``.
+    """
+
+    rids: list[int]
+    token_ids: list[int]
+    finished: list[Finish] = []
+    logprobs: list[tuple[float, list[int], list[float]] | None] | None = None
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    """What the frontend must know about the served model; built by the worker after loading."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    tokenizer_json: str  # a serialized ``tokenizers.Tokenizer``
+    chat_template: str | None
+    add_bos_token: bool
+    num_kv_blocks: int
+    block_size: int
+
+
+class EngineReady(msgspec.Struct, tag=True):
+    model: ModelInfo
+
+
+class Pong(msgspec.Struct, tag=True):
+    sent_at: float
+    workers_alive: bool
+    ready: bool
+
+
+class QueryReply(msgspec.Struct, tag=True):
+    query_id: int
+    found: bool
+    data: dict[str, object] | list[dict[str, object]] | None = None
+
+
+class EngineError(msgspec.Struct, tag=True):
+    """The engine can no longer serve (a worker died); every live request has been finished."""
+
+    message: str
+
+
+SchedulerMessage = TokenBatch | EngineReady | Pong | QueryReply | EngineError
+
+# --------------------------------------------------------------------------------------------
+# scheduler -> worker
+
+
+class NewRequest(msgspec.Struct, array_like=True):
+    """A request the worker has not seen (or must rebuild after a recompute preemption).
+
+    ``token_ids`` is everything known so far: the prompt plus any output already produced.
+    """
+
+    rid: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+
+
+class StepPlan(msgspec.Struct, tag=True, array_like=True):
+    """One scheduler decision: which requests run and how many tokens each computes.
+
+    For row i: request ``rids[i]`` computes ``num_tokens[i]`` tokens starting at its current
+    computed count, after appending ``new_block_ids[i]`` to its block table. A request whose
+    computed count then reaches its known token count samples one token. When ``num_steps > 1``
+    every request that sampled goes on decoding for ``num_steps - 1`` more steps on the worker,
+    with its blocks already reserved by the scheduler; it stops early on its own stop conditions.
+    ``forget`` lists rids whose worker state must be dropped before this plan runs.
+    """
+
+    plan_id: int
+    new_requests: list[NewRequest]
+    rids: list[int]
+    num_tokens: list[int]
+    new_block_ids: list[list[int]]
+    num_steps: int = 1
+    forget: list[int] = []
+
+
+class SwapBlocks(msgspec.Struct, tag=True, array_like=True):
+    """Copy KV blocks between device and host pools: ``(src, dst)`` pairs, direction named."""
+
+    to_host: bool
+    src: list[int]
+    dst: list[int]
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+WorkerCommand = StepPlan | SwapBlocks | Shutdown
+
+# --------------------------------------------------------------------------------------------
+# worker -> scheduler
+
+
+class StepTokens(msgspec.Struct, tag=True, array_like=True):
+    """Tokens sampled in step ``step`` (0-based) of plan ``plan_id``.
+
+    ``last`` marks the final message of the plan: the worker is then free for the next one.
+    ``busy_s`` is the worker's compute time for this step (for the device-idle metric).
+    """
+
+    plan_id: int
+    step: int
+    rids: list[int]
+    token_ids: list[int]
+    last: bool
+    busy_s: float = 0.0
+    logprobs: list[tuple[float, list[int], list[float]] | None] | None = None
+
+
+class WorkerReady(msgspec.Struct, tag=True):
+    rank: int
+    model: ModelInfo
+
+
+class WorkerHeartbeat(msgspec.Struct, tag=True):
+    rank: int
+
+
+class WorkerFailed(msgspec.Struct, tag=True):
+    rank: int
+    message: str
+
+
+WorkerMessage = StepTokens | WorkerReady | WorkerHeartbeat | WorkerFailed

@@ -1,0 +1,86 @@
+"""ZeroMQ socket owners with typed msgspec (msgpack) codecs.
+
+The scheduler binds every socket; frontend and workers connect. That makes the scheduler's
+address the only one a deployment must know, and lets workers and frontends come and go.
+
+``Endpoints.from_base`` derives the four addresses from one base: ``tcp://host:PORT`` gives
+ports PORT..PORT+3, ``ipc:///path/name`` gives ``name-0`` .. ``name-3``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from protocol.messages import FrontendMessage, SchedulerMessage, WorkerCommand, WorkerMessage
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoints:
+    frontend_to_scheduler: str
+    scheduler_to_frontend: str
+    worker_to_scheduler: str
+    scheduler_to_worker: str
+
+    @classmethod
+    def from_base(cls, base: str) -> Endpoints:
+        if base.startswith("tcp://"):
+            host, _, port = base[len("tcp://") :].rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"tcp address must look like tcp://host:port, got {base!r}")
+            p = int(port)
+            return cls(*(f"tcp://{host}:{p + i}" for i in range(4)))
+        if base.startswith("ipc://"):
+            return cls(*(f"{base}-{i}" for i in range(4)))
+        raise ValueError(f"scheduler address must start with tcp:// or ipc://, got {base!r}")
+
+
+class Codec(Generic[T]):
+    """A msgpack encoder plus a decoder typed to one union of messages."""
+
+    def __init__(self, decode_type: Any) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(decode_type)
+
+    def encode(self, msg: object) -> bytes:
+        return self._encoder.encode(msg)
+
+    def decode(self, data: bytes | memoryview) -> T:
+        return self._decoder.decode(data)
+
+
+def frontend_codec() -> Codec[SchedulerMessage]:
+    """What the frontend decodes: scheduler messages."""
+    return Codec(SchedulerMessage)
+
+
+def scheduler_frontend_codec() -> Codec[FrontendMessage]:
+    return Codec(FrontendMessage)
+
+
+def scheduler_worker_codec() -> Codec[WorkerMessage]:
+    return Codec(WorkerMessage)
+
+
+def worker_codec() -> Codec[WorkerCommand]:
+    return Codec(WorkerCommand)
+
+
+def make_socket(ctx: zmq.Context[Any], kind: int, address: str, *, bind: bool) -> zmq.Socket[Any]:
+    """A socket with the options every Sluice link wants: no linger at close (peers acknowledge
+    what matters instead), unbounded queues (back-pressure is the scheduler's job, not ZMQ's)."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock

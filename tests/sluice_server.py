@@ -1,0 +1,76 @@
+"""Start a real ``sluice serve`` for a test: free port, own process group, always stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+READY_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class SluiceServer:
+    def __init__(self, *flags: str, log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"sluice-{self.port}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "frontend", "serve", "--port", str(self.port), *flags],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its own process group: stop() can reach every child
+        )
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sluice serve exited with {self.proc.returncode}:\n{self.log()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise TimeoutError(f"sluice serve not ready after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-8000:]
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, then SIGKILL to the whole group if it lingers. Returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_server(*flags: str, log_dir: Path) -> Iterator[SluiceServer]:
+    server = SluiceServer(*flags, log_dir=log_dir)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
