@@ -7,8 +7,9 @@ Three links, each a tagged union decoded by one typed decoder:
 * scheduler -> worker:   ``WorkerCommand`` (step plans, swaps, shutdown)
 * worker -> scheduler:   ``WorkerMessage`` (sampled tokens per step, readiness, errors)
 
-Hot-path messages (``StepPlan``, ``StepTokens``, ``TokenBatch``) are ``array_like``: their field
-order *is* the wire format, so new fields are only ever appended. Requests are named on the hot
+Every message is ``array_like`` (msgspec cannot mix the two encodings in one union, and the
+hot-path ones want it anyway): field order *is* the wire format, so new fields are only ever
+appended. Requests are named on the hot
 path by ``rid``, a small integer the frontend assigns; the string id users see travels once, in
 ``AddRequest``.
 
@@ -74,7 +75,7 @@ class AbortRequest(msgspec.Struct, tag=True, array_like=True):
     rid: int
 
 
-class SetPriority(msgspec.Struct, tag=True):
+class SetPriority(msgspec.Struct, tag=True, array_like=True):
     """Change a live request's priority from the next step; ``cut_in`` schedules it at once."""
 
     rid: int
@@ -82,27 +83,27 @@ class SetPriority(msgspec.Struct, tag=True):
     cut_in: bool = False
 
 
-class PauseRequest(msgspec.Struct, tag=True):
+class PauseRequest(msgspec.Struct, tag=True, array_like=True):
     rid: int
 
 
-class ResumeRequest(msgspec.Struct, tag=True):
+class ResumeRequest(msgspec.Struct, tag=True, array_like=True):
     rid: int
 
 
-class PauseAll(msgspec.Struct, tag=True):
+class PauseAll(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-class ResumeAll(msgspec.Struct, tag=True):
+class ResumeAll(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-class ResetPrefixCache(msgspec.Struct, tag=True):
+class ResetPrefixCache(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-class Query(msgspec.Struct, tag=True):
+class Query(msgspec.Struct, tag=True, array_like=True):
     """Ask for live state; answered by a ``QueryReply`` with the same ``query_id``.
 
     ``what`` is ``"stats"``, ``"requests"`` or ``"request"`` (then ``rid`` names it).
@@ -113,7 +114,7 @@ class Query(msgspec.Struct, tag=True):
     rid: int = -1
 
 
-class Ping(msgspec.Struct, tag=True):
+class Ping(msgspec.Struct, tag=True, array_like=True):
     """Sent by the frontend periodically; the scheduler answers with ``Pong``, and also with
     ``EngineReady`` when ``need_model`` is set and the workers are ready. Nothing is ever sent to
     a frontend before its first ping, so the scheduler never blocks on an absent peer.
@@ -169,23 +170,23 @@ class ModelInfo(msgspec.Struct, frozen=True):
     block_size: int
 
 
-class EngineReady(msgspec.Struct, tag=True):
+class EngineReady(msgspec.Struct, tag=True, array_like=True):
     model: ModelInfo
 
 
-class Pong(msgspec.Struct, tag=True):
+class Pong(msgspec.Struct, tag=True, array_like=True):
     sent_at: float
     workers_alive: bool
     ready: bool
 
 
-class QueryReply(msgspec.Struct, tag=True):
+class QueryReply(msgspec.Struct, tag=True, array_like=True):
     query_id: int
     found: bool
     data: dict[str, object] | list[dict[str, object]] | None = None
 
 
-class EngineError(msgspec.Struct, tag=True):
+class EngineError(msgspec.Struct, tag=True, array_like=True):
     """The engine can no longer serve (a worker died); every live request has been finished."""
 
     message: str
@@ -237,7 +238,7 @@ class SwapBlocks(msgspec.Struct, tag=True, array_like=True):
     dst: list[int]
 
 
-class Shutdown(msgspec.Struct, tag=True):
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
@@ -263,16 +264,16 @@ class StepTokens(msgspec.Struct, tag=True, array_like=True):
     logprobs: list[tuple[float, list[int], list[float]] | None] | None = None
 
 
-class WorkerReady(msgspec.Struct, tag=True):
+class WorkerReady(msgspec.Struct, tag=True, array_like=True):
     rank: int
     model: ModelInfo
 
 
-class WorkerHeartbeat(msgspec.Struct, tag=True):
+class WorkerHeartbeat(msgspec.Struct, tag=True, array_like=True):
     rank: int
 
 
-class WorkerFailed(msgspec.Struct, tag=True):
+class WorkerFailed(msgspec.Struct, tag=True, array_like=True):
     rank: int
     message: str
 

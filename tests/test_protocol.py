@@ -1,0 +1,68 @@
+"""Every wire message survives its link's codec, and the address scheme is what the docs say."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol import messages as m
+from protocol.config import ConfigError, SchedulerConfig, WorkerConfig, from_json, to_json
+from protocol.transport import (
+    Endpoints,
+    frontend_codec,
+    scheduler_frontend_codec,
+    scheduler_worker_codec,
+    worker_codec,
+)
+
+INFO = m.ModelInfo("tiny", 8192, 512, [2], 1, "{}", None, True, 100, 16)
+SAMPLING = m.SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[7], seed=3)
+
+LINKS = [
+    (scheduler_frontend_codec, [
+        m.AddRequest(1, "cmpl-1", [1, 2, 3], SAMPLING, priority=-1, user="u", arrival_time=1.5),
+        m.AbortRequest(1), m.SetPriority(1, 3, cut_in=True), m.PauseRequest(1), m.ResumeRequest(1),
+        m.PauseAll(), m.ResumeAll(), m.ResetPrefixCache(), m.Query(4, "request", 1), m.Ping(2.0, True),
+    ]),
+    (frontend_codec, [
+        m.TokenBatch([1, 2], [5, 6], [m.Finish(1, "stop", 3, 0, 1)]),
+        m.EngineReady(INFO), m.Pong(1.0, True, False), m.QueryReply(4, True, {"a": 1}),
+        m.QueryReply(5, True, [{"b": 2}]), m.EngineError("worker 0 died"),
+    ]),
+    (worker_codec, [
+        m.StepPlan(7, [m.NewRequest(1, [1, 2], 2, SAMPLING)], [1], [2], [[0]], num_steps=8, forget=[3]),
+        m.SwapBlocks(True, [1], [2]), m.Shutdown(),
+    ]),
+    (scheduler_worker_codec, [
+        m.StepTokens(7, 0, [1], [9], False, 0.01), m.WorkerReady(0, INFO), m.WorkerHeartbeat(0),
+        m.WorkerFailed(0, "out of memory"),
+    ]),
+]
+
+
+@pytest.mark.parametrize(("codec_factory", "msgs"), LINKS)
+def test_messages_round_trip(codec_factory, msgs) -> None:  # type: ignore[no-untyped-def]
+    codec = codec_factory()
+    for msg in msgs:
+        assert codec.decode(codec.encode(msg)) == msg
+
+
+def test_endpoints_from_tcp_and_ipc_bases() -> None:
+    tcp = Endpoints.from_base("tcp://scheduler:5555")
+    assert tcp.frontend_to_scheduler == "tcp://scheduler:5555"
+    assert tcp.scheduler_to_worker == "tcp://scheduler:5558"
+    assert Endpoints.from_base("ipc:///tmp/x/engine").worker_to_scheduler == "ipc:///tmp/x/engine-2"
+    with pytest.raises(ValueError, match="tcp://host:port"):
+        Endpoints.from_base("tcp://nohost")
+    with pytest.raises(ValueError, match="must start with"):
+        Endpoints.from_base("http://x:1")
+
+
+def test_configs_validate_and_round_trip_json() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=512, min_concurrent_prefills=2)
+    assert from_json(SchedulerConfig, to_json(cfg)) == cfg
+    with pytest.raises(ConfigError, match="--scheduling-policy"):
+        SchedulerConfig(scheduling_policy="random")
+    with pytest.raises(ConfigError, match="--max-num-seqs"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ConfigError, match="--dtype"):
+        WorkerConfig(dtype="int3")
