@@ -55,7 +55,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
-    log.exception("unexpected error handling %s %s", request.method, request.url.path)
+    # Starlette re-raises after this handler so the server logs the traceback; just shape the body.
     return APIError(500, "internal server error").response()
 
 

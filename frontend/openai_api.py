@@ -37,9 +37,13 @@ def _json_response(body: object, request_id: str) -> Response:
     return Response(_json.encode(body), media_type="application/json", headers={"X-Request-Id": request_id})
 
 
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+
+
 async def _decode(request: Request, cls: type[Any]) -> Any:
+    decoder = _decoders.get(cls) or _decoders.setdefault(cls, msgspec.json.Decoder(cls))
     try:
-        return msgspec.json.decode(await request.body(), type=cls)
+        return decoder.decode(await request.body())
     except msgspec.DecodeError as e:
         raise from_decode_error(e) from None
 

@@ -19,7 +19,7 @@ Temperature = Annotated[float, Meta(ge=0.0, le=100.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
-Seed = Annotated[int, Meta(ge=-(2**63), le=2**64 - 1)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(msgspec.Struct):
