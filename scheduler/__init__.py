@@ -1,0 +1,1 @@
+"""Sluice's scheduler: request queues, continuous batching under a token budget, KV block accounting."""

@@ -1,0 +1,122 @@
+"""A request as the scheduler sees it. The request owns its state; others use its methods."""
+
+from __future__ import annotations
+
+import enum
+
+from protocol.messages import AddRequest, FinishReason, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again after losing its blocks
+    PAUSED = "paused"
+    FINISHED = "finished"
+
+
+class Request:
+    """Token bookkeeping: ``token_ids`` = prompt + outputs; ``num_computed`` of them have their
+    KV in the cache (or will have, once the plan in flight runs). ``blocks`` covers at least
+    ``num_computed`` tokens. ``on_worker`` says whether the worker holds its state."""
+
+    __slots__ = (
+        "arrival_time",
+        "blocks",
+        "finish_reason",
+        "num_computed",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "on_worker",
+        "priority",
+        "request_id",
+        "rid",
+        "sampling",
+        "status",
+        "token_ids",
+        "user",
+        "worker_blocks",
+    )
+
+    def __init__(self, msg: AddRequest) -> None:
+        self.rid = msg.rid
+        self.request_id = msg.request_id
+        self.token_ids: list[int] = list(msg.prompt_token_ids)
+        self.num_prompt_tokens = len(msg.prompt_token_ids)
+        self.sampling: SamplingParams = msg.sampling
+        self.priority = msg.priority
+        self.user = msg.user
+        self.arrival_time = msg.arrival_time
+        self.status = Status.WAITING
+        self.num_computed = 0
+        self.blocks: list[int] = []
+        self.num_preemptions = 0
+        self.on_worker = False
+        self.worker_blocks = 0  # how many of ``blocks`` the worker's block table already has
+        self.finish_reason: str | None = None
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def max_total_tokens(self, max_model_len: int) -> int:
+        """The most tokens this request can ever hold (prompt + every output)."""
+        return min(self.num_prompt_tokens + self.sampling.max_tokens, max_model_len)
+
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
+
+    def advance(self, n: int) -> None:
+        self.num_computed += n
+
+    def check_stop(self, eos_token_ids: tuple[int, ...], max_model_len: int) -> str | None:
+        """The finish reason the last token triggers, if any. The worker applies the same rules."""
+        p = self.sampling
+        token = self.token_ids[-1]
+        if token in p.stop_token_ids:
+            return FinishReason.STOP
+        if not p.ignore_eos and token in eos_token_ids and self.num_outputs >= p.min_tokens:
+            return FinishReason.STOP
+        if self.num_outputs >= p.max_tokens or len(self.token_ids) >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def reset_for_recompute(self) -> list[int]:
+        """Preempted by recompute: give up every block; prompt and outputs are computed again."""
+        blocks, self.blocks = self.blocks, []
+        self.num_computed = 0
+        self.num_preemptions += 1
+        self.on_worker = False
+        self.worker_blocks = 0
+        self.status = Status.PREEMPTED
+        return blocks
+
+    def finish(self, reason: str) -> list[int]:
+        """Mark finished; returns the blocks to free."""
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        blocks, self.blocks = self.blocks, []
+        return blocks
+
+    def summary(self, block_size: int) -> dict[str, object]:
+        return {
+            "id": self.request_id,
+            "rid": self.rid,
+            "state": self.status.value,
+            "priority": self.priority,
+            "user": self.user,
+            "prompt_tokens": self.num_prompt_tokens,
+            "output_tokens": self.num_outputs,
+            "computed_tokens": self.num_computed,
+            "kv_blocks": len(self.blocks),
+            "preemptions": self.num_preemptions,
+            "arrival_time": self.arrival_time,
+        }
