@@ -52,6 +52,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 _PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_MISSING = re.compile(r"missing required field `([A-Za-z_][A-Za-z0-9_]*)`")
 
 
 def from_decode_error(e: msgspec.DecodeError) -> APIError:
@@ -59,6 +60,6 @@ def from_decode_error(e: msgspec.DecodeError) -> APIError:
     and report the top-level field as ``param``."""
     text = str(e)
     if isinstance(e, msgspec.ValidationError):
-        m = _PATH.search(text)
+        m = _PATH.search(text) or _MISSING.search(text)
         return bad_request(text, param=m.group(1) if m else None)
     return bad_request(f"request body is not valid JSON: {text}")

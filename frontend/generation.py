@@ -81,15 +81,20 @@ class Generation:
                 seen += len(new_ids)
                 finish = stream.finish
                 for i, token_id in enumerate(new_ids):
-                    final = finish is not None and seen - len(new_ids) + i == len(stream.token_ids) - 1
-                    silent = final and finish is not None and finish.reason == FinishReason.STOP
-                    text = "" if silent and token_id in self._silent_ids else self._detok.push(token_id)
-                    text, hit_stop = self._stops.feed(text)
+                    final = finish is not None and i == len(new_ids) - 1
+                    silent = final and finish.reason == FinishReason.STOP and token_id in self._silent_ids
+                    text, hit_stop = self._stops.feed("" if silent else self._detok.push(token_id))
                     self.usage.completion_tokens += 1
                     if hit_stop:
                         done = True
                         await self._client.abort(stream.rid)
                         yield Delta(text, [token_id], [new_logprobs[i]], FinishReason.STOP)
+                        break
+                    if final and finish.reason != FinishReason.ERROR:
+                        # The finish came with this token: one chunk carries both.
+                        done = True
+                        self.usage.cached_tokens = finish.cached_tokens
+                        yield Delta(text + self._stops.flush(), [token_id], [new_logprobs[i]], finish.reason)
                         break
                     yield Delta(text, [token_id], [new_logprobs[i]])
                 if done or finish is None:

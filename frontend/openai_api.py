@@ -220,6 +220,8 @@ async def completions(request: Request) -> Response:
         raise bad_request("echo is not supported", "echo")
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
+    if not body.prompt:
+        raise bad_request("the prompt is empty", "prompt")
     if isinstance(body.prompt, str):
         prompt_ids = tokenizer.encode_prompt(body.prompt)
     else:

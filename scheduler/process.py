@@ -219,7 +219,7 @@ class SchedulerProcess:
         self.ready_ranks[msg.rank] = msg.model
         if len(self.ready_ranks) < self.config.tensor_parallel_size:
             return
-        info = self.ready_ranks[0] if 0 in self.ready_ranks else msg.model
+        info = self.ready_ranks.get(0, msg.model)
         self.model = info
         self.core = Scheduler(self.config, info.num_kv_blocks, info.block_size, info.max_model_len,
                               info.eos_token_ids)

@@ -1,0 +1,134 @@
+"""Load-generating client: output tokens/s of a running (or freshly started) ``sluice serve``.
+
+    python scripts/bench_serve.py                      # starts `sluice serve --model tiny` itself
+    python scripts/bench_serve.py --url http://127.0.0.1:8000 --concurrency 64
+
+Sends ``--concurrency`` streaming completions at once, each ``--prompt-tokens`` token ids long and
+generating exactly ``--output-tokens`` (ignore_eos), and reports output tokens/s, TTFT and
+inter-token latency percentiles. With ``--bare``, also runs the worker's forward loop of the same
+model at the same batch size in-process (no server, no scheduler): the ceiling, and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], n_out: int) -> tuple[float, list[float], int]:
+    body = {"prompt": prompt, "max_tokens": n_out, "ignore_eos": True, "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    stamps: list[float] = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    stamps.append(time.perf_counter())
+    ttft = stamps[0] - start
+    itl = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return ttft, itl, len(stamps)
+
+
+async def run_load(url: str, concurrency: int, prompt_tokens: int, output_tokens: int) -> dict[str, float]:
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        # Warm-up: one short request, so start-up costs stay out of the figures.
+        await _one(client, url, [1, 2, 3], 4)
+        prompts = [[1] + [(7 * i + j) % 250 + 3 for j in range(prompt_tokens - 1)] for i in range(concurrency)]
+        start = time.perf_counter()
+        results = await asyncio.gather(*(_one(client, url, p, output_tokens) for p in prompts))
+        elapsed = time.perf_counter() - start
+    tokens = sum(r[2] for r in results)
+    ttfts = [r[0] for r in results]
+    itls = [x for r in results for x in r[1]]
+    return {
+        "requests": concurrency,
+        "output_tokens": tokens,
+        "seconds": elapsed,
+        "output_tok_per_s": tokens / elapsed,
+        "ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "ttft_p99_ms": 1000 * _pct(ttfts, 0.99),
+        "itl_p50_ms": 1000 * _pct(itls, 0.5),
+        "itl_p99_ms": 1000 * _pct(itls, 0.99),
+    }
+
+
+def bare_forward_loop(model: str, batch: int, prompt_tokens: int, output_tokens: int) -> float:
+    """Output tokens/s of the worker's runner driven directly: the ceiling for the server."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from worker.bench_loop import decode_throughput
+
+    return decode_throughput(model, batch, prompt_tokens, output_tokens)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="a running server; default: start `sluice serve` here")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--bare", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure the bare forward loop in-process (the ceiling)")
+    p.add_argument("--serve-args", default="", help="extra flags for `sluice serve`")
+    args = p.parse_args()
+
+    proc = None
+    url = args.url
+    if url is None:
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "frontend", "serve", "--port", str(port), "--model", args.model,
+               "--log-level", "warning", *args.serve_args.split()]
+        proc = subprocess.Popen(cmd, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+    try:
+        served = asyncio.run(run_load(url, args.concurrency, args.prompt_tokens, args.output_tokens))
+    finally:
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+    print(f"sluice serve ({args.model}), {args.concurrency} concurrent streams, "
+          f"{args.prompt_tokens} prompt / {args.output_tokens} output tokens:")
+    for k, v in served.items():
+        print(f"  {k:>18}: {v:,.2f}" if isinstance(v, float) else f"  {k:>18}: {v}")
+    if args.bare:
+        ceiling = bare_forward_loop(args.model, args.concurrency, args.prompt_tokens, args.output_tokens)
+        print(f"bare forward loop, batch {args.concurrency}: {ceiling:,.2f} output tok/s")
+        print(f"server / bare ratio: {served['output_tok_per_s'] / ceiling:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""``sluice serve`` as a user runs it: prints its URL when ready, stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+from sluice_server import SluiceServer
+
+
+def _session_pids(sid: int) -> set[int]:
+    """Live processes of session ``sid`` (the server started its own session)."""
+    pids = set()
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # After the command name: state, ppid, pgrp, session, ...
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.add(int(stat.split("/")[2]))
+    return pids
+
+
+def test_serve_prints_url_and_stops_all_processes_on_sigterm(tmp_path: Path) -> None:
+    before = set(glob.glob("/tmp/sluice-*"))
+    server = SluiceServer("--num-kv-blocks", "64", log_dir=tmp_path)
+    try:
+        server.wait_ready()
+        assert f"at http://127.0.0.1:{server.port}" in server.log()
+        assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}).status_code == 200
+        children = _session_pids(server.proc.pid) - {server.proc.pid}
+        assert len(children) >= 2, "scheduler and worker run as child processes"
+
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(timeout=10)
+        elapsed = time.monotonic() - started
+        assert elapsed < 5.0, f"took {elapsed:.1f} s to stop"
+        assert server.proc.returncode == 0, server.log()
+        deadline = time.monotonic() + 2
+        while _session_pids(server.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _session_pids(server.proc.pid), "no orphan processes"
+        assert set(glob.glob("/tmp/sluice-*")) <= before, "socket directory removed"
+    finally:
+        server.stop()
+        for pid in _session_pids(server.proc.pid):
+            os.kill(pid, signal.SIGKILL)
