@@ -1,0 +1,84 @@
+"""A stand-in for the worker's plan semantics, for scheduler unit tests (no torch).
+
+It keeps each request's tokens and computed count exactly as ``worker.runner`` does, and samples
+``token_for(rid, output_index)``; stop rules are the worker's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from protocol.messages import SamplingParams, StepPlan, StepTokens
+
+
+@dataclasses.dataclass
+class _Seq:
+    tokens: list[int]
+    num_prompt: int
+    sampling: SamplingParams
+    computed: int = 0
+    blocks: list[int] = dataclasses.field(default_factory=list)
+
+
+class FakeWorker:
+    def __init__(self, block_size: int, eos: int = 2, max_model_len: int = 10**9,
+                 token_for: Callable[[int, int], int] | None = None) -> None:
+        self.block_size = block_size
+        self.eos = eos
+        self.max_model_len = max_model_len
+        self.token_for = token_for or (lambda rid, i: 100 + (rid * 7 + i) % 50)
+        self.seqs: dict[int, _Seq] = {}
+        self.max_position_written: dict[int, int] = {}
+
+    def _write(self, rid: int, seq: _Seq, upto: int) -> None:
+        """Check the block table covers every position written (the scheduler's promise)."""
+        if upto > len(seq.blocks) * self.block_size:
+            raise AssertionError(f"rid {rid}: writes position {upto - 1} beyond its {len(seq.blocks)} blocks")
+
+    def _stopped(self, s: _Seq) -> bool:
+        p, t, n_out = s.sampling, s.tokens[-1], len(s.tokens) - s.num_prompt
+        if t in p.stop_token_ids:
+            return True
+        if not p.ignore_eos and t == self.eos and n_out >= p.min_tokens:
+            return True
+        return n_out >= p.max_tokens or len(s.tokens) >= self.max_model_len
+
+    def run(self, plan: StepPlan) -> list[StepTokens]:
+        for rid in plan.forget:
+            self.seqs.pop(rid, None)
+        for new in plan.new_requests:
+            self.seqs[new.rid] = _Seq(list(new.token_ids), new.num_prompt_tokens, new.sampling)
+        active = []
+        for rid, n, blocks in zip(plan.rids, plan.num_tokens, plan.new_block_ids, strict=True):
+            s = self.seqs[rid]
+            s.blocks += blocks
+            s.computed += n
+            self._write(rid, s, s.computed)
+            if s.computed > len(s.tokens):
+                raise AssertionError(f"rid {rid}: asked to compute past its tokens")
+            if s.computed == len(s.tokens):
+                active.append(rid)
+        out = []
+        for step in range(plan.num_steps):
+            if step > 0:
+                for rid in active:
+                    s = self.seqs[rid]
+                    s.computed += 1
+                    self._write(rid, s, s.computed)
+            tokens = []
+            for rid in active:
+                s = self.seqs[rid]
+                tokens.append(self.token_for(rid, len(s.tokens) - s.num_prompt))
+                s.tokens.append(tokens[-1])
+            still = [rid for rid in active if not self._stopped(self.seqs[rid])]
+            for rid in set(active) - set(still):
+                del self.seqs[rid]
+            last = step == plan.num_steps - 1 or not still
+            out.append(StepTokens(plan.plan_id, step, list(active), tokens, last))
+            if last:
+                break
+            active = still
+        if not out:
+            out.append(StepTokens(plan.plan_id, 0, [], [], True))
+        return out

@@ -1,0 +1,250 @@
+"""The scheduling core alone: no processes, no torch; a fake worker with the real plan semantics."""
+
+from __future__ import annotations
+
+import pytest
+
+from fake_worker import FakeWorker
+from protocol.config import SchedulerConfig
+from protocol.messages import AddRequest, SamplingParams, StepPlan, TokenBatch
+from scheduler.block_pool import BlockPool, OutOfBlocks
+from scheduler.queues import WaitingQueue
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler
+
+BS = 16
+
+
+def make(num_blocks: int = 256, max_model_len: int = 8192, **cfg: object) -> tuple[Scheduler, FakeWorker]:
+    cfg.setdefault("num_scheduler_steps", 1)
+    sched = Scheduler(SchedulerConfig(**cfg), num_blocks, BS, max_model_len, [2])  # type: ignore[arg-type]
+    return sched, FakeWorker(BS, eos=2, max_model_len=max_model_len)
+
+
+def add(sched: Scheduler, rid: int, prompt_len: int, max_tokens: int = 8, priority: int = 0,
+        arrival: float | None = None, **sampling: object) -> None:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)  # type: ignore[arg-type]
+    msg = AddRequest(rid, f"req-{rid}", [5] * prompt_len, params, priority, "", arrival if arrival is not None else rid)
+    assert sched.add(msg) is None
+
+
+def step(sched: Scheduler, worker: FakeWorker) -> tuple[StepPlan | None, list[TokenBatch]]:
+    plan = sched.schedule()
+    if plan is None:
+        return None, []
+    return plan, [sched.update(out) for out in worker.run(plan)]
+
+
+def run_to_end(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> dict[int, str]:
+    finished: dict[int, str] = {}
+    for _ in range(max_steps):
+        plan, batches = step(sched, worker)
+        for b in batches:
+            for f in b.finished:
+                assert f.rid not in finished, "a request finished twice"
+                finished[f.rid] = f.reason
+        if plan is None:
+            break
+    return finished
+
+
+# ---------------------------------------------------------------------------- block pool and queues
+
+
+def test_block_pool_allocates_and_frees_in_lru_order() -> None:
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    b = pool.allocate(2)
+    assert sorted(a + b) == [0, 1, 2, 3] and pool.num_free == 0
+    with pytest.raises(OutOfBlocks):
+        pool.allocate(1)
+    pool.free(b)
+    pool.free(a)
+    # Freed longest ago is reused first; within one free, the tail block goes first.
+    assert pool.allocate(4) == [b[1], b[0], a[1], a[0]]
+    with pytest.raises(RuntimeError):
+        pool.free([0, 0, 0])
+
+
+def test_priority_queue_orders_by_priority_then_arrival_and_skips_removed() -> None:
+    q = WaitingQueue("priority")
+    reqs = [Request(AddRequest(i, str(i), [1], SamplingParams(), prio, "", arr))
+            for i, (prio, arr) in enumerate([(1, 0.0), (0, 2.0), (0, 1.0), (5, 0.5)])]
+    for r in reqs:
+        q.push(r)
+    q.remove(2)
+    assert [q.pop().rid for _ in range(len(q))] == [1, 0, 3]
+    fcfs = WaitingQueue("fcfs")
+    for r in reqs:
+        fcfs.push(r)
+    assert [fcfs.pop().rid for _ in range(len(fcfs))] == [0, 3, 2, 1]
+
+
+# ---------------------------------------------------------------------------- the step
+
+
+def test_continuous_batching_under_budget_and_max_seqs() -> None:
+    sched, worker = make(max_num_batched_tokens=64, max_num_seqs=3)
+    for rid in range(5):
+        add(sched, rid, 20)
+    plan, _ = step(sched, worker)
+    assert plan is not None
+    assert plan.rids == [0, 1, 2] and plan.num_tokens == [20, 20, 20]  # max_num_seqs caps the rows
+    plan, _ = step(sched, worker)
+    assert plan is not None and plan.rids == [0, 1, 2] and plan.num_tokens == [1, 1, 1]
+    assert run_to_end(sched, worker) == {i: "length" for i in range(5)}
+
+
+def test_decodes_first_then_the_last_prefill_is_chunked() -> None:
+    sched, worker = make(max_num_batched_tokens=32)
+    add(sched, 0, 10)
+    step(sched, worker)  # prefill rid 0
+    add(sched, 1, 100)
+    plan, _ = step(sched, worker)
+    assert plan is not None
+    assert plan.rids == [0, 1] and plan.num_tokens == [1, 31]  # decode 1, then a 31-token chunk
+    plan, _ = step(sched, worker)
+    assert plan is not None and plan.num_tokens == [1, 31]
+    assert [n.rid for n in plan.new_requests] == []  # the prompt crossed once
+
+
+def test_seed_000_example_budget_split_between_two_prompts() -> None:
+    sched, worker = make(num_blocks=1024, max_num_batched_tokens=512, min_concurrent_prefills=2)
+    add(sched, 0, 8000)
+    add(sched, 1, 300)
+    plan, _ = step(sched, worker)
+    assert plan is not None
+    assert dict(zip(plan.rids, plan.num_tokens, strict=True)) == {0: 256, 1: 256}
+
+
+def test_without_min_concurrent_prefills_the_long_prompt_takes_the_budget() -> None:
+    sched, worker = make(num_blocks=1024, max_num_batched_tokens=512)
+    add(sched, 0, 8000)
+    add(sched, 1, 300)
+    plan, _ = step(sched, worker)
+    assert plan is not None and plan.rids == [0] and plan.num_tokens == [512]
+
+
+def test_long_prefill_threshold_caps_one_prompt() -> None:
+    sched, worker = make(max_num_batched_tokens=512, long_prefill_threshold=100)
+    add(sched, 0, 1000)
+    add(sched, 1, 300)
+    plan, _ = step(sched, worker)
+    assert plan is not None and plan.num_tokens == [100, 100]
+
+
+def test_recompute_preemption_frees_blocks_and_keeps_arrival_order() -> None:
+    # 6 blocks of 16: two requests of 40-token prompts (3 blocks each) fill the pool.
+    sched, worker = make(num_blocks=6, max_num_batched_tokens=200)
+    add(sched, 0, 40, max_tokens=30)
+    add(sched, 1, 40, max_tokens=30)
+    add(sched, 2, 10, max_tokens=2)  # arrives later than both
+    step(sched, worker)
+    assert sched.pool.num_free == 0
+    preempted_plan = None
+    for _ in range(20):
+        plan, _ = step(sched, worker)
+        if sched.num_preemptions:
+            preempted_plan = plan
+            break
+    assert preempted_plan is not None and sched.num_preemptions == 1
+    victim = sched.requests[1]
+    assert victim.status.value == "preempted" and victim.blocks == [] and victim.num_computed == 0
+    # The victim waits ahead of the later arrival.
+    assert sched.waiting.peek() is victim
+    finished = run_to_end(sched, worker)
+    assert finished == {0: "length", 1: "length", 2: "length"}
+    assert sched.pool.num_free == 6
+
+
+def test_recomputed_request_is_resent_with_prompt_and_outputs() -> None:
+    sched, worker = make(num_blocks=6, max_num_batched_tokens=200)
+    add(sched, 0, 40, max_tokens=30)
+    add(sched, 1, 40, max_tokens=30)
+    resent = None
+    for _ in range(40):
+        plan, _ = step(sched, worker)
+        if plan is None:
+            break
+        for new in plan.new_requests:
+            if new.rid == 1 and len(new.token_ids) > 40:
+                resent = new
+    assert resent is not None
+    assert resent.num_prompt_tokens == 40 and resent.token_ids[:40] == [5] * 40
+
+
+def test_multi_step_reserves_lookahead_and_returns_it_on_early_stop() -> None:
+    sched, worker = make(num_scheduler_steps=8, max_num_batched_tokens=256)
+    add(sched, 0, 15, max_tokens=3)  # will stop after 3 tokens, inside the 8-step window
+    # The prompt completes in step 0 and nothing waits, so the same plan goes on decoding.
+    plan, batches = step(sched, worker)
+    assert plan is not None and plan.num_steps == 8
+    # Look-ahead capped at what the request can still produce: 15 + 3 tokens -> 2 blocks, not 3.
+    assert len(plan.new_block_ids[0]) == 2
+    assert [f.reason for b in batches for f in b.finished] == ["length"]
+    assert sum(len(b.rids) for b in batches) == 3  # nothing past the stop
+    assert sched.pool.num_free == sched.pool.num_blocks
+
+
+def test_multi_step_plan_covers_decodes_of_several_requests() -> None:
+    sched, worker = make(num_scheduler_steps=4, max_num_batched_tokens=256)
+    add(sched, 0, 16, max_tokens=10)
+    add(sched, 1, 5, max_tokens=2)
+    plan, batches = step(sched, worker)
+    assert plan is not None and plan.num_steps == 4
+    assert [len(b.rids) for b in batches] == [2, 2, 1, 1]  # rid 1 stops after its 2nd token
+    finished = run_to_end(sched, worker)
+    assert finished == {0: "length"}
+    assert sched.pool.num_free == sched.pool.num_blocks
+
+
+def test_multi_step_only_when_nothing_waits_and_no_prompt_is_mid_prefill() -> None:
+    sched, worker = make(num_scheduler_steps=4, max_num_batched_tokens=16, max_num_seqs=1)
+    add(sched, 0, 8, max_tokens=20)
+    add(sched, 1, 8, max_tokens=20)
+    plan, _ = step(sched, worker)
+    assert plan is not None and plan.num_steps == 1  # rid 1 waits for a seat
+    finished = run_to_end(sched, worker)
+    assert finished == {0: "length", 1: "length"}
+
+
+def test_abort_frees_blocks_at_once_and_forgets_on_worker() -> None:
+    sched, worker = make()
+    add(sched, 0, 40, max_tokens=100)
+    add(sched, 1, 40, max_tokens=100)
+    step(sched, worker)
+    finish = sched.abort(0)
+    assert finish is not None and finish.reason == "abort"
+    assert sched.abort(0) is None  # only once
+    plan, _ = step(sched, worker)
+    assert plan is not None and 0 in plan.forget and 0 not in plan.rids
+    sched.abort(1)
+    assert sched.pool.num_free == sched.pool.num_blocks
+    assert sched.schedule() is None
+
+
+def test_stop_rules_eos_min_tokens_and_stop_ids() -> None:
+    sched, worker = make()
+    worker.token_for = lambda rid, i: 2 if rid == 0 else (77 if i == 3 else 50)
+    msg = AddRequest(0, "a", [5] * 4, SamplingParams(max_tokens=50), 0, "", 0)
+    assert sched.add(msg) is None
+    assert sched.add(AddRequest(1, "b", [5] * 4, SamplingParams(max_tokens=50, stop_token_ids=[77]), 0, "", 1)) is None
+    finished = run_to_end(sched, worker)
+    assert finished == {0: "stop", 1: "stop"}
+
+
+def test_impossible_requests_are_rejected_with_a_reason() -> None:
+    sched, _ = make(num_blocks=4, max_model_len=100)
+    too_long = sched.add(AddRequest(0, "a", [5] * 90, SamplingParams(max_tokens=20), 0, "", 0))
+    assert too_long is not None and too_long.reason == "error" and "max model length" in too_long.message
+    too_big = sched.add(AddRequest(1, "b", [5] * 60, SamplingParams(max_tokens=20), 0, "", 0))
+    assert too_big is not None and "KV blocks" in too_big.message
+
+
+def test_pause_all_stops_scheduling() -> None:
+    sched, worker = make()
+    add(sched, 0, 10)
+    sched.paused = True
+    assert sched.schedule() is None
+    sched.paused = False
+    assert run_to_end(sched, worker) == {0: "length"}
