@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -50,7 +51,7 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], n_out: in
                 if chunk.get("choices"):
                     stamps.append(time.perf_counter())
     ttft = stamps[0] - start
-    itl = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    itl = [b - a for a, b in itertools.pairwise(stamps)]
     return ttft, itl, len(stamps)
 
 

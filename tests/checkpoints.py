@@ -7,33 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Sluice streams tokens from a scheduler and workers over ZeroMQ.",
-    "Ünïcödé, emoji 🦊 and 日本語 are text too.",
-    "Once upon a time there was a small language model that liked to count: one two three four.",
-] * 10
-
-
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE tokenizer of exactly ``vocab_size`` entries (<unk>=0, <s>=1, </s>=2)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    # Pad with placeholder tokens so every id the model can sample decodes to something.
-    missing = vocab_size - tok.get_vocab_size()
-    if missing > 0:
-        tok.add_tokens([f"<extra_{i}>" for i in range(missing)])
-    return tok
+from worker.tiny import build_byte_level_tokenizer
 
 
 def save_llama_checkpoint(path: Path, seed: int = 0, **overrides: Any) -> Path:
@@ -61,7 +36,7 @@ def save_llama_checkpoint(path: Path, seed: int = 0, **overrides: Any) -> Path:
     model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
-    build_tokenizer(settings["vocab_size"]).save(str(path / "tokenizer.json"))
+    build_byte_level_tokenizer(settings["vocab_size"]).save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
     )

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from fake_worker import FakeWorker
+
 from protocol.config import SchedulerConfig
 from protocol.messages import AddRequest, SamplingParams, StepPlan, TokenBatch
 from scheduler.block_pool import BlockPool, OutOfBlocks

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from fake_worker import FakeWorker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fake_worker import FakeWorker
 from protocol.config import SchedulerConfig
 from protocol.messages import AddRequest, SamplingParams
 from scheduler.request import Status
