@@ -104,8 +104,9 @@ class EngineClient:
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        self._push = make_socket(self._ctx, zmq.PUSH, self._endpoints.frontend_to_scheduler, bind=False)
-        self._pull = make_socket(self._ctx, zmq.PULL, self._endpoints.scheduler_to_frontend, bind=False)
+        # zmq.asyncio sockets return awaitables, which pyzmq's stubs do not express.
+        self._push: Any = make_socket(self._ctx, zmq.PUSH, self._endpoints.frontend_to_scheduler, bind=False)
+        self._pull: Any = make_socket(self._ctx, zmq.PULL, self._endpoints.scheduler_to_frontend, bind=False)
         self._tasks = [
             asyncio.create_task(self._receive_loop(), name="engine-receive"),
             asyncio.create_task(self._ping_loop(), name="engine-ping"),

@@ -81,8 +81,8 @@ class Generation:
                 seen += len(new_ids)
                 finish = stream.finish
                 for i, token_id in enumerate(new_ids):
-                    final = finish is not None and i == len(new_ids) - 1
-                    silent = final and finish.reason == FinishReason.STOP and token_id in self._silent_ids
+                    final = finish if i == len(new_ids) - 1 else None  # the finish came with this token
+                    silent = final is not None and final.reason == FinishReason.STOP and token_id in self._silent_ids
                     text, hit_stop = self._stops.feed("" if silent else self._detok.push(token_id))
                     self.usage.completion_tokens += 1
                     if hit_stop:
@@ -90,11 +90,11 @@ class Generation:
                         await self._client.abort(stream.rid)
                         yield Delta(text, [token_id], [new_logprobs[i]], FinishReason.STOP)
                         break
-                    if final and finish.reason != FinishReason.ERROR:
-                        # The finish came with this token: one chunk carries both.
+                    if final is not None and final.reason != FinishReason.ERROR:
+                        # One chunk carries the last token and the finish.
                         done = True
-                        self.usage.cached_tokens = finish.cached_tokens
-                        yield Delta(text + self._stops.flush(), [token_id], [new_logprobs[i]], finish.reason)
+                        self.usage.cached_tokens = final.cached_tokens
+                        yield Delta(text + self._stops.flush(), [token_id], [new_logprobs[i]], final.reason)
                         break
                     yield Delta(text, [token_id], [new_logprobs[i]])
                 if done or finish is None:

@@ -13,6 +13,7 @@ so an absent peer can never stall the loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import time
@@ -135,8 +136,10 @@ class SchedulerProcess:
         self._to_workers(plan)
 
     def _close(self) -> None:
-        if self.ready_ranks:
-            self._to_workers(Shutdown())
+        shutdown = self.worker_codec.encode(Shutdown())
+        for _ in self.ready_ranks:
+            with contextlib.suppress(zmq.Again):  # a worker already gone needs no goodbye
+                self.to_workers.send(shutdown, zmq.NOBLOCK)
         for sock in (self.from_frontend, self.to_frontend, self.from_workers, self.to_workers):
             sock.close(linger=0)
         self.ctx.term()
@@ -150,7 +153,9 @@ class SchedulerProcess:
         try:
             self.to_frontend.send(self.frontend_codec.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("frontend not connected; dropped a %s", type(msg).__name__)
+            # The frontend's receiving socket connects in the background; a ping can arrive
+            # before it does. Pings repeat, so nothing is lost for long.
+            log.debug("frontend not connected; dropped a %s", type(msg).__name__)
 
     def _to_workers(self, msg: object) -> None:
         data = self.worker_codec.encode(msg)
@@ -277,5 +282,8 @@ def run(config: SchedulerConfig) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    process.run()
+    try:
+        process.run()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # already stopping: a second signal changes nothing
     return 0

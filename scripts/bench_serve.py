@@ -16,7 +16,6 @@ import asyncio
 import itertools
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -79,12 +78,37 @@ async def run_load(url: str, concurrency: int, prompt_tokens: int, output_tokens
     }
 
 
-def bare_forward_loop(model: str, batch: int, prompt_tokens: int, output_tokens: int) -> float:
-    """Output tokens/s of the worker's runner driven directly: the ceiling for the server."""
+def bare_forward_loop(model: str, batch: int, prompt_tokens: int, output_tokens: int, steps: int = 8) -> float:
+    """Output tokens/s of the worker's runner driven directly (no server, no scheduler, no
+    sockets): the same prompts prefilled in one pass, then decoded ``steps`` at a time. The
+    ceiling the server's figure is compared with."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from worker.bench_loop import decode_throughput
+    from protocol.config import WorkerConfig
+    from protocol.messages import NewRequest, SamplingParams, StepPlan
+    from worker.process import Worker
 
-    return decode_throughput(model, batch, prompt_tokens, output_tokens)
+    block_size = 16
+    per_seq = -(-(prompt_tokens + output_tokens) // block_size)
+    worker = Worker(WorkerConfig(model=model, num_kv_blocks=batch * per_seq + 1, block_size=block_size,
+                                 log_level="warning"))
+    runner = worker.runner
+    params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+    prompts = [[1] + [(7 * i + j) % 250 + 3 for j in range(prompt_tokens - 1)] for i in range(batch)]
+    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
+    start = time.perf_counter()
+    produced = 0
+    plan = StepPlan(1, [NewRequest(i, p, len(p), params) for i, p in enumerate(prompts)], list(range(batch)),
+                    [prompt_tokens] * batch, tables, num_steps=steps)
+    plan_id = 1
+    while True:
+        for out in runner.execute(plan):
+            produced += len(out.token_ids)
+        live = sorted(runner.seqs)
+        if not live:
+            break
+        plan_id += 1
+        plan = StepPlan(plan_id, [], live, [1] * len(live), [[] for _ in live], num_steps=steps)
+    return produced / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -119,7 +143,7 @@ def main() -> None:
         served = asyncio.run(run_load(url, args.concurrency, args.prompt_tokens, args.output_tokens))
     finally:
         if proc is not None:
-            os.killpg(proc.pid, signal.SIGTERM)
+            proc.terminate()  # as Ctrl-C would: `sluice serve` stops its children itself
             proc.wait(timeout=30)
     print(f"sluice serve ({args.model}), {args.concurrency} concurrent streams, "
           f"{args.prompt_tokens} prompt / {args.output_tokens} output tokens:")

@@ -155,6 +155,9 @@ def run(config: WorkerConfig) -> int:
             elif isinstance(cmd, SwapBlocks):
                 log.warning("swap preemption is not implemented by this worker yet; ignoring SwapBlocks")
     finally:
+        # Already stopping: a signal arriving during interpreter shutdown must not raise there.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         stop.set()
         out.close(linger=0)
         inbox.close(linger=0)

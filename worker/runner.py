@@ -52,9 +52,9 @@ class HostCopier:
             self.stream = torch.cuda.Stream(device=device)
             self.pinned = torch.empty(capacity, dtype=torch.long, pin_memory=True)
 
-    def start(self, ids: torch.Tensor) -> object:
+    def start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None, int]:
         if not self.cuda:
-            return ids
+            return ids, None, 0
         n = ids.shape[0]
         if n > self.pinned.shape[0]:
             self.pinned = torch.empty(n, dtype=torch.long, pin_memory=True)
@@ -64,14 +64,14 @@ class HostCopier:
             event = torch.cuda.Event()
             event.record(self.stream)
         ids.record_stream(self.stream)
-        return (event, n)
+        return ids, event, n
 
-    def wait(self, handle: object) -> list[int]:
-        if not self.cuda:
-            return handle.tolist()  # type: ignore[attr-defined, no-any-return]
-        event, n = handle  # type: ignore[misc]
+    def wait(self, handle: tuple[torch.Tensor, torch.cuda.Event | None, int]) -> list[int]:
+        ids, event, n = handle
+        if event is None:
+            return [int(t) for t in ids.tolist()]
         event.synchronize()
-        return self.pinned[:n].tolist()
+        return [int(t) for t in self.pinned[:n].tolist()]
 
 
 class ModelRunner:

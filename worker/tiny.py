@@ -12,13 +12,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 TINY_VERSION = "v1"
-TINY_CONFIG = {
+TINY_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 256,
@@ -68,7 +69,7 @@ def build_byte_level_tokenizer(vocab_size: int, corpus: list[str] = CORPUS) -> T
     return tok
 
 
-def _random_weights(cfg: dict[str, int | float | str | bool | list[str]]) -> dict[str, torch.Tensor]:
+def _random_weights(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1234)
     h, inter, v = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["vocab_size"])
     heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
