@@ -8,9 +8,12 @@ from __future__ import annotations
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
 
-from frontend.errors import APIError
+from frontend.errors import APIError, from_decode_error
+from frontend.schemas import PriorityUpdate
 from frontend.state import AppState
+from protocol.messages import PauseAll, PauseRequest, ResetPrefixCache, ResumeAll, ResumeRequest, SetPriority
 
 
 def require_admin(request: Request) -> AppState:
@@ -38,3 +41,95 @@ async def stats(request: Request) -> Response:
     state = require_admin(request)
     data = await _ask(state, "stats")
     return Response(msgspec.json.encode(data), media_type="application/json")
+
+
+def _json(data: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(data), status_code=status, media_type="application/json")
+
+
+def _rid(state: AppState, request: Request) -> tuple[str, int]:
+    request_id = request.path_params["request_id"]
+    rid = state.client.rid_by_id.get(request_id)
+    if rid is None:
+        raise APIError(404, f"no live request {request_id!r} (unknown or finished)", param="request_id",
+                       code="request_not_found")
+    return request_id, rid
+
+
+async def list_requests(request: Request) -> Response:
+    state = require_admin(request)
+    return _json({"object": "list", "data": await _ask(state, "requests")})
+
+
+async def get_request(request: Request) -> Response:
+    state = require_admin(request)
+    request_id, rid = _rid(state, request)
+    reply = await state.client.query("request", rid)
+    if not reply.found:
+        raise APIError(404, f"no live request {request_id!r} (unknown or finished)", code="request_not_found")
+    return _json(reply.data)
+
+
+async def abort_request(request: Request) -> Response:
+    state = require_admin(request)
+    request_id, rid = _rid(state, request)
+    await state.client.abort(rid)
+    return _json({"id": request_id, "action": "abort", "status": "accepted"})
+
+
+async def set_priority(request: Request) -> Response:
+    state = require_admin(request)
+    request_id, rid = _rid(state, request)
+    try:
+        body = msgspec.json.decode(await request.body(), type=PriorityUpdate)
+    except msgspec.DecodeError as e:
+        raise from_decode_error(e) from None
+    await state.client.send_control(SetPriority(rid, body.priority, body.cut_in))
+    return _json({"id": request_id, "action": "priority", "priority": body.priority, "cut_in": body.cut_in,
+                  "status": "accepted"})
+
+
+async def pause_request(request: Request) -> Response:
+    state = require_admin(request)
+    request_id, rid = _rid(state, request)
+    await state.client.send_control(PauseRequest(rid))
+    return _json({"id": request_id, "action": "pause", "status": "accepted"})
+
+
+async def resume_request(request: Request) -> Response:
+    state = require_admin(request)
+    request_id, rid = _rid(state, request)
+    await state.client.send_control(ResumeRequest(rid))
+    return _json({"id": request_id, "action": "resume", "status": "accepted"})
+
+
+async def pause_server(request: Request) -> Response:
+    state = require_admin(request)
+    await state.client.send_control(PauseAll())
+    return _json({"action": "pause", "status": "accepted"})
+
+
+async def resume_server(request: Request) -> Response:
+    state = require_admin(request)
+    await state.client.send_control(ResumeAll())
+    return _json({"action": "resume", "status": "accepted"})
+
+
+async def reset_prefix_cache(request: Request) -> Response:
+    state = require_admin(request)
+    await state.client.send_control(ResetPrefixCache())
+    return _json({"action": "prefix-cache-reset", "status": "accepted"})
+
+
+ROUTES = [
+    Route("/admin/stats", stats, methods=["GET"]),
+    Route("/admin/requests", list_requests, methods=["GET"]),
+    Route("/admin/requests/{request_id}", get_request, methods=["GET"]),
+    Route("/admin/requests/{request_id}/abort", abort_request, methods=["POST"]),
+    Route("/admin/requests/{request_id}/priority", set_priority, methods=["POST"]),
+    Route("/admin/requests/{request_id}/pause", pause_request, methods=["POST"]),
+    Route("/admin/requests/{request_id}/resume", resume_request, methods=["POST"]),
+    Route("/admin/pause", pause_server, methods=["POST"]),
+    Route("/admin/resume", resume_server, methods=["POST"]),
+    Route("/admin/prefix-cache/reset", reset_prefix_cache, methods=["POST"]),
+]

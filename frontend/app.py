@@ -77,7 +77,7 @@ def build_app(config: FrontendConfig, client: EngineClient | None = None) -> Sta
         Route("/v1/models", openai_api.list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
-        Route("/admin/stats", admin.stats, methods=["GET"]),
+        *admin.ROUTES,
     ]
     app = Starlette(
         routes=routes,

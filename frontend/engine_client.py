@@ -83,6 +83,8 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._codec = frontend_codec()
         self._streams: dict[int, RequestStream] = {}
+        self.rid_by_id: dict[str, int] = {}  # live requests' public ids, for the admin API
+        self._id_by_rid: dict[int, str] = {}
         self._queries: dict[int, asyncio.Future[QueryReply]] = {}
         self._rids = itertools.count(1)
         self._query_ids = itertools.count(1)
@@ -143,6 +145,8 @@ class EngineClient:
     async def add(self, request: AddRequest) -> RequestStream:
         stream = RequestStream(request.rid)
         self._streams[request.rid] = stream
+        self.rid_by_id[request.request_id] = request.rid
+        self._id_by_rid[request.rid] = request.request_id
         await self._send(request)
         return stream
 
@@ -161,6 +165,9 @@ class EngineClient:
     def release(self, rid: int) -> None:
         """Forget a stream whose handler is done with it (finished, or the client went away)."""
         self._streams.pop(rid, None)
+        request_id = self._id_by_rid.pop(rid, None)
+        if request_id is not None:
+            self.rid_by_id.pop(request_id, None)
 
     async def query(self, what: str, rid: int = -1, timeout: float = 5.0) -> QueryReply:
         qid = next(self._query_ids)

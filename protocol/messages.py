@@ -4,7 +4,7 @@ Three links, each a tagged union decoded by one typed decoder:
 
 * frontend -> scheduler: ``FrontendMessage`` (requests, aborts, controls, pings)
 * scheduler -> frontend: ``SchedulerMessage`` (tokens and finishes, readiness, replies)
-* scheduler -> worker:   ``WorkerCommand`` (step plans, swaps, shutdown)
+* scheduler -> worker:   ``WorkerCommand`` (step plans with their block copies, shutdown)
 * worker -> scheduler:   ``WorkerMessage`` (sampled tokens per step, readiness, errors)
 
 Every message is ``array_like`` (msgspec cannot mix the two encodings in one union, and the
@@ -199,7 +199,9 @@ SchedulerMessage = TokenBatch | EngineReady | Pong | QueryReply | EngineError
 
 
 class NewRequest(msgspec.Struct, array_like=True):
-    """A request the worker has not seen (or must rebuild after a recompute preemption).
+    """A request the worker has not seen, or must rebuild: after a recompute preemption
+    (``num_computed`` 0), after a prefix-cache hit or a swap-in (``num_computed`` tokens already
+    have their KV in the blocks the plan row lists).
 
     ``token_ids`` is everything known so far: the prompt plus any output already produced.
     """
@@ -208,6 +210,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     token_ids: list[int]
     num_prompt_tokens: int
     sampling: SamplingParams
+    num_computed: int = 0
 
 
 class StepPlan(msgspec.Struct, tag=True, array_like=True):
@@ -228,21 +231,17 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True):
     new_block_ids: list[list[int]]
     num_steps: int = 1
     forget: list[int] = []
-
-
-class SwapBlocks(msgspec.Struct, tag=True, array_like=True):
-    """Copy KV blocks between device and host pools: ``(src, dst)`` pairs, direction named."""
-
-    to_host: bool
-    src: list[int]
-    dst: list[int]
+    # Block copies the worker performs, in this order, before the plan's first forward pass:
+    swap_out: list[tuple[int, int]] = []  # (device block, host block): a swap preemption
+    swap_in: list[tuple[int, int]] = []  # (host block, device block): a swapped request resumes
+    copy_blocks: list[tuple[int, int]] = []  # (src, dst) device blocks: copy-on-write
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-WorkerCommand = StepPlan | SwapBlocks | Shutdown
+WorkerCommand = StepPlan | Shutdown
 
 # --------------------------------------------------------------------------------------------
 # worker -> scheduler

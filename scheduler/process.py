@@ -80,6 +80,9 @@ class SchedulerProcess:
         self.plan_in_flight: int | None = None
         self.failure: str | None = None
         self.stopping = False
+        # Controls that change what runs wait for the plan in flight to end, so the worker's
+        # state and the scheduler's never disagree about a request mid-plan.
+        self.deferred: list[object] = []
         self.handlers: dict[type, Callable[[Any], None]] = {
             AddRequest: self.on_add,
             AbortRequest: self.on_abort,
@@ -87,10 +90,10 @@ class SchedulerProcess:
             Query: self.on_query,
             PauseAll: self.on_pause_all,
             ResumeAll: self.on_resume_all,
-            SetPriority: self.on_not_yet,
-            PauseRequest: self.on_not_yet,
-            ResumeRequest: self.on_not_yet,
-            ResetPrefixCache: self.on_not_yet,
+            SetPriority: self.defer,
+            PauseRequest: self.defer,
+            ResumeRequest: self.defer,
+            ResetPrefixCache: self.defer,
             StepTokens: self.on_step_tokens,
             WorkerReady: self.on_worker_ready,
             WorkerHeartbeat: self.on_heartbeat,
@@ -110,6 +113,8 @@ class SchedulerProcess:
                 if self.from_frontend in ready:
                     self._drain(self.from_frontend, self.frontend_codec)
                 self._check_workers()
+                if self.plan_in_flight is None and self.deferred:
+                    self._apply_deferred()
                 if self._can_send_plan():
                     self._send_plan()
         finally:
@@ -214,8 +219,24 @@ class SchedulerProcess:
         if self.core is not None:
             self.core.paused = False
 
-    def on_not_yet(self, msg: object) -> None:
-        log.debug("%s is not implemented yet; ignored", type(msg).__name__)
+    def defer(self, msg: object) -> None:
+        self.deferred.append(msg)
+
+    def _apply_deferred(self) -> None:
+        msgs, self.deferred = self.deferred, []
+        core = self.core
+        if core is None:
+            return
+        for msg in msgs:
+            if isinstance(msg, SetPriority):
+                core.set_priority(msg.rid, msg.priority, msg.cut_in)
+            elif isinstance(msg, PauseRequest):
+                core.pause(msg.rid)
+            elif isinstance(msg, ResumeRequest):
+                core.resume(msg.rid)
+            elif isinstance(msg, ResetPrefixCache):
+                dropped = core.reset_prefix_cache()
+                log.info("prefix cache reset: %d cached blocks dropped", dropped)
 
     # ------------------------------------------------------------------ worker messages
 

@@ -2,6 +2,9 @@
 
 * ``fcfs``: (arrival time, rid)
 * ``priority``: (priority, arrival time, rid) — lower priority value first, ties first come first
+* ``fair``: per-user queues; among the users whose head request is most urgent, the one that has
+  received the least service (tokens computed, charged by the scheduler) goes next, so one user's
+  flood cannot starve the others
 
 A preempted request is pushed back with its original arrival time, so it resumes before later
 arrivals of its priority. Removal (abort) is lazy: the entry is skipped when it reaches the top.
@@ -30,13 +33,13 @@ def priority_key(req: Request) -> OrderKey:
 POLICIES: dict[str, Callable[[Request], OrderKey]] = {
     "fcfs": fcfs_key,
     "priority": priority_key,
-    # "fair" (per-user service counters) arrives with the scheduling-policy work; until then it
-    # orders like "priority".
-    "fair": priority_key,
+    "fair": priority_key,  # within one user; users are picked by FairQueue
 }
 
 
 class WaitingQueue:
+    """One heap ordered by the policy's key. ``charge`` is a no-op: only ``fair`` counts service."""
+
     def __init__(self, policy: str) -> None:
         self.key = POLICIES[policy]
         # Entries carry a push sequence number; only the latest push of a rid is live.
@@ -72,6 +75,9 @@ class WaitingQueue:
         entry = self._live.pop(rid, None)
         return entry[1] if entry else None
 
+    def charge(self, user: str, tokens: int) -> None:
+        pass
+
     def _drop_stale(self) -> None:
         heap, live = self._heap, self._live
         while heap:
@@ -80,3 +86,84 @@ class WaitingQueue:
             if entry is not None and entry[0] == seq:
                 return
             heapq.heappop(heap)
+
+
+class FairQueue:
+    """Per-user ``WaitingQueue``s plus a service counter per user.
+
+    ``peek``/``pop`` scan the users with waiting requests (not the requests): O(users) per call.
+    Service is the tokens computed for a user; a user that has been idle re-enters at the current
+    minimum, so past idleness is not banked as credit against busy users.
+    """
+
+    def __init__(self, policy: str = "fair") -> None:
+        self.key = priority_key
+        self._queues: dict[str, WaitingQueue] = {}
+        self._service: dict[str, int] = {}
+        self._where: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self._where
+
+    def __iter__(self) -> Iterator[Request]:
+        for q in self._queues.values():
+            yield from q
+
+    def service(self, user: str) -> int:
+        return self._service.get(user, 0)
+
+    def push(self, req: Request) -> None:
+        q = self._queues.get(req.user)
+        if q is None:
+            q = self._queues[req.user] = WaitingQueue("priority")
+            floor = min((self._service.get(u, 0) for u in self._queues if u != req.user), default=0)
+            self._service[req.user] = max(self._service.get(req.user, 0), floor)
+        q.push(req)
+        self._where[req.rid] = req.user
+
+    def _best(self) -> WaitingQueue | None:
+        best, best_key = None, None
+        for user, q in self._queues.items():
+            head = q.peek()
+            if head is None:
+                continue
+            key = (head.priority, self._service.get(user, 0), head.arrival_time, head.rid)
+            if best_key is None or key < best_key:
+                best, best_key = q, key
+        return best
+
+    def peek(self) -> Request | None:
+        q = self._best()
+        return q.peek() if q else None
+
+    def pop(self) -> Request:
+        q = self._best()
+        if q is None:
+            raise IndexError("pop from an empty queue")
+        req = q.pop()
+        self._forget(req)
+        return req
+
+    def remove(self, rid: int) -> Request | None:
+        user = self._where.get(rid)
+        if user is None:
+            return None
+        req = self._queues[user].remove(rid)
+        if req is not None:
+            self._forget(req)
+        return req
+
+    def _forget(self, req: Request) -> None:
+        del self._where[req.rid]
+        if not len(self._queues[req.user]):
+            del self._queues[req.user]
+
+    def charge(self, user: str, tokens: int) -> None:
+        self._service[user] = self._service.get(user, 0) + tokens
+
+
+def make_queue(policy: str) -> WaitingQueue | FairQueue:
+    return FairQueue() if policy == "fair" else WaitingQueue(policy)

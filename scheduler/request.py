@@ -21,22 +21,10 @@ class Request:
     ``num_computed`` tokens. ``on_worker`` says whether the worker holds its state."""
 
     __slots__ = (
-        "arrival_time",
-        "blocks",
-        "finish_reason",
-        "num_computed",
-        "num_preemptions",
-        "num_prompt_tokens",
-        "on_worker",
-        "priority",
-        "request_id",
-        "rid",
-        "sampling",
-        "status",
-        "token_ids",
-        "user",
-        "worker_blocks",
-    )
+        "arrival_time", "block_hashes", "blocks", "cut_in", "finish_reason", "host_blocks", "num_cached_tokens",
+        "num_computed", "num_preemptions", "num_prompt_tokens", "on_worker", "priority", "request_id", "rid",
+        "sampling", "status", "token_ids", "user", "worker_blocks",
+    )  # fmt: skip
 
     def __init__(self, msg: AddRequest) -> None:
         self.rid = msg.rid
@@ -54,6 +42,10 @@ class Request:
         self.on_worker = False
         self.worker_blocks = 0  # how many of ``blocks`` the worker's block table already has
         self.finish_reason: str | None = None
+        self.block_hashes: list[int] = []  # prefix-cache hash of each full block of token_ids
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache served at first admission
+        self.host_blocks: list[int] = []  # swap preemption: where its KV waits in host memory
+        self.cut_in = False  # scheduled at the next step, ahead of everything
 
     @property
     def num_outputs(self) -> int:
@@ -88,6 +80,30 @@ class Request:
         if self.num_outputs >= p.max_tokens or len(self.token_ids) >= max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def update_block_hashes(self, block_size: int) -> list[int]:
+        """Hashes of every full block of tokens; a block's hash chains its parent's, so equal
+        hashes mean equal prefixes (up to hash collisions)."""
+        hashes = self.block_hashes
+        while (len(hashes) + 1) * block_size <= len(self.token_ids):
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(self.token_ids[i * block_size : (i + 1) * block_size]))))
+        return hashes
+
+    @property
+    def is_swapped(self) -> bool:
+        return bool(self.host_blocks)
+
+    def swap_out(self, host_blocks: list[int]) -> list[int]:
+        """Preempted by swap: the KV moves to ``host_blocks``; returns the device blocks to free."""
+        blocks, self.blocks = self.blocks, []
+        self.host_blocks = host_blocks
+        self.num_preemptions += 1
+        self.on_worker = False
+        self.worker_blocks = 0
+        self.status = Status.PREEMPTED
+        return blocks
 
     def reset_for_recompute(self) -> list[int]:
         """Preempted by recompute: give up every block; prompt and outputs are computed again."""

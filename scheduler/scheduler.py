@@ -2,19 +2,24 @@
 
 One step, under one token budget (``max_num_batched_tokens``) and ``max_num_seqs`` rows:
 
-1. **decodes** — running requests with one token left to compute, most urgent first;
-2. **prefills** — running requests mid-prompt, then waiting ones admitted in queue order. The
+1. **cut-ins** — requests an operator pushed to the front are admitted first, preempting the
+   fewest strictly less urgent running requests they need;
+2. **decodes** — running requests with one token left to compute, most urgent first;
+3. **prefills** — running requests mid-prompt, then waiting ones in the policy's order. The
    prefill budget left after decodes is split so that at least ``min_concurrent_prefills``
-   prompts advance when that many exist, each chunk is capped by ``long_prefill_threshold``,
-   and the last prompt that does not fit is chunked;
-3. **blocks** — each row gets the blocks its new tokens need; if the pool runs dry for a running
-   request, the least urgent, latest-arrived running request not yet scheduled is preempted
-   (recompute: blocks freed, back to the waiting queue with its original arrival time);
-4. **multi-step** — when every row samples in this step and nobody waits, the plan covers
-   ``num_scheduler_steps`` steps, with look-ahead blocks reserved for the extra tokens.
+   prompts advance when that many exist (seed 000); ``long_prefill_threshold`` caps one chunk;
+   the last prompt that does not fit is chunked. Admission counts only the blocks and tokens the
+   prefix cache does not already hold (seed 003). A waiting request that cannot get blocks or a
+   seat preempts the fewest strictly less urgent running requests, if ``priority_preemption``
+   (seed 001) — otherwise it waits;
+4. **blocks** — if the pool runs dry for a running request, paused requests give their blocks back
+   first, then the least urgent, latest-arrived running request not yet scheduled is preempted
+   (``recompute`` or ``swap``, seed 004);
+5. **multi-step** — when every row samples in this step and nobody waits, the plan covers
+   ``num_scheduler_steps`` steps, with look-ahead blocks reserved for the extra tokens (seed 002).
 
-Every step moves each row's computed count toward its token count; chunked prefill and decode
-are the same rule. Tokens reported by the worker then append outputs and apply stop rules.
+Every step moves each row's computed count toward its token count; chunked prefill, prefix hits
+and decode are the same rule. Tokens reported by the worker then append outputs and apply stops.
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+from collections.abc import Callable
 
 from protocol.config import SchedulerConfig
 from protocol.messages import AddRequest, Finish, FinishReason, NewRequest, StepPlan, StepTokens, TokenBatch
 from scheduler.block_pool import BlockPool
-from scheduler.queues import WaitingQueue
+from scheduler.queues import make_queue
 from scheduler.request import Request, Status
 
 log = logging.getLogger("sluice.scheduler")
@@ -38,7 +44,25 @@ PREEMPTION_WARNING_EVERY = 50
 class _Row:
     req: Request
     num_tokens: int
-    new_blocks: list[int]
+
+
+@dataclasses.dataclass
+class _Step:
+    budget: int
+    rows: list[_Row] = dataclasses.field(default_factory=list)
+    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    def has(self, req: Request) -> bool:
+        return any(row.req is req for row in self.rows)
+
+    def drop(self, req: Request) -> None:
+        for i, row in enumerate(self.rows):
+            if row.req is req:
+                self.budget += row.num_tokens
+                del self.rows[i]
+                return
 
 
 class Scheduler:
@@ -48,14 +72,20 @@ class Scheduler:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
-        self.pool = BlockPool(num_blocks)
-        self.waiting = WaitingQueue(config.scheduling_policy)
-        self.running: list[Request] = []  # sorted by urgency: the queue's key
+        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        host_blocks = min(config.num_host_blocks or num_blocks, num_blocks)
+        self.host_pool = BlockPool(host_blocks) if config.preemption_mode == "swap" else None
+        self.queue = make_queue(config.scheduling_policy)
+        self.key = self.queue.key  # urgency order: smaller is more urgent
+        self.running: list[Request] = []  # sorted by ``key``
+        self.paused_requests: dict[int, Request] = {}
         self.requests: dict[int, Request] = {}
+        self._cut_ins: list[Request] = []
         self._forget: list[int] = []  # rids whose worker state must go in the next plan
         self._next_plan_id = 0
         self.paused = False
         self.num_preemptions = 0
+        self.num_swaps = 0
         self.num_steps_run = 0
 
     # ------------------------------------------------------------------ requests in and out
@@ -67,7 +97,7 @@ class Scheduler:
         reason = None
         if total > self.max_model_len:
             reason = f"prompt + max_tokens = {total} exceeds the max model length {self.max_model_len}"
-        elif self._blocks_for(min(total, self.max_model_len)) > self.pool.num_blocks:
+        elif self._blocks_for(total) > self.pool.num_blocks:
             reason = (f"needs {self._blocks_for(total)} KV blocks, the cache has {self.pool.num_blocks}; "
                       f"raise --num-kv-blocks or lower max_tokens")
         elif msg.rid in self.requests:
@@ -75,164 +105,327 @@ class Scheduler:
         if reason:
             return Finish(msg.rid, FinishReason.ERROR, req.num_prompt_tokens, 0, 0, reason)
         self.requests[req.rid] = req
-        self.waiting.push(req)
+        self.queue.push(req)
         return None
 
     def abort(self, rid: int) -> Finish | None:
         req = self.requests.get(rid)
         if req is None:
             return None
-        self.waiting.remove(rid)
-        if req.status is Status.RUNNING:
-            self.running.remove(req)
+        self._detach(req)
         return self._finish(req, FinishReason.ABORT)
 
+    def _detach(self, req: Request) -> None:
+        """Take ``req`` out of whichever collection holds it."""
+        self.queue.remove(req.rid)
+        self.paused_requests.pop(req.rid, None)
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        if req in self._cut_ins:
+            self._cut_ins.remove(req)
+
     def _finish(self, req: Request, reason: str, message: str = "") -> Finish:
-        self.pool.free(req.finish(reason))
-        del self.requests[req.rid]
         if req.on_worker:
             self._forget.append(req.rid)
-        return Finish(req.rid, reason, req.num_prompt_tokens, 0, req.num_outputs, message)
+        if self.host_pool is not None and req.host_blocks:
+            self.host_pool.free(req.host_blocks)
+            req.host_blocks = []
+        self.pool.free(req.finish(reason))
+        del self.requests[req.rid]
+        return Finish(req.rid, reason, req.num_prompt_tokens, req.num_cached_tokens, req.num_outputs, message)
 
     def finish_all(self, reason: str, message: str) -> list[Finish]:
         """End every live request (the engine failed)."""
-        finishes = [self._finish(req, reason, message) for req in list(self.requests.values())]
-        self.running.clear()
-        self.waiting = WaitingQueue(self.config.scheduling_policy)
+        finishes = []
+        for req in list(self.requests.values()):
+            self._detach(req)
+            finishes.append(self._finish(req, reason, message))
         return finishes
 
     @property
     def has_work(self) -> bool:
-        return not self.paused and bool(self.running or len(self.waiting))
+        return not self.paused and bool(self.running or len(self.queue))
+
+    # ------------------------------------------------------------------ controls
+
+    def pause(self, rid: int) -> bool:
+        """Stop scheduling ``rid``; a running request keeps its blocks (and worker state)."""
+        req = self.requests.get(rid)
+        if req is None or req.status is Status.PAUSED:
+            return False
+        self._detach(req)
+        req.status = Status.PAUSED
+        self.paused_requests[rid] = req
+        return True
+
+    def resume(self, rid: int) -> bool:
+        req = self.paused_requests.pop(rid, None)
+        if req is None:
+            return False
+        if req.blocks:  # kept: carry on where it stopped, nothing recomputed
+            req.status = Status.RUNNING
+            bisect.insort(self.running, req, key=self.key)
+        else:
+            req.status = Status.PREEMPTED if req.num_outputs or req.is_swapped else Status.WAITING
+            self.queue.push(req)
+        return True
+
+    def set_priority(self, rid: int, priority: int, cut_in: bool = False) -> bool:
+        req = self.requests.get(rid)
+        if req is None:
+            return False
+        if req.status is Status.PAUSED and cut_in:
+            self.resume(rid)
+        in_queue = rid in self.queue
+        if in_queue:
+            self.queue.remove(rid)
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        req.priority = priority
+        if in_queue:
+            self.queue.push(req)
+            if cut_in and req not in self._cut_ins:
+                req.cut_in = True
+                self._cut_ins.append(req)
+        if req.status is Status.RUNNING:
+            bisect.insort(self.running, req, key=self.key)
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_cache()
 
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> StepPlan | None:
         if not self.has_work:
             return None
-        budget = self.config.max_num_batched_tokens
-        rows: list[_Row] = []
-        scheduled: set[int] = set()
-        decodes = [r for r in self.running if r.num_uncomputed == 1]
-        prefills = [r for r in self.running if r.num_uncomputed > 1]
+        step = _Step(self.config.max_num_batched_tokens)
+        for req in list(self._cut_ins):
+            self._cut_ins.remove(req)
+            req.cut_in = False
+            if req.rid in self.queue:
+                self._admit(req, step, step.budget, self._less_urgent_than(req))
+        decodes = [r for r in self.running if r.num_uncomputed == 1 and not step.has(r)]
+        prefills = [r for r in self.running if r.num_uncomputed > 1 and not step.has(r)]
         for req in decodes:
-            if budget == 0 or len(rows) >= self.config.max_num_seqs:
-                break
-            if req.status is Status.RUNNING and self._reserve(req, 1, rows, scheduled):
-                rows.append(_Row(req, 1, []))
-                scheduled.add(req.rid)
-                budget -= 1
-        share = self._prefill_share(budget, prefills)
+            self._continue(req, 1, step)
+        share = self._prefill_share(step.budget, len(prefills))
         for req in prefills:
-            if budget == 0 or len(rows) >= self.config.max_num_seqs or req.status is not Status.RUNNING:
-                continue
-            n = min(req.num_uncomputed, budget, share)
-            if self._reserve(req, n, rows, scheduled):
-                rows.append(_Row(req, n, []))
-                scheduled.add(req.rid)
-                budget -= n
-        budget = self._admit(budget, share, rows, scheduled)
-        if not rows:
+            self._continue(req, min(req.num_uncomputed, share), step)
+        self._admit_waiting(step, share)
+        if not step.rows:
             return None
-        return self._emit(rows)
+        return self._emit(step)
 
-    def _prefill_share(self, budget: int, prefills: list[Request]) -> int:
+    def _less_urgent_than(self, req: Request) -> Callable[[Request], bool]:
+        key = self.key(req)
+        return lambda other: self.key(other) > key
+
+    def _seats_full(self, step: _Step) -> bool:
+        return len(step.rows) >= self.config.max_num_seqs
+
+    def _continue(self, req: Request, n: int, step: _Step) -> None:
+        """Schedule ``n`` more tokens of a running request, preempting to make room if needed."""
+        if req.status is not Status.RUNNING or self._seats_full(step):
+            return
+        n = min(n, step.budget)
+        if n == 0:
+            return
+        need = self._blocks_for(req.num_computed + n) - len(req.blocks)
+        less_urgent = self._less_urgent_than(req)
+        if not self._make_room(need, step, req, lambda r: not step.has(r) and less_urgent(r)):
+            self._preempt(req, step)
+            return
+        req.blocks.extend(self.pool.allocate(max(0, need)))
+        step.rows.append(_Row(req, n))
+        step.budget -= n
+
+    def _prefill_share(self, budget: int, num_running_prefills: int) -> int:
         """Most tokens one prompt may take this step (seed 000: split across k prompts)."""
         cap = self.config.long_prefill_threshold or budget
         k = self.config.min_concurrent_prefills
         if k > 1:
-            candidates = len(prefills) + len(self.waiting)
-            cap = min(cap, max(1, budget // max(1, min(k, candidates))))
+            candidates = num_running_prefills + len(self.queue)
+            cap = min(cap, budget // max(1, min(k, candidates)))
         return max(1, cap)
 
-    def _admit(self, budget: int, share: int, rows: list[_Row], scheduled: set[int]) -> int:
-        while budget > 0 and len(rows) < self.config.max_num_seqs and len(self.waiting):
-            req = self.waiting.peek()
-            assert req is not None
-            n = min(req.num_uncomputed, budget, share)
-            need = self._blocks_for(req.num_computed + n) - len(req.blocks)
-            if not self.pool.can_allocate(need):
-                break  # admission never preempts running work (priority preemption comes later)
-            self.waiting.pop()
-            req.blocks.extend(self.pool.allocate(need))
-            req.status = Status.RUNNING
-            bisect.insort(self.running, req, key=self.waiting.key)
-            rows.append(_Row(req, n, []))
-            scheduled.add(req.rid)
-            budget -= n
-        return budget
+    def _admit_waiting(self, step: _Step, share: int) -> None:
+        while step.budget > 0 and not self._seats_full(step) and len(self.queue):
+            head = self.queue.peek()
+            if head is None:
+                return
+            eligible = self._less_urgent_than(head) if self.config.priority_preemption else None
+            if not self._admit(head, step, share, eligible):
+                return  # head-of-line: later arrivals never overtake a request that waits for room
 
-    def _reserve(self, req: Request, n: int, rows: list[_Row], scheduled: set[int]) -> bool:
-        """Blocks for ``req`` to compute ``n`` more tokens, preempting less urgent unscheduled
-        requests if the pool runs dry. False if ``req`` itself had to be preempted."""
-        need = self._blocks_for(req.num_computed + n) - len(req.blocks)
-        while not self.pool.can_allocate(need):
-            victim = next((r for r in reversed(self.running) if r.rid not in scheduled and r is not req), None)
+    def _admit(self, req: Request, step: _Step, share: int,
+               eligible: Callable[[Request], bool] | None) -> bool:
+        """Move a waiting request to running with its first chunk. ``eligible`` says which running
+        requests it may preempt for blocks or a seat (None: none)."""
+        hit: list[int] = []
+        if req.is_swapped:
+            cached = req.num_computed
+        else:
+            hit = self.pool.match(req.update_block_hashes(self.block_size)) if self.pool.enable_caching else []
+            cached = len(hit) * self.block_size
+        cow = not req.is_swapped and cached >= len(req.token_ids)  # all cached: compute the last token
+        if cow:
+            cached = len(req.token_ids) - 1
+        n = min(len(req.token_ids) - cached, step.budget, share)
+        if n <= 0:
+            return False
+        keep = hit[:-1] if cow else hit
+        need = self._blocks_for(cached + n) - len(keep)
+        need_free = need + self.pool.num_free_among(keep)
+        if self._seats_full(step):
+            return False
+        if len(self.running) >= self.config.max_num_seqs:
+            victim = next((r for r in reversed(self.running) if eligible and eligible(r)), None)
             if victim is None:
-                self._preempt(req)
                 return False
-            self._preempt(victim)
-        if need > 0:
-            req.blocks.extend(self.pool.allocate(need))
+            self._preempt(victim, step)
+        if not self.pool.can_allocate(need_free):
+            if eligible is None or not self._could_free(need_free, eligible):
+                return False
+            self._make_room(need_free, step, req, eligible)
+        self.queue.remove(req.rid)
+        self.pool.take(keep)
+        new = self.pool.allocate(need)
+        if cow:
+            step.copies.append((hit[-1], new[0]))
+        if req.is_swapped:
+            assert self.host_pool is not None
+            step.swap_in.extend(zip(req.host_blocks, new, strict=False))
+            self.host_pool.free(req.host_blocks)
+            req.host_blocks = []
+        elif req.num_preemptions == 0:
+            self.pool.record_lookup(req.num_prompt_tokens, cached)
+            req.num_cached_tokens = cached
+        req.blocks = keep + new
+        req.num_computed = cached
+        req.status = Status.RUNNING
+        bisect.insort(self.running, req, key=self.key)
+        step.rows.append(_Row(req, n))
+        step.budget -= n
         return True
 
-    def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
+    # ------------------------------------------------------------------ making room
+
+    def _could_free(self, need: int, eligible: Callable[[Request], bool]) -> bool:
+        """Would preempting every eligible running request (and reclaiming paused ones) free
+        ``need`` blocks? Checked first, so nobody is preempted for an admission that fails."""
+        freeable = self.pool.num_free
+        for r in (*self.running, *self.paused_requests.values()):
+            if r.status is Status.PAUSED or eligible(r):
+                freeable += sum(1 for b in r.blocks if self.pool.ref_count(b) == 1)
+        return freeable >= need
+
+    def _make_room(self, need: int, step: _Step, beneficiary: Request,
+                   eligible: Callable[[Request], bool]) -> bool:
+        """Free blocks until ``need`` can be allocated: paused requests first, then the least
+        urgent eligible running requests. False if that is not enough."""
+        while not self.pool.can_allocate(need):
+            paused = next((r for r in self.paused_requests.values() if r.blocks), None)
+            if paused is not None:
+                self._release_paused(paused)
+                continue
+            victim = next((r for r in reversed(self.running) if r is not beneficiary and eligible(r)), None)
+            if victim is None:
+                return False
+            self._preempt(victim, step)
+        return True
+
+    def _release_paused(self, req: Request) -> None:
+        """Memory is short: a paused request gives its blocks back and will recompute on resume."""
         if req.on_worker:
             self._forget.append(req.rid)
         self.pool.free(req.reset_for_recompute())
-        self.waiting.push(req)
+        req.status = Status.PAUSED
+
+    def _preempt(self, req: Request, step: _Step) -> None:
+        # Swap only KV that is settled: a request already in this step (perhaps swapped in by
+        # it) is recomputed instead, since the step's copies run before its forward pass.
+        swappable = not step.has(req) and req.num_computed > 0
+        self.running.remove(req)
+        step.drop(req)
+        if req.on_worker:
+            self._forget.append(req.rid)
+        host = self.host_pool
+        if host is not None and swappable and host.can_allocate(len(req.blocks)):
+            host_blocks = host.allocate(len(req.blocks))
+            step.swap_out.extend(zip(req.blocks, host_blocks, strict=True))
+            self.pool.free(req.swap_out(host_blocks))
+            self.num_swaps += 1
+            mode = "swap"
+        else:
+            self.pool.free(req.reset_for_recompute())
+            mode = "recompute"
+        self.queue.push(req)
         self.num_preemptions += 1
         if self.num_preemptions == 1 or self.num_preemptions % PREEMPTION_WARNING_EVERY == 0:
             log.warning(
-                "request %s preempted (recompute) for lack of KV cache blocks; %d preemptions so far. "
+                "request %s preempted (%s) for lack of KV cache blocks or batch seats; %d preemptions so far. "
                 "This costs throughput and latency: raise --num-kv-blocks / --kv-cache-memory, or lower "
-                "--max-num-seqs / --max-num-batched-tokens.", req.request_id, self.num_preemptions)
+                "--max-num-seqs / --max-num-batched-tokens.", req.request_id, mode, self.num_preemptions)
 
-    def _num_steps(self, rows: list[_Row]) -> int:
+    # ------------------------------------------------------------------ the plan
+
+    def _num_steps(self, step: _Step) -> int:
         steps = self.config.num_scheduler_steps
-        if steps == 1 or len(self.waiting):
+        if steps == 1 or len(self.queue) or self._cut_ins:
             return 1
-        if any(row.num_tokens != row.req.num_uncomputed for row in rows):
+        if any(row.num_tokens != row.req.num_uncomputed for row in step.rows):
             return 1  # a prompt is still mid-prefill: come back after one step
         return steps
 
-    def _reserve_lookahead(self, rows: list[_Row], steps: int) -> int:
+    def _reserve_lookahead(self, step: _Step, steps: int) -> int:
         """Blocks for the tokens steps 2..n will compute; fall back to one step if they don't fit."""
         wants = []
-        for row in rows:
+        for row in step.rows:
             req = row.req
             cover = min(req.num_computed + row.num_tokens + steps - 1, req.max_total_tokens(self.max_model_len))
             wants.append(max(0, self._blocks_for(cover) - len(req.blocks)))
         if not self.pool.can_allocate(sum(wants)):
             return 1
-        for row, want in zip(rows, wants, strict=True):
+        for row, want in zip(step.rows, wants, strict=True):
             if want:
                 row.req.blocks.extend(self.pool.allocate(want))
         return steps
 
-    def _emit(self, rows: list[_Row]) -> StepPlan:
-        steps = self._num_steps(rows)
+    def _emit(self, step: _Step) -> StepPlan:
+        steps = self._num_steps(step)
         if steps > 1:
-            steps = self._reserve_lookahead(rows, steps)
+            steps = self._reserve_lookahead(step, steps)
         new_requests, rids, num_tokens, new_blocks = [], [], [], []
         forget, self._forget = self._forget, []
-        for row in rows:
+        for row in step.rows:
             req = row.req
             if not req.on_worker:
-                new_requests.append(NewRequest(req.rid, list(req.token_ids), req.num_prompt_tokens, req.sampling))
+                new_requests.append(NewRequest(req.rid, list(req.token_ids), req.num_prompt_tokens, req.sampling,
+                                               req.num_computed))
                 req.on_worker = True
-                req_sent = 0
-            else:
-                req_sent = req.worker_blocks
+                req.worker_blocks = 0
             rids.append(req.rid)
             num_tokens.append(row.num_tokens)
-            new_blocks.append(req.blocks[req_sent:])
+            new_blocks.append(req.blocks[req.worker_blocks :])
             req.worker_blocks = len(req.blocks)
+            self._register_full_blocks(req, row.num_tokens)
             req.advance(row.num_tokens)
+            self.queue.charge(req.user, row.num_tokens)
         self._next_plan_id += 1
         self.num_steps_run += steps
-        return StepPlan(self._next_plan_id, new_requests, rids, num_tokens, new_blocks, steps, forget)
+        return StepPlan(self._next_plan_id, new_requests, rids, num_tokens, new_blocks, steps, forget,
+                        step.swap_out, step.swap_in, step.copies)
+
+    def _register_full_blocks(self, req: Request, n: int) -> None:
+        """Blocks this step fills completely become findable by later requests' prefixes."""
+        if not self.pool.enable_caching:
+            return
+        first, last = req.num_computed // self.block_size, (req.num_computed + n) // self.block_size
+        if last > first:
+            hashes = req.update_block_hashes(self.block_size)
+            for i in range(first, min(last, len(hashes))):
+                self.pool.register(req.blocks[i], hashes[i])
 
     # ------------------------------------------------------------------ results
 
@@ -243,7 +436,9 @@ class Scheduler:
             if req is None or req.status is not Status.RUNNING:
                 continue  # finished or preempted while the plan ran: its tokens are void
             if out.step > 0:
+                self._register_full_blocks(req, 1)
                 req.advance(1)  # the worker computed the token it sampled last step
+                self.queue.charge(req.user, 1)
             req.append_token(token)
             rids.append(rid)
             tokens.append(token)
@@ -264,11 +459,18 @@ class Scheduler:
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free,
             "kv_blocks_used": used,
+            "kv_blocks_cached": self.pool.num_cached_free,
             "kv_usage": used / self.pool.num_blocks,
             "block_size": self.block_size,
             "running": len(self.running),
-            "waiting": len(self.waiting),
-            "paused": self.paused,
+            "waiting": len(self.queue),
+            "paused": len(self.paused_requests),
+            "server_paused": self.paused,
             "preemptions": self.num_preemptions,
+            "swaps": self.num_swaps,
+            "host_blocks_used": self.host_pool.num_used if self.host_pool else 0,
+            "prefix_cache_queries": self.pool.queries,
+            "prefix_cache_hits": self.pool.hits,
+            "prefix_cache_hit_rate": self.pool.hits / self.pool.queries if self.pool.queries else 0.0,
             "steps": self.num_steps_run,
         }

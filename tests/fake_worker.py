@@ -1,7 +1,10 @@
 """A stand-in for the worker's plan semantics, for scheduler unit tests (no torch).
 
 It keeps each request's tokens and computed count exactly as ``worker.runner`` does, and samples
-``token_for(rid, output_index)``; stop rules are the worker's.
+``token_for(rid, output_index)``; stop rules are the worker's. Its "KV cache" stores, per slot,
+the token id written there, and swaps and copies move those: every computation first checks
+that the context it would attend to holds exactly the request's tokens, so prefix sharing,
+copy-on-write, swap and preemption bookkeeping are verified by content, not by counts.
 """
 
 from __future__ import annotations
@@ -29,12 +32,31 @@ class FakeWorker:
         self.max_model_len = max_model_len
         self.token_for = token_for or (lambda rid, i: 100 + (rid * 7 + i) % 50)
         self.seqs: dict[int, _Seq] = {}
-        self.max_position_written: dict[int, int] = {}
+        self.device: dict[int, int] = {}  # slot -> token id whose KV is there
+        self.host: dict[int, int] = {}
 
-    def _write(self, rid: int, seq: _Seq, upto: int) -> None:
-        """Check the block table covers every position written (the scheduler's promise)."""
-        if upto > len(seq.blocks) * self.block_size:
-            raise AssertionError(f"rid {rid}: writes position {upto - 1} beyond its {len(seq.blocks)} blocks")
+    def _slot(self, seq: _Seq, pos: int) -> int:
+        return seq.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _compute(self, rid: int, seq: _Seq, start: int, n: int) -> None:
+        """Attend to positions [0, start) and write KV for [start, start + n)."""
+        if start + n > len(seq.blocks) * self.block_size:
+            raise AssertionError(f"rid {rid}: writes position {start + n - 1} beyond its {len(seq.blocks)} blocks")
+        for pos in range(start):
+            got = self.device.get(self._slot(seq, pos))
+            if got != seq.tokens[pos]:
+                raise AssertionError(f"rid {rid}: position {pos} holds KV of {got}, expected {seq.tokens[pos]}")
+        for pos in range(start, start + n):
+            self.device[self._slot(seq, pos)] = seq.tokens[pos]
+
+    def _move(self, src: dict[int, int], dst: dict[int, int], pairs: list[tuple[int, int]]) -> None:
+        bs = self.block_size
+        for a, b in pairs:
+            for off in range(bs):
+                if a * bs + off in src:
+                    dst[b * bs + off] = src[a * bs + off]
+                else:
+                    dst.pop(b * bs + off, None)
 
     def _stopped(self, s: _Seq) -> bool:
         p, t, n_out = s.sampling, s.tokens[-1], len(s.tokens) - s.num_prompt
@@ -48,13 +70,16 @@ class FakeWorker:
         for rid in plan.forget:
             self.seqs.pop(rid, None)
         for new in plan.new_requests:
-            self.seqs[new.rid] = _Seq(list(new.token_ids), new.num_prompt_tokens, new.sampling)
+            self.seqs[new.rid] = _Seq(list(new.token_ids), new.num_prompt_tokens, new.sampling, new.num_computed)
+        self._move(self.device, self.host, plan.swap_out)
+        self._move(self.host, self.device, plan.swap_in)
+        self._move(dict(self.device), self.device, plan.copy_blocks)
         active = []
         for rid, n, blocks in zip(plan.rids, plan.num_tokens, plan.new_block_ids, strict=True):
             s = self.seqs[rid]
             s.blocks += blocks
+            self._compute(rid, s, s.computed, n)
             s.computed += n
-            self._write(rid, s, s.computed)
             if s.computed > len(s.tokens):
                 raise AssertionError(f"rid {rid}: asked to compute past its tokens")
             if s.computed == len(s.tokens):
@@ -64,8 +89,8 @@ class FakeWorker:
             if step > 0:
                 for rid in active:
                     s = self.seqs[rid]
+                    self._compute(rid, s, s.computed, 1)
                     s.computed += 1
-                    self._write(rid, s, s.computed)
             tokens = []
             for rid in active:
                 s = self.seqs[rid]

@@ -29,8 +29,8 @@ LINKS = [
         m.QueryReply(5, True, [{"b": 2}]), m.EngineError("worker 0 died"),
     ]),
     (worker_codec, [
-        m.StepPlan(7, [m.NewRequest(1, [1, 2], 2, SAMPLING)], [1], [2], [[0]], num_steps=8, forget=[3]),
-        m.SwapBlocks(True, [1], [2]), m.Shutdown(),
+        m.StepPlan(7, [m.NewRequest(1, [1, 2], 2, SAMPLING, num_computed=1)], [1], [2], [[0]], num_steps=8, forget=[3]),
+        m.StepPlan(8, [], [], [], [], swap_out=[(1, 2)], swap_in=[(3, 4)], copy_blocks=[(5, 6)]), m.Shutdown(),
     ]),
     (scheduler_worker_codec, [
         m.StepTokens(7, 0, [1], [9], False, 0.01), m.WorkerReady(0, INFO), m.WorkerHeartbeat(0),

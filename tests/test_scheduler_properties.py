@@ -17,6 +17,10 @@ ops = st.lists(
     st.one_of(
         st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(-2, 2)),
         st.tuples(st.just("abort"), st.integers(0, 30)),
+        st.tuples(st.just("pause"), st.integers(0, 30)),
+        st.tuples(st.just("resume"), st.integers(0, 30)),
+        st.tuples(st.just("priority"), st.integers(0, 30), st.integers(-2, 2), st.booleans()),
+        st.tuples(st.just("reset_cache"),),
         st.tuples(st.just("step"), st.integers(1, 3)),
     ),
     min_size=1,
@@ -24,7 +28,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=ops,
     policy=st.sampled_from(["fcfs", "priority", "fair"]),
@@ -33,11 +37,15 @@ ops = st.lists(
     max_seqs=st.integers(1, 6),
     steps=st.sampled_from([1, 3, 8]),
     k=st.integers(1, 3),
+    mode=st.sampled_from(["recompute", "swap"]),
+    priority_preemption=st.booleans(),
+    host_blocks=st.sampled_from([0, 4]),
 )
 def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, budget: int, max_seqs: int,
-                              steps: int, k: int) -> None:
+                              steps: int, k: int, mode: str, priority_preemption: bool, host_blocks: int) -> None:
     config = SchedulerConfig(scheduling_policy=policy, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                             num_scheduler_steps=steps, min_concurrent_prefills=k)
+                             num_scheduler_steps=steps, min_concurrent_prefills=k, preemption_mode=mode,
+                             priority_preemption=priority_preemption, num_host_blocks=host_blocks)
     sched = Scheduler(config, num_blocks, BS, 64, [2])
     worker = FakeWorker(BS, eos=2, max_model_len=64, token_for=lambda rid, i: 2 if (rid + i) % 9 == 0 else 50)
     accepted: set[int] = set()
@@ -50,19 +58,25 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
             finished[f.rid] = f.reason
 
     def check() -> None:
-        held = sum(len(r.blocks) for r in sched.requests.values())
-        assert held + sched.pool.num_free == sched.pool.num_blocks
+        holders: dict[int, int] = {}
         for r in sched.requests.values():
-            assert r.blocks == [] or r.status is Status.RUNNING
+            assert r.blocks == [] or r.status in (Status.RUNNING, Status.PAUSED)
             assert len(set(r.blocks)) == len(r.blocks)
             for b in r.blocks:
-                assert sched.pool.ref_count(b) == 1
+                holders[b] = holders.get(b, 0) + 1
+        # free + held = total, and each held block's ref count is its number of holders.
+        assert len(holders) + sched.pool.num_free == sched.pool.num_blocks
+        for b, n in holders.items():
+            assert sched.pool.ref_count(b) == n
 
     for op in ops:
         if op[0] == "add":
             _, prompt, max_tokens, priority = op
-            msg = AddRequest(next_rid, str(next_rid), [5] * prompt, SamplingParams(max_tokens=max_tokens),
-                             priority, "", float(next_rid))
+            # Prompts share prefixes (three families), so the prefix cache is exercised too.
+            family = next_rid % 3
+            tokens = [(family * 50 + j) % 90 + 3 for j in range(prompt)]
+            msg = AddRequest(next_rid, str(next_rid), tokens, SamplingParams(max_tokens=max_tokens),
+                             priority, f"user{next_rid % 2}", float(next_rid))
             rejected = sched.add(msg)
             if rejected is None:
                 accepted.add(next_rid)
@@ -71,6 +85,14 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
             f = sched.abort(op[1])
             if f is not None:
                 record([f])
+        elif op[0] == "pause":
+            sched.pause(op[1])
+        elif op[0] == "resume":
+            sched.resume(op[1])
+        elif op[0] == "priority":
+            sched.set_priority(op[1], op[2], cut_in=op[3])
+        elif op[0] == "reset_cache":
+            sched.reset_prefix_cache()
         else:
             for _ in range(op[1]):
                 plan = sched.schedule()
@@ -82,6 +104,8 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
                     record(sched.update(out).finished)
         check()
     # Drain: everything accepted ends exactly once and every block comes back.
+    for rid in list(sched.paused_requests):
+        sched.resume(rid)
     for _ in range(2000):
         plan = sched.schedule()
         if plan is None:
@@ -91,3 +115,4 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
         check()
     assert set(finished) == accepted
     assert sched.pool.num_free == num_blocks
+    assert sched.host_pool is None or sched.host_pool.num_free == sched.host_pool.num_blocks

@@ -38,6 +38,32 @@ class KVCache:
         values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         return cls(keys, values, block_size, num_blocks)
 
+    def _block(self, t: torch.Tensor, block: int) -> torch.Tensor:
+        return t[block * self.block_size : (block + 1) * self.block_size]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Device-to-device copies (copy-on-write of a shared block)."""
+        for layer in (*self.keys, *self.values):
+            for src, dst in pairs:
+                self._block(layer, dst).copy_(self._block(layer, src))
+
+    def swap(self, host: KVCache, pairs: list[tuple[int, int]], to_host: bool) -> None:
+        """Copy (device block, host block) pairs out to ``host``, or (host, device) pairs back in."""
+        for dev_layer, host_layer in zip((*self.keys, *self.values), (*host.keys, *host.values), strict=True):
+            for a, b in pairs:
+                if to_host:
+                    host._block(host_layer, b).copy_(self._block(dev_layer, a), non_blocking=True)
+                else:
+                    self._block(dev_layer, b).copy_(host._block(host_layer, a), non_blocking=True)
+        if self.keys[0].is_cuda:
+            torch.cuda.current_stream(self.keys[0].device).synchronize()
+
+    def host_copy(self) -> KVCache:
+        """A cache of the same shape in host memory (pinned on CUDA): the swap space."""
+        pin = self.keys[0].is_cuda
+        make = lambda t: torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)  # noqa: E731
+        return KVCache([make(t) for t in self.keys], [make(t) for t in self.values], self.block_size, self.num_blocks)
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:

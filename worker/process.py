@@ -22,7 +22,6 @@ from protocol.messages import (
     ModelInfo,
     Shutdown,
     StepPlan,
-    SwapBlocks,
     WorkerFailed,
     WorkerHeartbeat,
     WorkerReady,
@@ -152,8 +151,6 @@ def run(config: WorkerConfig) -> int:
                     return 1
             elif isinstance(cmd, Shutdown):
                 return 0
-            elif isinstance(cmd, SwapBlocks):
-                log.warning("swap preemption is not implemented by this worker yet; ignoring SwapBlocks")
     finally:
         # Already stopping: a signal arriving during interpreter shutdown must not raise there.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -84,6 +84,7 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         self.seqs: dict[int, SequenceState] = {}
         self.copier = HostCopier(device, max_num_seqs)
+        self.host_cache: KVCache | None = None  # swap space, allocated on the first swap
 
     # ------------------------------------------------------------------ plan application
 
@@ -91,7 +92,17 @@ class ModelRunner:
         for rid in plan.forget:
             self.seqs.pop(rid, None)
         for new in plan.new_requests:
-            self.seqs[new.rid] = SequenceState(new.rid, list(new.token_ids), new.num_prompt_tokens, new.sampling)
+            self.seqs[new.rid] = SequenceState(new.rid, list(new.token_ids), new.num_prompt_tokens, new.sampling,
+                                               new.num_computed)
+        if plan.swap_out or plan.swap_in:
+            if self.host_cache is None:
+                self.host_cache = self.cache.host_copy()
+            if plan.swap_out:
+                self.cache.swap(self.host_cache, plan.swap_out, to_host=True)
+            if plan.swap_in:
+                self.cache.swap(self.host_cache, plan.swap_in, to_host=False)
+        if plan.copy_blocks:
+            self.cache.copy_blocks(plan.copy_blocks)
 
     def _stopped(self, seq: SequenceState, token: int) -> bool:
         p = seq.sampling
