@@ -298,9 +298,10 @@ class Scheduler:
             step.swap_in.extend(zip(req.host_blocks, new, strict=False))
             self.host_pool.free(req.host_blocks)
             req.host_blocks = []
-        elif req.num_preemptions == 0:
-            self.pool.record_lookup(req.num_prompt_tokens, cached)
-            req.num_cached_tokens = cached
+        else:
+            self.pool.record_lookup(len(req.token_ids), cached)
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = cached
         req.blocks = keep + new
         req.num_computed = cached
         req.status = Status.RUNNING
