@@ -37,8 +37,6 @@ from scheduler.request import Request, Status
 
 log = logging.getLogger("sluice.scheduler")
 
-PREEMPTION_WARNING_EVERY = 50
-
 
 @dataclasses.dataclass
 class _Row:
@@ -363,11 +361,10 @@ class Scheduler:
             mode = "recompute"
         self.queue.push(req)
         self.num_preemptions += 1
-        if self.num_preemptions == 1 or self.num_preemptions % PREEMPTION_WARNING_EVERY == 0:
-            log.warning(
-                "request %s preempted (%s) for lack of KV cache blocks or batch seats; %d preemptions so far. "
-                "This costs throughput and latency: raise --num-kv-blocks / --kv-cache-memory, or lower "
-                "--max-num-seqs / --max-num-batched-tokens.", req.request_id, mode, self.num_preemptions)
+        log.warning(
+            "request %s preempted (%s) for lack of KV cache blocks or batch seats; %d preemptions so far. "
+            "This costs throughput and latency: raise --num-kv-blocks / --kv-cache-memory, or lower "
+            "--max-num-seqs / --max-num-batched-tokens.", req.request_id, mode, self.num_preemptions)
 
     # ------------------------------------------------------------------ the plan
 

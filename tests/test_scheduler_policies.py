@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from fake_worker import FakeWorker
+from test_scheduler_core import add, make, run_to_end, step
+
 from protocol.config import SchedulerConfig
 from protocol.messages import AddRequest, SamplingParams
 from scheduler.queues import FairQueue
 from scheduler.request import Request, Status
 from scheduler.scheduler import Scheduler
-from test_scheduler_core import add, make, run_to_end, step
 
 BS = 16
 
@@ -68,7 +69,7 @@ def test_seed_003_fully_cached_prompt_computes_only_its_last_token() -> None:
     assert first == {0: "length"}
     outputs_before = worker.token_for
     add_tokens(sched, 1, tokens, max_tokens=3)
-    plan, batches = step(sched, worker)
+    plan, _batches = step(sched, worker)
     assert plan is not None and plan.num_tokens == [1]
     assert len(plan.copy_blocks) == 1  # the last block is copied, never written in place
     assert plan.new_requests[0].num_computed == 4 * BS - 1

@@ -1,0 +1,171 @@
+"""Through a real ``sluice serve``: greedy outputs stay identical to undisturbed runs under
+recompute preemption, swap preemption, pause/resume, cut-in and prefix-cache hits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sluice_server import SluiceServer, running_server
+
+ADMIN = "sched-admin"
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+PROMPTS = [[1, *((7 * i + j) % 250 + 3 for j in range(40))] for i in range(6)]
+NEW = 60
+
+
+async def generate(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int = NEW,
+                   priority: int = 0) -> dict:
+    r = await client.post(f"{url}/v1/completions", headers=AUTH, json={
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True, "priority": priority,
+    })
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def undisturbed(url: str, prompts: list[list[int]], max_tokens: int = NEW) -> list[list[int]]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        return [(await generate(client, url, p, max_tokens))["choices"][0]["token_ids"] for p in prompts]
+
+
+async def concurrent(url: str, prompts: list[list[int]]) -> list[list[int]]:
+    async with httpx.AsyncClient(timeout=300) as client:
+        out = await asyncio.gather(*(generate(client, url, p) for p in prompts))
+    return [o["choices"][0]["token_ids"] for o in out]
+
+
+def stats(server: SluiceServer) -> dict:
+    return httpx.get(f"{server.url}/admin/stats", headers=AUTH).json()
+
+
+def serve(tmp_path_factory: pytest.TempPathFactory, *flags: str) -> Iterator[SluiceServer]:
+    log_dir: Path = tmp_path_factory.mktemp("sched")
+    # 24 blocks of 16 tokens; six requests of 41 + 60 tokens need 42: preemption is certain.
+    with running_server("--admin-token", ADMIN, "--num-kv-blocks", "24", "--max-num-batched-tokens", "256",
+                        *flags, log_dir=log_dir) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def recompute_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
+    yield from serve(tmp_path_factory, "--preemption-mode", "recompute")
+
+
+@pytest.fixture(scope="module")
+def swap_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
+    yield from serve(tmp_path_factory, "--preemption-mode", "swap")
+
+
+def test_recompute_preemption_keeps_greedy_outputs(recompute_server: SluiceServer) -> None:
+    want = asyncio.run(undisturbed(recompute_server.url, PROMPTS))
+    httpx.post(f"{recompute_server.url}/admin/prefix-cache/reset", headers=AUTH)
+    before = stats(recompute_server)["preemptions"]
+    assert asyncio.run(concurrent(recompute_server.url, PROMPTS)) == want
+    assert stats(recompute_server)["preemptions"] > before
+    assert stats(recompute_server)["kv_blocks_used"] == 0
+
+
+def test_swap_preemption_keeps_greedy_outputs(swap_server: SluiceServer) -> None:
+    want = asyncio.run(undisturbed(swap_server.url, PROMPTS))
+    assert asyncio.run(concurrent(swap_server.url, PROMPTS)) == want
+    s = stats(swap_server)
+    assert s["swaps"] > 0 and s["host_blocks_used"] == 0 and s["kv_blocks_used"] == 0
+
+
+def test_prefix_cache_hit_reports_cached_tokens_and_same_output(recompute_server: SluiceServer) -> None:
+    prompt = [1, *range(100, 150)]  # 51 tokens: 3 full blocks can be cached
+
+    async def twice() -> tuple[dict, dict]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await generate(client, recompute_server.url, prompt, 20), await generate(
+                client, recompute_server.url, prompt, 20)
+
+    first, second = asyncio.run(twice())
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+
+
+async def _wait_state(client: httpx.AsyncClient, url: str, request_id: str, state: str) -> dict:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        r = await client.get(f"{url}/admin/requests/{request_id}", headers=AUTH)
+        if r.status_code == 200 and r.json()["state"] == state:
+            return r.json()
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{request_id} never reached state {state}")
+
+
+def test_pause_and_resume_keep_greedy_output(recompute_server: SluiceServer) -> None:
+    url = recompute_server.url
+    prompt = PROMPTS[0]
+    want = asyncio.run(undisturbed(url, [prompt], 200))[0]
+
+    async def paused_run() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"prompt": prompt, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True, "stream": True}
+            tokens: list[int] = []
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                request_id = r.headers["X-Request-Id"]
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        tokens += httpx.Response(200, content=line[6:]).json()["choices"][0]["token_ids"]
+                    if len(tokens) >= 10:
+                        break
+                await client.post(f"{url}/admin/requests/{request_id}/pause", headers=AUTH)
+                info = await _wait_state(client, url, request_id, "paused")
+                assert info["kv_blocks"] > 0  # kept while memory allows
+                frozen = info["output_tokens"]
+                await asyncio.sleep(0.5)
+                again = await _wait_state(client, url, request_id, "paused")
+                assert again["output_tokens"] == frozen  # nothing is decoded while paused
+                await client.post(f"{url}/admin/requests/{request_id}/resume", headers=AUTH)
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        tokens += httpx.Response(200, content=line[6:]).json()["choices"][0]["token_ids"]
+            return tokens
+
+    assert asyncio.run(paused_run()) == want
+
+
+def test_cut_in_runs_next_and_everyone_keeps_their_output(tmp_path_factory: pytest.TempPathFactory) -> None:
+    log_dir = tmp_path_factory.mktemp("cutin")
+    with running_server("--admin-token", ADMIN, "--max-num-seqs", "1", "--no-priority-preemption",
+                        "--num-kv-blocks", "64", log_dir=log_dir) as server:
+        url = server.url
+        long_prompt, short_prompt = PROMPTS[1], PROMPTS[2]
+        want_long, want_short = asyncio.run(undisturbed(url, [long_prompt, short_prompt], 150))
+
+        async def scenario() -> tuple[list[int], list[int], list[str]]:
+            done: list[str] = []
+            async with httpx.AsyncClient(timeout=120) as client:
+                async def run(name: str, prompt: list[int], priority: int) -> list[int]:
+                    out = await generate(client, url, prompt, 150, priority)
+                    done.append(name)
+                    return out["choices"][0]["token_ids"]
+
+                long_task = asyncio.create_task(run("long", long_prompt, 0))
+                await asyncio.sleep(0.3)
+                short_task = asyncio.create_task(run("short", short_prompt, 5))
+                listing: list[dict] = []
+                for _ in range(200):
+                    listing = (await client.get(f"{url}/admin/requests", headers=AUTH)).json()["data"]
+                    if any(r["priority"] == 5 and r["state"] == "waiting" for r in listing):
+                        break
+                    await asyncio.sleep(0.02)
+                short_id = next(r["id"] for r in listing if r["priority"] == 5)
+                r = await client.post(f"{url}/admin/requests/{short_id}/priority", headers=AUTH,
+                                      json={"priority": -1, "cut_in": True})
+                assert r.status_code == 200, r.text
+                return await long_task, await short_task, done
+
+        got_long, got_short, order = asyncio.run(scenario())
+        assert order == ["short", "long"]  # the cut-in finished first, though it came second
+        assert got_long == want_long and got_short == want_short
+        assert stats(server)["preemptions"] >= 1
