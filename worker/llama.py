@@ -33,9 +33,10 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     """Rotary inverse frequencies, with Llama-3 scaling when the config asks for it."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    # float32 throughout, as transformers computes it, so long positions round the same way.
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+    if scaling.get("rope_type") == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
         old_len = float(scaling.get("original_max_position_embeddings", 8192))
@@ -47,7 +48,7 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
         inv_freq = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(is_mid, mid, inv_freq)
-    return inv_freq.float()
+    return inv_freq
 
 
 class RotaryEmbedding(nn.Module):
@@ -79,11 +80,11 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h, bias = cfg.hidden_size, cfg.attention_bias
+        h, bias = cfg.hidden_size, cfg.qkv_bias
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias)
         self.scale = self.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
@@ -99,9 +100,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        h, inter, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(h, inter, bias=bias)
+        self.up_proj = nn.Linear(h, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,4 +1,10 @@
-"""The typed subset of a Hugging Face ``config.json`` that a Llama-family model needs."""
+"""The typed subset of a Hugging Face ``config.json`` that a Llama-family model needs.
+
+Llama, Mistral and Qwen2 share one decoder; they differ only in which projections carry a bias
+and in defaults. Anything this decoder cannot reproduce exactly (another activation, another
+rope type, an active sliding window) is rejected here with one line naming the file, rather
+than served with silently different outputs.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
 class ModelLoadError(RuntimeError):
@@ -26,55 +33,105 @@ class LlamaConfig:
     head_dim: int
     max_position_embeddings: int
     rope_theta: float
-    rope_scaling: dict[str, Any] | None
+    rope_scaling: dict[str, Any] | None  # only llama3-type scaling; None = plain rope
     rms_norm_eps: float
     tie_word_embeddings: bool
-    attention_bias: bool  # Qwen2: q/k/v projections have a bias
+    qkv_bias: bool  # Qwen2 always; Llama when attention_bias
+    o_bias: bool  # Llama when attention_bias (Qwen2's o_proj never has one)
+    mlp_bias: bool
+    sliding_window: int | None  # attention span limit when the model uses one
     bos_token_id: int | None
     eos_token_ids: list[int]
-    torch_dtype: str | None
 
     @classmethod
     def from_file(cls, path: Path) -> LlamaConfig:
-        try:
-            raw: dict[str, Any] = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ModelLoadError(f"{path}: missing (a model directory needs config.json)") from None
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+        raw = _read_json(path)
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ModelLoadError(
                 f"{path}: unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         try:
-            heads = int(raw["num_attention_heads"])
-            hidden = int(raw["hidden_size"])
-            eos = raw.get("eos_token_id")
-            # transformers >= 5 writes rope settings as one `rope_parameters` dict instead of
-            # `rope_theta` + `rope_scaling`; read both spellings.
-            rope = raw.get("rope_parameters") or {}
-            scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-            return cls(
-                architecture=arch,
-                vocab_size=int(raw["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
-                num_layers=int(raw["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-                rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
-                rope_scaling=scaling,
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == "Qwen2ForCausalLM")),
-                attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                bos_token_id=raw.get("bos_token_id"),
-                eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-                torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            )
+            cfg = _parse(raw, arch)
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{path}: missing or invalid field {e}") from None
+        problem = cfg._unsupported(raw)
+        if problem:
+            raise ModelLoadError(f"{path}: {problem}")
+        return cfg
+
+    def _unsupported(self, raw: dict[str, Any]) -> str | None:
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            return f"hidden_act {act!r} is not supported (only silu)"
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            return f"rope scaling type {rope_type!r} is not supported (only {', '.join(SUPPORTED_ROPE_TYPES)})"
+        if float(_rope_parameters(raw).get("partial_rotary_factor", 1.0)) != 1.0:
+            return "partial_rotary_factor is not supported"
+        if self.num_heads % self.num_kv_heads:
+            return f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
+        return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: missing (a model directory needs config.json)") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return raw
+
+
+def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+    """transformers >= 5 writes one ``rope_parameters`` dict; older files write ``rope_theta`` and
+    ``rope_scaling`` (whose type key was once ``type``). Merge both spellings into one dict."""
+    params = dict(raw.get("rope_parameters") or {})
+    params.update(raw.get("rope_scaling") or {})
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    if "rope_theta" in raw:
+        params["rope_theta"] = raw["rope_theta"]
+    return params
+
+
+def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
+    window = raw.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+        return None  # Qwen2 configs carry a window they do not use unless this flag is set
+    return int(window) if window else None
+
+
+def _parse(raw: dict[str, Any], arch: str) -> LlamaConfig:
+    heads = int(raw["num_attention_heads"])
+    hidden = int(raw["hidden_size"])
+    eos = raw.get("eos_token_id")
+    rope = _rope_parameters(raw)
+    scaling = rope if rope.get("rope_type", "default") != "default" else None
+    llama_bias = bool(raw.get("attention_bias", False)) and arch == "LlamaForCausalLM"
+    return LlamaConfig(
+        architecture=arch,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_scaling=scaling,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM" or llama_bias,
+        o_bias=llama_bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
+        sliding_window=_sliding_window(raw, arch),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+    )
