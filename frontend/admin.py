@@ -5,6 +5,8 @@ Without a configured token every admin route answers 403 and says how to enable 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -40,7 +42,17 @@ async def _ask(state: AppState, what: str, rid: int = -1) -> object:
 async def stats(request: Request) -> Response:
     state = require_admin(request)
     data = await _ask(state, "stats")
+    if isinstance(data, dict):
+        data |= state.metrics.frontend_stats()
     return Response(msgspec.json.encode(data), media_type="application/json")
+
+
+DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
+
+
+async def dashboard(request: Request) -> Response:
+    """The page itself is public; everything it shows comes from the token-protected API."""
+    return Response(DASHBOARD.read_bytes(), media_type="text/html")
 
 
 def _json(data: object, status: int = 200) -> Response:
@@ -122,6 +134,7 @@ async def reset_prefix_cache(request: Request) -> Response:
 
 
 ROUTES = [
+    Route("/admin/ui", dashboard, methods=["GET"]),
     Route("/admin/stats", stats, methods=["GET"]),
     Route("/admin/requests", list_requests, methods=["GET"]),
     Route("/admin/requests/{request_id}", get_request, methods=["GET"]),

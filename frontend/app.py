@@ -6,6 +6,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -36,6 +37,11 @@ async def ready(request: Request) -> Response:
     if state.client.model is not None and state.client.healthy:
         return JSONResponse({"status": "ready", "model": state.model_name})
     return JSONResponse({"status": "loading" if state.client.model is None else "unhealthy"}, status_code=503)
+
+
+async def metrics(request: Request) -> Response:
+    state: AppState = request.app.state.sluice
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -77,6 +83,7 @@ def build_app(config: FrontendConfig, client: EngineClient | None = None) -> Sta
         Route("/v1/models", openai_api.list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         *admin.ROUTES,
     ]
     app = Starlette(

@@ -47,7 +47,7 @@ Logprob = tuple[float, list[int], list[float]] | None
 class RequestStream:
     """Tokens of one request as they arrive, and its single finish."""
 
-    __slots__ = ("_event", "finish", "first_token_at", "logprobs", "rid", "token_ids")
+    __slots__ = ("_event", "arrivals", "finish", "first_token_at", "logprobs", "rid", "token_ids")
 
     def __init__(self, rid: int) -> None:
         self.rid = rid
@@ -55,13 +55,16 @@ class RequestStream:
         self.logprobs: list[Logprob] = []
         self.finish: Finish | None = None
         self.first_token_at: float | None = None
+        self.arrivals: list[float] = []  # monotonic time each token reached the frontend
         self._event = asyncio.Event()
 
     def push(self, token_id: int, logprob: Logprob) -> None:
         if self.finish is not None:
             return  # tokens racing an abort are dropped: nothing past a finish
+        now = time.monotonic()
         if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+            self.first_token_at = now
+        self.arrivals.append(now)
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
         self._event.set()
@@ -93,6 +96,7 @@ class EngineClient:
         self.model: ModelInfo | None = None
         self.ready = asyncio.Event()
         self.workers_alive = False
+        self.stats: dict[str, Any] | None = None  # the scheduler's latest snapshot (from Pong)
         self.engine_error: str | None = None
         self._last_pong = 0.0
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -233,6 +237,8 @@ class EngineClient:
     def _on_pong(self, pong: Pong) -> None:
         self._last_pong = time.monotonic()
         self.workers_alive = pong.workers_alive
+        if pong.stats is not None:
+            self.stats = pong.stats
 
     def _on_query_reply(self, reply: QueryReply) -> None:
         fut = self._queries.get(reply.query_id)

@@ -9,9 +9,12 @@ Leaving the iterator early (client gone) aborts the request in the scheduler.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import time
 from collections.abc import AsyncIterator
 
 from frontend.engine_client import EngineClient, Logprob, RequestStream
+from frontend.metrics import Metrics
 from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopStringMatcher
 from protocol.messages import AddRequest, FinishReason
 
@@ -47,8 +50,12 @@ class Generation:
         tokenizer: ModelTokenizer,
         request: AddRequest,
         stop_strings: list[str],
+        metrics: Metrics | None = None,
     ) -> None:
         self._client = client
+        self._metrics = metrics
+        self._started = time.monotonic()
+        self.finish_reason: str | None = None
         self._request = request
         self._detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
         self._stops = StopStringMatcher(stop_strings)
@@ -79,6 +86,8 @@ class Generation:
                 new_ids = stream.token_ids[seen:]
                 new_logprobs = stream.logprobs[seen:]
                 seen += len(new_ids)
+                if self._metrics is not None and new_ids:
+                    self._metrics.count_tokens(len(new_ids))
                 finish = stream.finish
                 for i, token_id in enumerate(new_ids):
                     final = finish if i == len(new_ids) - 1 else None  # the finish came with this token
@@ -88,12 +97,14 @@ class Generation:
                     if hit_stop:
                         done = True
                         await self._client.abort(stream.rid)
+                        self.finish_reason = FinishReason.STOP
                         yield Delta(text, [token_id], [new_logprobs[i]], FinishReason.STOP)
                         break
                     if final is not None and final.reason != FinishReason.ERROR:
                         # One chunk carries the last token and the finish.
                         done = True
                         self.usage.cached_tokens = final.cached_tokens
+                        self.finish_reason = final.reason
                         yield Delta(text + self._stops.flush(), [token_id], [new_logprobs[i]], final.reason)
                         break
                     yield Delta(text, [token_id], [new_logprobs[i]])
@@ -102,11 +113,34 @@ class Generation:
                 done = True
                 self.usage.cached_tokens = finish.cached_tokens
                 if finish.reason == FinishReason.ERROR:
+                    self.finish_reason = FinishReason.ERROR
                     yield Delta("", [], [], FinishReason.ERROR, error=finish.message or "engine error")
                 else:
+                    self.finish_reason = finish.reason
                     yield Delta(self._stops.flush(), [], [], finish.reason)
         finally:
             if not done:
                 # The consumer left early (client disconnected): free the request's blocks now.
                 self._client.abort_soon(stream.rid)
             self._client.release(stream.rid)
+            self._record(stream)
+
+    def _record(self, stream: RequestStream) -> None:
+        if self._metrics is None:
+            return
+        arrivals = stream.arrivals[: self.usage.completion_tokens]
+        finish = stream.finish
+        self._metrics.record(
+            request_id=self._request.request_id,
+            user=self._request.user,
+            priority=self._request.priority,
+            prompt_tokens=self.usage.prompt_tokens,
+            completion_tokens=self.usage.completion_tokens,
+            cached_tokens=self.usage.cached_tokens,
+            finish_reason=self.finish_reason or FinishReason.ABORT,
+            ttft=arrivals[0] - self._started if arrivals else None,
+            itls=[b - a for a, b in itertools.pairwise(arrivals)],
+            e2e=time.monotonic() - self._started,
+            queue_s=finish.queue_s if finish is not None else None,
+            preemptions=finish.preemptions if finish is not None else None,
+        )

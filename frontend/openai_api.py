@@ -138,7 +138,7 @@ async def _run(
         user=body.user or "",
         arrival_time=time.time(),
     )
-    gen = Generation(state.client, state.require_tokenizer(), add, body.stop_strings())
+    gen = Generation(state.client, state.require_tokenizer(), add, body.stop_strings(), state.metrics)
     await gen.start()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -9,6 +9,7 @@ from starlette.requests import Request
 
 from frontend.engine_client import EngineClient
 from frontend.errors import APIError
+from frontend.metrics import Metrics
 from frontend.tokenizer import ModelTokenizer
 from protocol.config import FrontendConfig
 from protocol.messages import ModelInfo
@@ -20,6 +21,7 @@ class AppState:
         self.client = client
         self.started = int(time.time())
         self._tokenizer: ModelTokenizer | None = None
+        self.metrics = Metrics(lambda: client.stats, lambda: self.model_name)
 
     @property
     def model_name(self) -> str:

@@ -55,6 +55,8 @@ class Finish(msgspec.Struct, array_like=True, frozen=True):
     cached_tokens: int
     completion_tokens: int
     message: str = ""  # why, for reason == "error"
+    queue_s: float = 0.0  # arrival to first scheduled
+    preemptions: int = 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,9 +177,12 @@ class EngineReady(msgspec.Struct, tag=True, array_like=True):
 
 
 class Pong(msgspec.Struct, tag=True, array_like=True):
+    """Also carries the scheduler's stats snapshot, so metrics are never older than a ping."""
+
     sent_at: float
     workers_alive: bool
     ready: bool
+    stats: dict[str, float | int | bool | None] | None = None
 
 
 class QueryReply(msgspec.Struct, tag=True, array_like=True):

@@ -83,6 +83,10 @@ class SchedulerProcess:
         # Controls that change what runs wait for the plan in flight to end, so the worker's
         # state and the scheduler's never disagree about a request mid-plan.
         self.deferred: list[object] = []
+        # Worker compute time, for the device-idle ratio: busy seconds over wall seconds since
+        # the previous ping (1.0 = the device did nothing).
+        self.busy_total_s = 0.0
+        self._busy_mark = (time.monotonic(), 0.0)
         self.handlers: dict[type, Callable[[Any], None]] = {
             AddRequest: self.on_add,
             AbortRequest: self.on_abort,
@@ -191,10 +195,26 @@ class SchedulerProcess:
     def on_ping(self, msg: Ping) -> None:
         self.frontend_seen = True
         ready = self.model is not None and self.failure is None
-        self._to_frontend(Pong(msg.sent_at, self._workers_alive(), ready))
+        self._to_frontend(Pong(msg.sent_at, self._workers_alive(), ready, self._stats()))
         if msg.need_model and ready:
             assert self.model is not None
             self._to_frontend(EngineReady(self.model))
+
+    def _stats(self) -> dict[str, float | int | bool | None] | None:
+        if self.core is None:
+            return None
+        now = time.monotonic()
+        mark_t, mark_busy = self._busy_mark
+        wall = now - mark_t
+        idle = 1.0 - min(1.0, (self.busy_total_s - mark_busy) / wall) if wall > 0 else 1.0
+        self._busy_mark = (now, self.busy_total_s)
+        stats: dict[str, float | int | bool | None] = {}
+        for k, v in self.core.stats().items():
+            if isinstance(v, (int, float, bool)):
+                stats[k] = v
+        stats["worker_busy_s_total"] = self.busy_total_s
+        stats["device_idle_ratio"] = idle
+        return stats
 
     def on_query(self, msg: Query) -> None:
         core = self.core
@@ -261,6 +281,7 @@ class SchedulerProcess:
 
     def on_step_tokens(self, msg: StepTokens) -> None:
         self.last_seen[0] = time.monotonic()
+        self.busy_total_s += msg.busy_s
         if self.core is None or msg.plan_id != self.plan_in_flight:
             return
         batch = self.core.update(msg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 
 from protocol.messages import AddRequest, FinishReason, SamplingParams
 
@@ -23,7 +24,7 @@ class Request:
     __slots__ = (
         "arrival_time", "block_hashes", "blocks", "cut_in", "finish_reason", "host_blocks", "num_cached_tokens",
         "num_computed", "num_preemptions", "num_prompt_tokens", "on_worker", "priority", "request_id", "rid",
-        "sampling", "status", "token_ids", "user", "worker_blocks",
+        "sampling", "scheduled_at", "status", "token_ids", "user", "worker_blocks",
     )  # fmt: skip
 
     def __init__(self, msg: AddRequest) -> None:
@@ -46,6 +47,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served at first admission
         self.host_blocks: list[int] = []  # swap preemption: where its KV waits in host memory
         self.cut_in = False  # scheduled at the next step, ahead of everything
+        self.scheduled_at: float | None = None  # wall time of its first admission
 
     @property
     def num_outputs(self) -> int:
@@ -135,4 +137,5 @@ class Request:
             "kv_blocks": len(self.blocks),
             "preemptions": self.num_preemptions,
             "arrival_time": self.arrival_time,
+            "queue_s": (self.scheduled_at or time.time()) - self.arrival_time,
         }

@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 
 from protocol.config import SchedulerConfig
@@ -130,7 +131,9 @@ class Scheduler:
             req.host_blocks = []
         self.pool.free(req.finish(reason))
         del self.requests[req.rid]
-        return Finish(req.rid, reason, req.num_prompt_tokens, req.num_cached_tokens, req.num_outputs, message)
+        queue_s = (req.scheduled_at - req.arrival_time) if req.scheduled_at else 0.0
+        return Finish(req.rid, reason, req.num_prompt_tokens, req.num_cached_tokens, req.num_outputs, message,
+                      queue_s, req.num_preemptions)
 
     def finish_all(self, reason: str, message: str) -> list[Finish]:
         """End every live request (the engine failed)."""
@@ -302,6 +305,8 @@ class Scheduler:
                 req.num_cached_tokens = cached
         req.blocks = keep + new
         req.num_computed = cached
+        if req.scheduled_at is None:
+            req.scheduled_at = time.time()
         req.status = Status.RUNNING
         bisect.insort(self.running, req, key=self.key)
         step.rows.append(_Row(req, n))
@@ -463,6 +468,7 @@ class Scheduler:
             "running": len(self.running),
             "waiting": len(self.queue),
             "paused": len(self.paused_requests),
+            "preempted": sum(1 for r in self.queue if r.status is Status.PREEMPTED),
             "server_paused": self.paused,
             "preemptions": self.num_preemptions,
             "swaps": self.num_swaps,
