@@ -33,6 +33,8 @@ def test_serve_prints_url_and_stops_all_processes_on_sigterm(tmp_path: Path) -> 
         server.wait_ready()
         assert f"at http://127.0.0.1:{server.port}" in server.log()
         assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}).status_code == 200
+        off = httpx.get(f"{server.url}/admin/stats")  # no token configured: the admin API is off
+        assert off.status_code == 403 and "--admin-token" in off.json()["error"]["message"]
         children = _session_pids(server.proc.pid) - {server.proc.pid}
         assert len(children) >= 2, "scheduler and worker run as child processes"
 
