@@ -183,15 +183,6 @@ def test_paused_request_releases_blocks_under_memory_pressure_and_recomputes() -
     assert run_to_end(sched, worker) == {0: "length"}
 
 
-def test_server_pause_stops_everything() -> None:
-    sched, worker = make()
-    add(sched, 0, 8)
-    sched.paused = True
-    assert sched.schedule() is None
-    sched.paused = False
-    assert run_to_end(sched, worker) == {0: "length"}
-
-
 # ------------------------------------------------------------------ seed 004: swap
 
 
