@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import random
+
 from fake_worker import FakeWorker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.config import SchedulerConfig
-from protocol.messages import AddRequest, SamplingParams
+from protocol.messages import AddRequest, SamplingParams, StepPlan
 from scheduler.request import Status
 from scheduler.scheduler import Scheduler
 
 BS = 4
+
+def priority_inversion(sched: Scheduler, plan: StepPlan, budget: int, max_seqs: int) -> bool:
+    """After a step that left room, is the most urgent waiting request one that preempting less
+    urgent running requests would have let in? (Blocks counted without prefix hits: an upper
+    bound of what it needs, so a True here is a real inversion.)"""
+    head = sched.queue.peek()
+    if head is None or sum(plan.num_tokens) >= budget or len(plan.rids) >= max_seqs:
+        return False
+    less_urgent = [r for r in sched.running if sched.key(r) > sched.key(head)]
+    freeable = sched.pool.num_free + sum(1 for r in less_urgent for b in r.blocks if sched.pool.ref_count(b) == 1)
+    seat = len(sched.running) < max_seqs or bool(less_urgent)
+    return seat and freeable >= -(-len(head.token_ids) // BS)
+
 
 ops = st.lists(
     st.one_of(
@@ -69,6 +84,9 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
         for b, n in holders.items():
             assert sched.pool.ref_count(b) == n
 
+    def check_no_inversion(plan) -> None:  # type: ignore[no-untyped-def]
+        assert not priority_inversion(sched, plan, budget, max_seqs)
+
     for op in ops:
         if op[0] == "add":
             _, prompt, max_tokens, priority = op
@@ -100,6 +118,8 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
                     break
                 assert sum(plan.num_tokens) <= budget
                 assert len(plan.rids) <= max_seqs
+                if priority_preemption:
+                    check_no_inversion(plan)
                 for out in worker.run(plan):  # raises if a write falls outside the block table
                     record(sched.update(out).finished)
         check()
@@ -116,3 +136,29 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
     assert set(finished) == accepted
     assert sched.pool.num_free == num_blocks
     assert sched.host_pool is None or sched.host_pool.num_free == sched.host_pool.num_blocks
+
+
+def test_no_priority_inversion_over_random_workloads() -> None:
+    """Seeded random arrivals of mixed priorities: after every step that left room, the most
+    urgent waiting request is never one that preempting less urgent running ones would admit."""
+    violations = 0
+    for seed in range(150):
+        rng = random.Random(seed)
+        budget, max_seqs = rng.randint(8, 64), rng.randint(1, 6)
+        config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, num_scheduler_steps=1)
+        sched = Scheduler(config, rng.randint(12, 40), BS, 64, [2])
+        worker = FakeWorker(BS, eos=2, max_model_len=64, token_for=lambda rid, i: 50)
+        rid = 0
+        for _ in range(60):
+            if rng.random() < 0.4:
+                params = SamplingParams(max_tokens=rng.randint(1, 12))
+                sched.add(AddRequest(rid, str(rid), [3 + rid % 7] * rng.randint(1, 40), params,
+                                     rng.randint(-2, 2), "", float(rid)))
+                rid += 1
+            plan = sched.schedule()
+            if plan is None:
+                continue
+            violations += priority_inversion(sched, plan, budget, max_seqs)
+            for out in worker.run(plan):
+                sched.update(out)
+    assert violations == 0
