@@ -78,6 +78,10 @@ def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens
         raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                           f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
                           f"for the completion). Reduce the prompt or max_tokens.", "max_tokens")
+    capacity = model.num_kv_blocks * model.block_size
+    if prompt_len + max_tokens > capacity:
+        raise bad_request(f"prompt + max_tokens = {prompt_len + max_tokens} tokens exceeds the KV cache of this "
+                          f"server ({capacity} tokens); lower max_tokens", "max_tokens")
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
                           "min_tokens")

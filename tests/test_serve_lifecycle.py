@@ -53,3 +53,29 @@ def test_serve_prints_url_and_stops_all_processes_on_sigterm(tmp_path: Path) -> 
         server.stop()
         for pid in _session_pids(server.proc.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_crashed_worker_is_reported_and_streams_end_with_an_error(tmp_path: Path) -> None:
+    server = SluiceServer("--num-kv-blocks", "256", log_dir=tmp_path)
+    try:
+        server.wait_ready()
+        worker_pid = next(pid for pid in _session_pids(server.proc.pid)
+                          if b"-m\x00worker" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        body = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        chunks: list[str] = []
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append(line)
+                    if len(chunks) == 5:
+                        os.kill(worker_pid, signal.SIGKILL)
+        assert chunks[-1] == "data: [DONE]"
+        assert '"error"' in chunks[-2], chunks[-3:]
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{server.url}/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["message"]
+    finally:
+        server.stop()
