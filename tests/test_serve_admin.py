@@ -12,7 +12,6 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from sluice_server import SluiceServer, running_server
 
 TOKEN = "admin-secret"

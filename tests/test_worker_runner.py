@@ -1,134 +1,199 @@
-"""The worker's runner in-process against ``transformers``: greedy parity alone, batched, chunked
-and multi-step; logits; and the llama3 rope-scaling variant."""
+"""The runner's plan semantics on the tiny model: stop rules inside multi-step windows, the
+message shape of a plan, min_tokens, seeded sampling across batches and preemption, logprobs,
+swap-out/in and copy-on-write block moves, and clear errors for plans it cannot follow."""
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from checkpoints import hf_greedy, save_llama_checkpoint
+from worker_testing import Driver, greedy, one_cpu_thread
 
 from protocol.config import WorkerConfig
-from protocol.messages import NewRequest, SamplingParams, StepPlan
-from worker.process import Worker
+from protocol.messages import NewRequest, SamplingParams, StepPlan, StepTokens
+from worker.engine import Worker
 from worker.runner import ModelRunner
+from worker.sequence import PlanError
+from worker.tiny import materialize_tiny
 
-NEW = 32
-PROMPTS = [[1, *range(10, 14)], [1, *range(20, 36)], [1, *range(40, 79)], [1, *(t % 300 + 3 for t in range(69))]]
-GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+BS = 4
+PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
+OTHER = [1, 84, 104, 101, 32, 113, 117, 105, 99, 107]
 
 
-class Driver:
-    """Plays the scheduler's part by hand: allocates blocks from a counter and builds plans."""
-
-    def __init__(self, runner: ModelRunner, block_size: int) -> None:
-        self.runner = runner
-        self.bs = block_size
-        self.blocks = itertools.count()
-        self.plan_ids = itertools.count(1)
-        self.outputs: dict[int, list[int]] = {}
-        self.held: dict[int, int] = {}  # rid -> tokens covered by its blocks
-
-    def _blocks(self, rid: int, upto: int) -> list[int]:
-        have = self.held.get(rid, 0)
-        need = -(-upto // self.bs) - -(-have // self.bs)
-        self.held[rid] = max(have, upto)
-        return [next(self.blocks) for _ in range(max(0, need))]
-
-    def run(self, rows: list[tuple[int, int]], new: list[NewRequest], steps: int = 1,
-            computed: dict[int, int] | None = None) -> None:
-        """rows: (rid, num_tokens); ``computed`` gives each row's computed count before the plan."""
-        computed = computed or {}
-        blocks = [self._blocks(rid, computed.get(rid, 0) + n + steps - 1) for rid, n in rows]
-        plan = StepPlan(next(self.plan_ids), new, [r for r, _ in rows], [n for _, n in rows], blocks, steps)
-        for out in self.runner.execute(plan):
-            for rid, tok in zip(out.rids, out.token_ids, strict=True):
-                self.outputs.setdefault(rid, []).append(tok)
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    with one_cpu_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_llama_checkpoint(tmp_path_factory.mktemp("w") / "llama")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Worker:
+    model = materialize_tiny(tmp_path_factory.mktemp("cache"))
+    return Worker(WorkerConfig(model=str(model), num_kv_blocks=512, block_size=BS))
+
+
+def runner_like(worker: Worker, eos: list[int] | None = None, max_model_len: int = 8192) -> ModelRunner:
+    r = worker.runner
+    return ModelRunner(r.model, r.cache, r.device, max_model_len, list(r.eos_token_ids) if eos is None else eos)
+
+
+def run_alone(runner: ModelRunner, prompt: list[int], params: SamplingParams, steps: int = 1) -> Driver:
+    d = Driver(runner)
+    d.prefill({0: prompt}, params, steps)
+    d.decode_to_end(steps)
+    return d
 
 
 @pytest.fixture(scope="module")
-def expected(checkpoint: Path) -> list[list[int]]:
-    return hf_greedy(checkpoint, PROMPTS, NEW)
+def reference(worker: Worker) -> list[int]:
+    """24 greedy tokens of PROMPT, one step per plan, never stopping early."""
+    return run_alone(runner_like(worker), PROMPT, greedy(24)).outputs[0]
 
 
-@pytest.fixture
-def worker(checkpoint: Path) -> Worker:
-    return Worker(WorkerConfig(model=str(checkpoint), num_kv_blocks=128, block_size=8))
+def _check_plan_messages(messages: list[StepTokens]) -> None:
+    """Per plan: steps numbered 0.., exactly one ``last``, and it is the final message."""
+    by_plan: dict[int, list[StepTokens]] = {}
+    for m in messages:
+        by_plan.setdefault(m.plan_id, []).append(m)
+    for msgs in by_plan.values():
+        assert [m.step for m in msgs] == list(range(len(msgs)))
+        assert [m.last for m in msgs] == [False] * (len(msgs) - 1) + [True]
 
 
-def _decode_to_end(d: Driver, rids: list[int], steps: int) -> None:
-    while True:
-        live = [r for r in rids if len(d.outputs.get(r, [])) < NEW and r in d.runner.seqs]
-        if not live:
-            return
-        computed = {r: d.runner.seqs[r].num_computed for r in live}
-        d.run([(r, 1) for r in live], [], steps, computed)
+def test_stop_token_inside_a_multi_step_window(worker: Worker, reference: list[int]) -> None:
+    stop = reference[5]
+    cut = reference.index(stop) + 1
+    runner = runner_like(worker)
+    d = Driver(runner)
+    d.prefill({0: PROMPT}, greedy(24, stop_token_ids=[stop]), steps=8)
+    d.prefill({1: OTHER}, greedy(10), steps=8)  # another request, in its own plans
+    d.decode_to_end(8)
+    assert d.outputs[0] == reference[:cut]  # the stop token is emitted, nothing after it
+    assert len(d.outputs[1]) == 10
+    assert runner.seqs == {}  # both forgotten once stopped
+    _check_plan_messages(d.messages)
 
 
-@pytest.mark.parametrize("steps", [1, 8])
-def test_each_prompt_alone_matches_transformers(worker: Worker, expected: list[list[int]], steps: int) -> None:
-    for rid, (prompt, want) in enumerate(zip(PROMPTS, expected, strict=True)):
-        d = Driver(worker.runner, 8)
-        d.run([(rid, len(prompt))], [NewRequest(rid, prompt, len(prompt), GREEDY)], steps)
-        _decode_to_end(d, [rid], steps)
-        assert d.outputs[rid] == want
+def test_max_tokens_and_max_model_len_stop_early(worker: Worker, reference: list[int]) -> None:
+    d = run_alone(runner_like(worker), PROMPT, greedy(5), steps=8)
+    assert d.outputs[0] == reference[:5]
+    assert [(m.step, m.last) for m in d.messages] == [(0, False), (1, False), (2, False), (3, False), (4, True)]
+    d = run_alone(runner_like(worker, max_model_len=len(PROMPT) + 3), PROMPT, greedy(24), steps=8)
+    assert d.outputs[0] == reference[:3]
 
 
-@pytest.mark.parametrize("steps", [1, 2, 16])
-def test_batched_prompts_match_transformers(worker: Worker, expected: list[list[int]], steps: int) -> None:
-    d = Driver(worker.runner, 8)
-    news = [NewRequest(i, p, len(p), GREEDY) for i, p in enumerate(PROMPTS)]
-    d.run([(i, len(p)) for i, p in enumerate(PROMPTS)], news, steps)
-    _decode_to_end(d, list(range(len(PROMPTS))), steps)
-    assert [d.outputs[i] for i in range(len(PROMPTS))] == expected
+def test_eos_stops_unless_ignored_and_only_after_min_tokens(worker: Worker, reference: list[int]) -> None:
+    eos = reference[5]
+    first = reference.index(eos)
+    stopping = SamplingParams(max_tokens=24, temperature=0.0)
+    assert run_alone(runner_like(worker, eos=[eos]), PROMPT, stopping, 8).outputs[0] == reference[: first + 1]
+    assert run_alone(runner_like(worker, eos=[eos]), PROMPT, greedy(24), 8).outputs[0] == reference
+    # Held back past its first appearance, EOS then ends the request the first time it is sampled
+    # (on the tiny model it comes back two tokens later).
+    held = SamplingParams(max_tokens=24, temperature=0.0, min_tokens=first + 2)
+    out = run_alone(runner_like(worker, eos=[eos]), PROMPT, held, 8).outputs[0]
+    assert out[:first] == reference[:first] and eos not in out[: first + 2]
+    assert eos not in out[:-1] and (out[-1] == eos or len(out) == 24)
 
 
-def test_chunked_prefill_matches_transformers(worker: Worker, expected: list[list[int]]) -> None:
-    d = Driver(worker.runner, 8)
-    chunk = 7
-    for rid, prompt in enumerate(PROMPTS):
-        done = 0
-        while done < len(prompt):
-            n = min(chunk, len(prompt) - done)
-            d.run([(rid, n)], [NewRequest(rid, prompt, len(prompt), GREEDY)] if done == 0 else [], 1, {rid: done})
-            done += n
-    _decode_to_end(d, list(range(len(PROMPTS))), 4)
-    assert [d.outputs[i] for i in range(len(PROMPTS))] == expected
+def test_plans_that_sample_nothing_still_end_with_one_last_message(worker: Worker) -> None:
+    runner = runner_like(worker)
+    (empty,) = runner.execute(StepPlan(1, [], [], [], [], num_steps=8))
+    assert (empty.rids, empty.token_ids, empty.last) == ([], [], True)
+    d = Driver(runner)
+    (chunk,) = d.plan([(0, 5)], [NewRequest(0, PROMPT, len(PROMPT), greedy(4))], steps=8)  # a partial prefill
+    assert (chunk.step, chunk.rids, chunk.last) == (0, [], True)
+    msgs = d.plan([(0, len(PROMPT) - 5)], steps=8)
+    assert [len(m.rids) for m in msgs] == [1, 1, 1, 1] and msgs[-1].last
 
 
-def test_logits_match_transformers_forward(worker: Worker, checkpoint: Path) -> None:
-    from transformers import AutoModelForCausalLM
+def test_seeded_sampling_ignores_the_batch_and_survives_recompute(worker: Worker) -> None:
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = run_alone(runner_like(worker), PROMPT, seeded, steps=4).outputs[0]
 
-    from worker.attention import AttentionMetadata
+    d = Driver(runner_like(worker))
+    noisy = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    d.plan([(0, len(PROMPT)), (1, len(OTHER)), (2, len(OTHER))],
+           [NewRequest(0, PROMPT, len(PROMPT), seeded), NewRequest(1, OTHER, len(OTHER), noisy),
+            NewRequest(2, OTHER, len(OTHER), SamplingParams(max_tokens=12, temperature=0.7, seed=5))], steps=3)
+    d.decode_to_end(3)
+    assert d.outputs[0] == alone
 
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    prompt = PROMPTS[2]
-    with torch.no_grad():
-        want = hf(torch.tensor([prompt])).logits[0]
-    runner = worker.runner
-    meta = AttentionMetadata.build(runner.cache, [list(range(8))], [0], [len(prompt)], list(range(len(prompt))),
-                                   runner.device)
-    with torch.inference_mode():
-        got = runner.model(torch.tensor(prompt), meta)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    d = Driver(runner_like(worker))
+    d.prefill({0: PROMPT}, seeded)
+    for _ in range(4):
+        d.plan([(0, 1)])
+    known = PROMPT + d.outputs[0]
+    d.plan([(0, len(known))], [NewRequest(0, known, len(PROMPT), seeded)], forget=[0])
+    d.decode_to_end(2)
+    assert d.outputs[0] == alone
 
 
-def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
-    ckpt = save_llama_checkpoint(tmp_path / "l3", seed=1, rope_scaling=scaling, max_position_embeddings=512)
-    prompts = [PROMPTS[3] * 2]  # 140 tokens: well past the original 64 positions
-    want = hf_greedy(ckpt, prompts, 16)
-    w = Worker(WorkerConfig(model=str(ckpt), num_kv_blocks=64, block_size=8))
-    d = Driver(w.runner, 8)
-    p = prompts[0]
-    d.run([(0, len(p))], [NewRequest(0, p, len(p), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))],
-          16)
-    assert d.outputs[0] == want[0]
+def test_logprobs_travel_with_their_rows(worker: Worker) -> None:
+    d = Driver(runner_like(worker))
+    d.plan([(0, len(PROMPT)), (1, len(OTHER))],
+           [NewRequest(0, PROMPT, len(PROMPT), greedy(6, logprobs=3)), NewRequest(1, OTHER, len(OTHER), greedy(6))],
+           steps=6)
+    for msg in d.messages:
+        assert msg.logprobs is not None and len(msg.logprobs) == len(msg.rids)
+        by_rid = dict(zip(msg.rids, zip(msg.token_ids, msg.logprobs, strict=True), strict=True))
+        token, entry = by_rid[0]
+        assert entry is not None and by_rid[1][1] is None
+        sampled, ids, values = entry
+        assert ids[0] == token and sampled == values[0]  # greedy: the sampled token is the top one
+        assert len(ids) == 3 and values == sorted(values, reverse=True) and values[0] <= 0.0
+    d = run_alone(runner_like(worker), PROMPT, greedy(3), steps=3)
+    assert all(m.logprobs is None for m in d.messages)
+
+
+def test_swap_out_then_in_resumes_exactly(worker: Worker, reference: list[int]) -> None:
+    runner = runner_like(worker)
+    d = Driver(runner, first_block=100)
+    d.prefill({0: PROMPT}, greedy(24))
+    for _ in range(4):
+        d.plan([(0, 1)])
+    device_blocks = d.tables[0]
+    host_blocks = list(range(len(device_blocks)))
+    swapped = runner.seqs[0]
+    known, computed = list(swapped.token_ids), swapped.num_computed
+    list(runner.execute(StepPlan(90, [], [], [], [], forget=[0],
+                                 swap_out=list(zip(device_blocks, host_blocks, strict=True)))))
+    # Another request overwrites the freed device blocks before the swapped one comes back.
+    other = Driver(runner, first_block=device_blocks[0])
+    other.prefill({1: OTHER * 3}, greedy(2))
+    new_blocks = [200 + i for i in range(len(device_blocks))]
+    resume = StepPlan(91, [NewRequest(0, known, len(PROMPT), greedy(24), num_computed=computed)], [0],
+                      [len(known) - computed], [[*new_blocks, 210, 211]], num_steps=8,
+                      swap_in=list(zip(host_blocks, new_blocks, strict=True)))
+    outputs = d.outputs[0] + [t for m in runner.execute(resume) for t in m.token_ids]
+    assert outputs == reference[: len(outputs)] and len(outputs) == 5 + 8
+
+
+def test_copy_on_write_of_a_shared_partial_block(worker: Worker) -> None:
+    """B shares A's first 10 tokens: two full blocks by reference, the third (half full) copied."""
+    runner = runner_like(worker)
+    b_prompt = [*PROMPT[:10], 33, 34, 35]
+    want = run_alone(runner, b_prompt, greedy(8)).outputs[0]
+    d = Driver(runner, first_block=300)
+    d.prefill({0: PROMPT}, greedy(24))
+    a0, a1, a2 = d.tables[0][:3]
+    plan = StepPlan(50, [NewRequest(1, b_prompt, len(b_prompt), greedy(8), num_computed=10)], [1], [3],
+                    [[a0, a1, 400, 401, 402]], num_steps=8, copy_blocks=[(a2, 400)])
+    assert [t for m in runner.execute(plan) for t in m.token_ids] == want
+
+
+def test_plans_the_runner_cannot_follow_fail_clearly(worker: Worker) -> None:
+    runner = runner_like(worker)
+    with pytest.raises(PlanError, match="unknown rid 42"):
+        list(runner.execute(StepPlan(7, [], [42], [1], [[0]])))
+    with pytest.raises(PlanError, match="beyond its 2 blocks"):
+        list(runner.execute(StepPlan(8, [NewRequest(3, PROMPT, len(PROMPT), greedy(1))], [3], [len(PROMPT)],
+                                     [[0, 1]])))
+
+
+def test_warm_up_leaves_no_state(tmp_path: Path) -> None:
+    w = Worker(WorkerConfig(model=str(materialize_tiny(tmp_path)), num_kv_blocks=8))
+    w.warm_up()
+    assert w.runner.seqs == {}

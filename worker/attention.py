@@ -8,8 +8,10 @@ The metadata of a step is built once on the host and shared by every layer:
 * ``mask[b, 1, i, j]`` — query i of sequence b may see context position j (causal, in range);
 * ``query_rows``/``query_cols`` — where each flat token sits in the padded [B, max_q] layout.
 
-A decode step is the special case max_q = 1. Positions a sequence reads were always written by
-that same sequence first, so stale data in recycled blocks is never seen.
+A decode step is the special case max_q = 1, and a prefill chunk after an already computed
+prefix is the general case: its queries start at position ``start`` and see everything before.
+Positions a sequence reads were always written by that same sequence first (in this step or an
+earlier one), so stale data in recycled blocks is never seen.
 """
 
 from __future__ import annotations
@@ -19,56 +21,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-
-@dataclasses.dataclass
-class KVCache:
-    """Per layer one key and one value tensor shaped [num_blocks * block_size, kv_heads, head_dim]
-    (a flat slot view of [num_blocks, block_size, ...])."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    block_size: int
-    num_blocks: int
-
-    @classmethod
-    def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> KVCache:
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        return cls(keys, values, block_size, num_blocks)
-
-    def _block(self, t: torch.Tensor, block: int) -> torch.Tensor:
-        return t[block * self.block_size : (block + 1) * self.block_size]
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Device-to-device copies (copy-on-write of a shared block)."""
-        for layer in (*self.keys, *self.values):
-            for src, dst in pairs:
-                self._block(layer, dst).copy_(self._block(layer, src))
-
-    def swap(self, host: KVCache, pairs: list[tuple[int, int]], to_host: bool) -> None:
-        """Copy (device block, host block) pairs out to ``host``, or (host, device) pairs back in."""
-        for dev_layer, host_layer in zip((*self.keys, *self.values), (*host.keys, *host.values), strict=True):
-            for a, b in pairs:
-                if to_host:
-                    host._block(host_layer, b).copy_(self._block(dev_layer, a), non_blocking=True)
-                else:
-                    self._block(dev_layer, b).copy_(host._block(host_layer, a), non_blocking=True)
-        if self.keys[0].is_cuda:
-            torch.cuda.current_stream(self.keys[0].device).synchronize()
-
-    def host_copy(self) -> KVCache:
-        """A cache of the same shape in host memory (pinned on CUDA): the swap space."""
-        pin = self.keys[0].is_cuda
-        make = lambda t: torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)  # noqa: E731
-        return KVCache([make(t) for t in self.keys], [make(t) for t in self.values], self.block_size, self.num_blocks)
-
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+from worker.kv_cache import KVCache
 
 
 @dataclasses.dataclass
@@ -85,13 +38,16 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, cache: KVCache, block_tables: list[list[int]], starts: list[int], lengths: list[int],
-              logits_indices: list[int], device: torch.device) -> AttentionMetadata:
-        """Sequence b computes ``lengths[b]`` tokens at positions ``starts[b]`` onwards."""
+              logits_indices: list[int], device: torch.device, sliding_window: int | None = None
+              ) -> AttentionMetadata:
+        """Sequence b computes ``lengths[b]`` (>= 1) tokens at positions ``starts[b]`` onwards,
+        reading its context through ``block_tables[b]``, which must cover them. With a sliding
+        window, a query at position i sees only positions > i - window (Mistral's rule)."""
         bs = cache.block_size
         b = len(lengths)
         max_q = max(lengths)
-        kv_lens = [s + n for s, n in zip(starts, lengths, strict=True)]
-        max_kv = max(kv_lens)
+        kv_lens = torch.tensor([s + n for s, n in zip(starts, lengths, strict=True)])
+        max_kv = int(kv_lens.max())
         max_blocks = -(-max_kv // bs)
         table = torch.zeros((b, max_blocks), dtype=torch.long)
         for i, blocks in enumerate(block_tables):
@@ -104,10 +60,12 @@ class AttentionMetadata:
         q_off = torch.arange(max_q)
         q_pos = starts_t[:, None] + q_off[None, :]  # [B, max_q]
         valid_q = q_off[None, :] < lengths_t[:, None]
-        q_pos = torch.where(valid_q, q_pos, 0)  # padded query rows look at position 0 only (no NaN)
-        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < torch.tensor(kv_lens)[:, None, None])
+        q_pos = torch.where(valid_q, q_pos, 0)  # padded query rows see position 0 only: no all-masked NaN rows
+        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < kv_lens[:, None, None])
+        if sliding_window is not None:
+            mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
         rows = torch.repeat_interleave(torch.arange(b), lengths_t)
-        cols = torch.cat([torch.arange(n) for n in lengths])
+        cols = torch.arange(rows.shape[0]) - torch.repeat_interleave(torch.cumsum(lengths_t, 0) - lengths_t, lengths_t)
         positions = starts_t[rows] + cols
         slots = gather[rows, positions]
         return cls(
@@ -126,11 +84,11 @@ class AttentionMetadata:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, layer: int,
                     scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] of this step's tokens -> attention output [T, H, D]."""
-    k_cache, v_cache = meta.cache.keys[layer], meta.cache.values[layer]
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
-    keys = k_cache[meta.gather_slots].transpose(1, 2)  # [B, KVH, max_kv, D]
-    values = v_cache[meta.gather_slots].transpose(1, 2)
+    k_slots, v_slots = meta.cache.key_slots[layer], meta.cache.value_slots[layer]
+    k_slots.index_copy_(0, meta.slot_mapping, k)
+    v_slots.index_copy_(0, meta.slot_mapping, v)
+    keys = k_slots[meta.gather_slots].transpose(1, 2)  # [B, KVH, max_kv, D]
+    values = v_slots[meta.gather_slots].transpose(1, 2)
     b = meta.gather_slots.shape[0]
     if meta.max_q == 1:
         q_pad = q.unsqueeze(1)  # decode: one token per sequence, already in batch order

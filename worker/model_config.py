@@ -71,6 +71,8 @@ class LlamaConfig:
             return f"rope scaling type {rope_type!r} is not supported (only {', '.join(SUPPORTED_ROPE_TYPES)})"
         if float(_rope_parameters(raw).get("partial_rotary_factor", 1.0)) != 1.0:
             return "partial_rotary_factor is not supported"
+        if self.architecture == "Qwen2ForCausalLM" and self.sliding_window is not None:
+            return "Qwen2 per-layer sliding window attention (use_sliding_window) is not supported"
         if self.num_heads % self.num_kv_heads:
             return f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
         return None
@@ -101,9 +103,11 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
+    """Mistral applies ``sliding_window`` in every layer when set. Qwen2 configs carry a window
+    they use only with ``use_sliding_window`` (and then per layer, which is rejected elsewhere)."""
     window = raw.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
-        return None  # Qwen2 configs carry a window they do not use unless this flag is set
+    if arch == "LlamaForCausalLM" or (arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window")):
+        return None
     return int(window) if window else None
 
 

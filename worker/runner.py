@@ -1,13 +1,15 @@
-"""ModelRunner: the worker's persistent batch state and the execution of step plans.
+"""ModelRunner: the worker's persistent per-request state and the execution of step plans.
 
-Every request the worker knows has a ``SequenceState`` (tokens so far, computed count, block
-table, sampling). A ``StepPlan`` carries only deltas; ``execute`` applies it and yields one
-``StepTokens`` per step as soon as that step's tokens are on the host.
+Every request the worker knows has a ``SequenceState``. A ``StepPlan`` carries only deltas;
+``execute`` applies it and yields one ``StepTokens`` per step as soon as that step's tokens are
+on the host, so the process can forward each step at once.
 
-Step 0 runs every row of the plan in one forward pass (prefill chunks and decodes mixed). Steps
-1..n-1 (multi-step) decode the rows that sampled, feeding each step's sampled ids — still on the
-device — into the next step. A row stops early on EOS / a stop id / max_tokens / max_model_len,
-by the same rules the scheduler applies, and emits nothing past its stop.
+Step 0 runs every row of the plan in one forward pass (prefill chunks and decodes mixed); a row
+whose tokens are then all computed samples from the logits of its last position. Steps
+1..n-1 (multi-step) decode the rows that sampled and have not stopped, feeding each step's
+sampled ids — still on the device — into the next step's input. A row stops early on EOS / a
+stop id / max_tokens / max_model_len, by the rules the scheduler applies too, emits nothing past
+its stop token, and its state is dropped.
 """
 
 from __future__ import annotations
@@ -18,73 +20,67 @@ from collections.abc import Iterator
 
 import torch
 
-from protocol.messages import SamplingParams, StepPlan, StepTokens
-from worker.attention import AttentionMetadata, KVCache
+from protocol.messages import StepPlan, StepTokens
+from worker.attention import AttentionMetadata
+from worker.host_copy import HostCopier
+from worker.kv_cache import KVCache, SwapSpace
 from worker.llama import LlamaForCausalLM
-from worker.sampler import SamplingRow, sample
+from worker.sampler import Sampler, SamplerOutput, SamplingRow
+from worker.sequence import PlanError, SequenceState
 
 
 @dataclasses.dataclass
-class SequenceState:
-    rid: int
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling: SamplingParams
-    num_computed: int = 0
-    block_table: list[int] = dataclasses.field(default_factory=list)
+class StepBatch:
+    """One forward pass: who computes which positions, and which rows then sample."""
 
-    @property
-    def num_outputs(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-
-class HostCopier:
-    """Device-to-host copy of each step's sampled ids.
-
-    On CUDA the copy goes to a pinned buffer on a side stream and is fenced by an event, so the
-    compute stream never waits for the host; ``wait`` blocks only the thread that needs the ids.
-    On the CPU the same calls degenerate to a plain copy.
-    """
-
-    def __init__(self, device: torch.device, capacity: int) -> None:
-        self.cuda = device.type == "cuda" and torch.cuda.is_available()
-        if self.cuda:
-            self.stream = torch.cuda.Stream(device=device)
-            self.pinned = torch.empty(capacity, dtype=torch.long, pin_memory=True)
-
-    def start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None, int]:
-        if not self.cuda:
-            return ids, None, 0
-        n = ids.shape[0]
-        if n > self.pinned.shape[0]:
-            self.pinned = torch.empty(n, dtype=torch.long, pin_memory=True)
-        self.stream.wait_stream(torch.cuda.current_stream(ids.device))
-        with torch.cuda.stream(self.stream):
-            self.pinned[:n].copy_(ids, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        ids.record_stream(self.stream)
-        return ids, event, n
-
-    def wait(self, handle: tuple[torch.Tensor, torch.cuda.Event | None, int]) -> list[int]:
-        ids, event, n = handle
-        if event is None:
-            return [int(t) for t in ids.tolist()]
-        event.synchronize()
-        return [int(t) for t in self.pinned[:n].tolist()]
+    input_ids: torch.Tensor  # [T] flattened tokens of every row, on the device
+    seqs: list[SequenceState]
+    starts: list[int]
+    lengths: list[int]
+    samplers: list[SequenceState]  # rows that sample, in logits order
+    logits_indices: list[int]  # flat index of each sampler's last token
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device, max_model_len: int,
-                 eos_token_ids: list[int], max_num_seqs: int = 256) -> None:
+                 eos_token_ids: list[int], max_num_seqs: int = 256, seed: int | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = device
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
+        self.sliding_window = model.config.sliding_window
         self.seqs: dict[int, SequenceState] = {}
+        self.sampler = Sampler(device, eos_token_ids, seed)
         self.copier = HostCopier(device, max_num_seqs)
-        self.host_cache: KVCache | None = None  # swap space, allocated on the first swap
+        self.swap_space = SwapSpace(cache)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> Iterator[StepTokens]:
+        """Run ``plan``; yields one ``StepTokens`` per step, exactly one of them ``last``.
+
+        ``busy_s`` counts the worker's own time for the step (input building, forward, sampling,
+        copy to host), not the time the consumer holds the generator between steps."""
+        began = time.perf_counter()
+        self._apply_deltas(plan)
+        batch = self._first_batch(plan)
+        num_steps = max(1, plan.num_steps)
+        for step in range(num_steps):
+            out = self._forward(batch) if batch is not None else None
+            if out is None or batch is None:  # nothing ran, or only prefill chunks that sample nothing
+                yield StepTokens(plan.plan_id, step, [], [], True, time.perf_counter() - began)
+                return
+            tokens = self.copier.start(out.token_ids).result()
+            logprobs = out.logprobs.to_wire(len(tokens)) if out.logprobs is not None else None
+            still = [i for i, (seq, token) in enumerate(zip(batch.samplers, tokens, strict=True))
+                     if not self._append(seq, token)]
+            last = step == num_steps - 1 or not still
+            yield StepTokens(plan.plan_id, step, [s.rid for s in batch.samplers], tokens, last,
+                             time.perf_counter() - began, logprobs)
+            if last:
+                return
+            began = time.perf_counter()
+            batch = self._decode_batch(batch, out.token_ids, still)
 
     # ------------------------------------------------------------------ plan application
 
@@ -92,89 +88,58 @@ class ModelRunner:
         for rid in plan.forget:
             self.seqs.pop(rid, None)
         for new in plan.new_requests:
-            self.seqs[new.rid] = SequenceState(new.rid, list(new.token_ids), new.num_prompt_tokens, new.sampling,
-                                               new.num_computed)
-        if plan.swap_out or plan.swap_in:
-            if self.host_cache is None:
-                self.host_cache = self.cache.host_copy()
-            if plan.swap_out:
-                self.cache.swap(self.host_cache, plan.swap_out, to_host=True)
-            if plan.swap_in:
-                self.cache.swap(self.host_cache, plan.swap_in, to_host=False)
-        if plan.copy_blocks:
-            self.cache.copy_blocks(plan.copy_blocks)
+            self.seqs[new.rid] = SequenceState.from_new(new)
+        # Block moves come before the forward pass that may read them, in the protocol's order.
+        self.swap_space.swap_out(plan.swap_out)
+        self.swap_space.swap_in(plan.swap_in)
+        self.cache.copy_blocks(plan.copy_blocks)
 
-    def _stopped(self, seq: SequenceState, token: int) -> bool:
-        p = seq.sampling
-        if token in p.stop_token_ids:
-            return True
-        if not p.ignore_eos and token in self.eos_token_ids and seq.num_outputs >= p.min_tokens:
-            return True
-        return seq.num_outputs >= p.max_tokens or len(seq.token_ids) >= self.max_model_len
-
-    # ------------------------------------------------------------------ execution
-
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> Iterator[StepTokens]:
-        self._apply_deltas(plan)
-        rows = [self.seqs[rid] for rid in plan.rids]
-        input_ids: list[int] = []
-        starts, lengths, logits_idx = [], [], []
-        sampling_rows: list[SequenceState] = []
-        for seq, n, new_blocks in zip(rows, plan.num_tokens, plan.new_block_ids, strict=True):
+    def _first_batch(self, plan: StepPlan) -> StepBatch | None:
+        if not len(plan.rids) == len(plan.num_tokens) == len(plan.new_block_ids):
+            raise PlanError(f"plan {plan.plan_id}: rids, num_tokens and new_block_ids differ in length")
+        if len(set(plan.rids)) != len(plan.rids):
+            raise PlanError(f"plan {plan.plan_id}: a request appears twice")
+        if not plan.rids:
+            return None
+        ids: list[int] = []
+        seqs, starts, samplers, logits_indices = [], [], [], []
+        for rid, n, new_blocks in zip(plan.rids, plan.num_tokens, plan.new_block_ids, strict=True):
+            seq = self.seqs.get(rid)
+            if seq is None:
+                raise PlanError(f"plan {plan.plan_id}: unknown rid {rid} (never sent, or forgotten)")
             seq.block_table.extend(new_blocks)
-            start = seq.num_computed
-            input_ids.extend(seq.token_ids[start : start + n])
+            start = seq.schedule(n, self.cache.block_size)
+            ids.extend(seq.token_ids[start : start + n])
+            seqs.append(seq)
             starts.append(start)
-            lengths.append(n)
-            seq.num_computed += n
-            if seq.num_computed == len(seq.token_ids):
-                logits_idx.append(len(input_ids) - 1)
-                sampling_rows.append(seq)
-        tokens_dev: torch.Tensor | None = None
-        active: list[SequenceState] = []
-        for step in range(plan.num_steps):
-            began = time.perf_counter()
-            if step == 0:
-                if not rows:
-                    yield StepTokens(plan.plan_id, 0, [], [], True, 0.0)
-                    return
-                ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-                tables = [s.block_table for s in rows]
-                active = sampling_rows
-            else:
-                assert tokens_dev is not None
-                ids = tokens_dev
-                starts = [s.num_computed for s in active]
-                lengths = [1] * len(active)
-                logits_idx = list(range(len(active)))
-                tables = [s.block_table for s in active]
-                for s in active:
-                    s.num_computed += 1  # this step computes the token sampled last step
-            if not active:  # only partial prefills: compute, sample nothing
-                self._forward(ids, tables, starts, lengths, [])
-                yield StepTokens(plan.plan_id, step, [], [], True, time.perf_counter() - began)
-                return
-            logits = self._forward(ids, tables, starts, lengths, logits_idx)
-            sampled = sample(logits, [SamplingRow(s.sampling, s.num_outputs, self.eos_token_ids) for s in active])
-            host = self.copier.wait(self.copier.start(sampled))
-            still: list[int] = []
-            for i, (seq, token) in enumerate(zip(active, host, strict=True)):
-                seq.token_ids.append(token)
-                if self._stopped(seq, token):
-                    self.seqs.pop(seq.rid, None)
-                else:
-                    still.append(i)
-            last = step == plan.num_steps - 1 or not still
-            yield StepTokens(plan.plan_id, step, [s.rid for s in active], host, last, time.perf_counter() - began)
-            if last:
-                return
-            if len(still) < len(active):
-                sampled = sampled[torch.tensor(still, device=self.device)]
-                active = [active[i] for i in still]
-            tokens_dev = sampled
+            if seq.fully_computed:
+                samplers.append(seq)
+                logits_indices.append(len(ids) - 1)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return StepBatch(input_ids, seqs, starts, list(plan.num_tokens), samplers, logits_indices)
 
-    def _forward(self, ids: torch.Tensor, tables: list[list[int]], starts: list[int], lengths: list[int],
-                 logits_idx: list[int]) -> torch.Tensor:
-        meta = AttentionMetadata.build(self.cache, tables, starts, lengths, logits_idx, self.device)
-        return self.model(ids, meta)
+    def _decode_batch(self, prev: StepBatch, sampled: torch.Tensor, keep: list[int]) -> StepBatch:
+        """The next multi-step step: rows ``keep`` of the previous samplers each compute the
+        token they just sampled, taken from ``sampled`` without leaving the device."""
+        seqs = [prev.samplers[i] for i in keep]
+        if len(keep) < len(prev.samplers):
+            sampled = sampled[torch.tensor(keep, device=sampled.device)]
+        starts = [seq.schedule(1, self.cache.block_size) for seq in seqs]
+        return StepBatch(sampled, seqs, starts, [1] * len(seqs), seqs, list(range(len(seqs))))
+
+    # ------------------------------------------------------------------ one step
+
+    def _forward(self, batch: StepBatch) -> SamplerOutput | None:
+        meta = AttentionMetadata.build(self.cache, [s.block_table for s in batch.seqs], batch.starts,
+                                       batch.lengths, batch.logits_indices, self.device, self.sliding_window)
+        logits = self.model(batch.input_ids, meta)
+        if not batch.samplers:
+            return None
+        return self.sampler(logits, [SamplingRow(s.sampling, s.num_outputs) for s in batch.samplers])
+
+    def _append(self, seq: SequenceState, token: int) -> bool:
+        """Record a sampled token; a request that stops with it is forgotten at once."""
+        stopped = seq.append(token, self.eos_token_ids, self.max_model_len)
+        if stopped:
+            self.seqs.pop(seq.rid, None)
+        return stopped

@@ -101,26 +101,46 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
+TINY_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json", "model.safetensors")
+
+
+def _complete(path: Path) -> bool:
+    return all((path / name).is_file() for name in TINY_FILES)
+
+
 def materialize_tiny(cache_dir: Path | None = None) -> Path:
-    """The tiny model's directory, written on first use."""
+    """The tiny model's directory under ``cache_dir`` (default ``$SLUICE_CACHE`` or
+    ``~/.cache/sluice``), written on first use.
+
+    It is written into a temporary sibling and renamed into place, so a reader never sees a
+    half-written model and concurrent first uses do not race: the loser of the rename finds the
+    winner's identical copy and discards its own.
+    """
     target = (cache_dir or default_cache_dir()) / f"tiny-{TINY_VERSION}"
-    if (target / "model.safetensors").exists():
+    if _complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():  # damaged by hand (the rename never leaves a partial one): start over
+        shutil.rmtree(target, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
-        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-        (tmp / "tokenizer_config.json").write_text(json.dumps({
-            "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": CHAT_TEMPLATE,
-        }))
-        build_byte_level_tokenizer(int(TINY_CONFIG["vocab_size"])).save(str(tmp / "tokenizer.json"))
-        save_file(_random_weights(TINY_CONFIG), str(tmp / "model.safetensors"))
+        _write(tmp)
         try:
             tmp.rename(target)
         except OSError:
-            if not (target / "model.safetensors").exists():  # lost a race to another process: fine
+            if not _complete(target):  # not a lost race: a real failure
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _write(path: Path) -> None:
+    (path / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True,
+        "chat_template": CHAT_TEMPLATE,
+    }))
+    build_byte_level_tokenizer(int(TINY_CONFIG["vocab_size"])).save(str(path / "tokenizer.json"))
+    save_file(_random_weights(TINY_CONFIG), str(path / "model.safetensors"))

@@ -1,0 +1,176 @@
+"""Model directories: the built-in tiny model, what ModelInfo reads from a directory, clear
+errors for directories that cannot load, and KV cache sizing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from protocol.config import ConfigError, WorkerConfig
+from worker.engine import Worker
+from worker.kv_cache import KVCache, SwapSpace, bytes_per_block, num_blocks_for, parse_bytes
+from worker.model_config import ModelLoadError
+from worker.tiny import TINY_FILES, materialize_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return materialize_tiny(tmp_path_factory.mktemp("cache"))
+
+
+def test_tiny_is_the_same_everywhere_and_written_once(tiny: Path, tmp_path: Path) -> None:
+    again = materialize_tiny(tmp_path)
+    for name in TINY_FILES:
+        assert (again / name).read_bytes() == (tiny / name).read_bytes(), name
+    stamp = (again / "model.safetensors").stat().st_mtime_ns
+    assert materialize_tiny(tmp_path) == again and (again / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-v1"]  # no temporary directory left behind
+
+
+def test_tiny_is_a_small_llama_with_a_byte_level_tokenizer(tiny: Path) -> None:
+    cfg = json.loads((tiny / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["num_key_value_heads"] < cfg["num_attention_heads"] and cfg["max_position_embeddings"] == 8192
+    tok = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    assert tok.get_vocab_size() == cfg["vocab_size"] == 512
+    assert [tok.token_to_id(t) for t in ("<unk>", "<s>", "</s>")] == [0, 1, 2]
+    for text in ("Héllo, 日本語 🦊!", "The quick brown fox", " leading spaces\tand tabs\n"):
+        assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text
+    w = Worker(WorkerConfig(model=str(tiny), num_kv_blocks=16))
+    assert 2_000_000 < sum(p.numel() for p in w.runner.model.parameters()) < 10_000_000
+    info = w.info
+    assert (info.bos_token_id, info.eos_token_ids, info.add_bos_token) == (1, [2], True)
+    assert info.vocab_size == 512 and info.max_model_len == 8192 and info.chat_template
+    assert (info.num_kv_blocks, info.block_size) == (16, 16) and info.name == str(tiny)
+
+
+def _model_dir(tiny: Path, tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    shutil.copytree(tiny, d)
+    return d
+
+
+def _edit_json(path: Path, **changes: object) -> None:
+    raw = json.loads(path.read_text())
+    raw.update(changes)
+    path.write_text(json.dumps({k: v for k, v in raw.items() if v is not ...}))
+
+
+def _arch(d: Path) -> None:
+    _edit_json(d / "config.json", architectures=["GPT2LMHeadModel"])
+
+
+def _no_weights(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+
+
+def _shape(d: Path) -> None:
+    _edit_json(d / "config.json", intermediate_size=512)
+
+
+def _rope(d: Path) -> None:
+    _edit_json(d / "config.json", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+
+
+def _act(d: Path) -> None:
+    _edit_json(d / "config.json", hidden_act="gelu")
+
+
+def _no_config(d: Path) -> None:
+    (d / "config.json").unlink()
+
+
+def _no_tokenizer(d: Path) -> None:
+    (d / "tokenizer.json").unlink()
+
+
+def _missing_shard(d: Path) -> None:
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    names = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+             "lm_head.weight": "model-00002-of-00002.safetensors"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+
+
+def _too_long(d: Path) -> None:
+    _edit_json(d / "config.json", max_position_embeddings=64)
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (_arch, r"config\.json: unsupported architecture \['GPT2LMHeadModel'\]"),
+    (_no_weights, r"model: no \*\.safetensors weights found"),
+    (_shape, r"model\.safetensors: tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape"),
+    (_rope, r"config\.json: rope scaling type 'yarn' is not supported"),
+    (_act, r"config\.json: hidden_act 'gelu' is not supported"),
+    (_no_config, r"config\.json: missing"),
+    (_no_tokenizer, r"tokenizer\.json: missing"),
+    (_missing_shard, r"model-00002-of-00002\.safetensors: listed in model\.safetensors\.index\.json but missing"),
+    (_too_long, r"config\.json: --max-model-len 128 exceeds the model's max_position_embeddings 64"),
+])
+def test_a_model_that_cannot_load_fails_with_one_clear_line(tiny: Path, tmp_path: Path,
+                                                            damage: Callable[[Path], None], message: str) -> None:
+    d = _model_dir(tiny, tmp_path)
+    damage(d)
+    with pytest.raises(ModelLoadError, match=message) as err:
+        Worker(WorkerConfig(model=str(d), num_kv_blocks=4, max_model_len=128))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("tokenizer_config", "bos", "add_bos"), [
+    ({"bos_token": "<s>", "add_bos_token": False}, 1, False),  # explicit wins
+    ({"bos_token": None}, None, False),  # Qwen2 style: no BOS at all
+    ({"bos_token": "<s>", "tokenizer_class": "GPT2Tokenizer"}, 1, False),  # byte-level: adds nothing
+    ({"bos_token": "<s>", "tokenizer_class": "LlamaTokenizerFast"}, 1, True),  # sentencepiece Llama: adds BOS
+    ({}, 1, False),  # only config.json's bos_token_id, and a tokenizer that adds nothing
+])
+def test_bos_follows_what_transformers_would_do(tiny: Path, tmp_path: Path, tokenizer_config: dict[str, object],
+                                                bos: int | None, add_bos: bool) -> None:
+    d = _model_dir(tiny, tmp_path)
+    (d / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    info = Worker(WorkerConfig(model=str(d), num_kv_blocks=4)).info
+    assert (info.bos_token_id, info.add_bos_token, info.chat_template) == (bos, add_bos, None)
+
+
+def test_eos_ids_come_from_generation_config_then_config(tiny: Path, tmp_path: Path) -> None:
+    d = _model_dir(tiny, tmp_path)
+    _edit_json(d / "generation_config.json", eos_token_id=[2, 5])
+    assert Worker(WorkerConfig(model=str(d), num_kv_blocks=4)).info.eos_token_ids == [2, 5]
+    (d / "generation_config.json").unlink()
+    _edit_json(d / "config.json", eos_token_id=7)
+    assert Worker(WorkerConfig(model=str(d), num_kv_blocks=4)).info.eos_token_ids == [7]
+
+
+def test_kv_cache_size_from_flags() -> None:
+    assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("2GiB") == 2 << 30 and parse_bytes("1000") == 1000
+    with pytest.raises(ConfigError, match="--kv-cache-memory"):
+        parse_bytes("lots")
+    per_block = bytes_per_block(4, 16, 2, 32, torch.float32)
+    assert per_block == 2 * 4 * 16 * 2 * 32 * 4
+    cpu = torch.device("cpu")
+    assert num_blocks_for(WorkerConfig(num_kv_blocks=7, kv_cache_memory="1MiB"), per_block, cpu) == 7
+    assert num_blocks_for(WorkerConfig(kv_cache_memory="1MiB"), per_block, cpu) == (1 << 20) // per_block
+    auto = num_blocks_for(WorkerConfig(), per_block, cpu)
+    assert 0 < auto * per_block <= 2 << 30
+    with pytest.raises(ConfigError, match="hold no KV block"):
+        num_blocks_for(WorkerConfig(kv_cache_memory="1KiB"), per_block, cpu)
+
+
+def test_swap_space_grows_on_demand_and_keeps_what_it_holds() -> None:
+    cache = KVCache(2, 32, 4, 2, 8, torch.float32, torch.device("cpu"))
+    for i, layer in enumerate(cache.layers):
+        layer.copy_(torch.arange(layer.numel(), dtype=torch.float32).view_as(layer) + 1000 * i)
+    want = [layer.clone() for layer in cache.layers]
+    swap = SwapSpace(cache)
+    swap.swap_out([(3, 0)])
+    swap.swap_out([(7, 20), (9, 5)])  # grows past its first allocation
+    assert swap.host is not None and swap.host.num_blocks == 21
+    for layer in cache.layers:
+        layer.zero_()
+    swap.swap_in([(0, 11), (20, 12), (5, 13)])
+    for got, before in zip(cache.layers, want, strict=True):
+        assert torch.equal(got[11], before[3]) and torch.equal(got[12], before[7]) and torch.equal(got[13], before[9])

@@ -1,0 +1,114 @@
+"""The sampler alone, on hand-made logits: greedy, top-k, top-p, temperature, seeds,
+min_tokens, and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from protocol.messages import SamplingParams
+from worker.sampler import Sampler, SamplingRow, seed_for
+
+CPU = torch.device("cpu")
+EOS = 2
+
+
+def sampler(seed: int = 0) -> Sampler:
+    return Sampler(CPU, [EOS], seed=seed)
+
+
+def rows(*params: SamplingParams, outputs: int = 0) -> list[SamplingRow]:
+    return [SamplingRow(p, outputs) for p in params]
+
+
+def random_logits(b: int, v: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(b, v, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_top_k_1_and_tiny_temperature_are_argmax() -> None:
+    logits = random_logits(6, 50)
+    want = logits.argmax(-1).tolist()
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=1),
+                   SamplingParams(temperature=1e-7)):
+        assert sampler()(logits, rows(*[params] * 6)).token_ids.tolist() == want
+
+
+def test_greedy_and_random_rows_mix_in_one_batch() -> None:
+    logits = random_logits(4, 50)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 2
+    out = sampler()(logits, rows(*params)).token_ids
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+def test_logits_are_not_modified() -> None:
+    logits = random_logits(2, 20)
+    before = logits.clone()
+    sampler()(logits, rows(SamplingParams(temperature=0.5, top_k=3, top_p=0.5, min_tokens=2, logprobs=2),
+                            SamplingParams(temperature=0.0, min_tokens=1)))
+    assert torch.equal(logits, before)
+
+
+def test_temperature_sampling_follows_the_distribution() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    logits = probs.log().expand(4000, 4).clone()
+    out = sampler()(logits, rows(*[SamplingParams(temperature=1.0)] * 4000)).token_ids
+    freq = torch.bincount(out, minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03) and freq[3] == 0
+
+
+def test_top_k_and_top_p_keep_only_the_head() -> None:
+    logits = torch.tensor([[5.0, 4.9, 4.8, -5.0, -6.0]]).expand(300, 5).clone()
+    top_k = sampler()(logits, rows(*[SamplingParams(temperature=1.0, top_k=2)] * 300)).token_ids
+    assert set(top_k.tolist()) == {0, 1}
+    top_p = sampler()(logits, rows(*[SamplingParams(temperature=1.0, top_p=0.5)] * 300)).token_ids
+    assert set(top_p.tolist()) == {0, 1}  # 0 alone holds < 0.5 of the mass; 0 and 1 hold more
+    nucleus = sampler()(logits[:50], rows(*[SamplingParams(temperature=1.0, top_p=0.01)] * 50)).token_ids
+    assert set(nucleus.tolist()) == {0}  # the most likely token always survives
+
+
+def test_seeded_rows_do_not_depend_on_the_batch_or_the_shared_generator() -> None:
+    logits = random_logits(6, 100, seed=1)
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    for index in range(20):
+        alone = sampler(seed=0)(logits[2:3], rows(seeded, outputs=index)).token_ids
+        others = [SamplingParams(temperature=1.0)] * 2 + [seeded] + [SamplingParams(temperature=0.5, top_p=0.5)] * 3
+        batched = sampler(seed=99)(logits, rows(*others, outputs=index)).token_ids
+        assert batched[2] == alone[0]
+    draws = {int(sampler()(logits[2:3], rows(seeded, outputs=i)).token_ids) for i in range(30)}
+    assert len(draws) > 1  # each output index draws afresh
+
+
+def test_seed_mix_separates_neighbouring_seeds_and_indices() -> None:
+    seeds = {seed_for(s, i) for s in range(-20, 30) for i in range(50)}
+    assert len(seeds) == 50 * 50 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
+    logits = torch.zeros(1, 10)
+    logits[0, EOS] = 10.0
+    logits[0, 7] = 9.0
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7])
+    assert int(sampler()(logits, rows(params, outputs=2)).token_ids) not in (EOS, 7)
+    assert int(sampler()(logits, rows(params, outputs=3)).token_ids) == EOS
+    ignoring = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7], ignore_eos=True)
+    assert int(sampler()(logits, rows(ignoring, outputs=0)).token_ids) == EOS  # EOS is no stop here
+
+
+def test_logprobs_are_the_raw_model_distribution() -> None:
+    logits = random_logits(3, 30, seed=2)
+    params = [SamplingParams(temperature=0.7, logprobs=4, min_tokens=5),  # the ban does not change them
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logprobs=0)]
+    out = sampler()(logits, rows(*params))
+    assert out.logprobs is not None
+    wire = out.logprobs.to_wire(3)
+    raw = logits.log_softmax(-1)
+    first, second, third = wire
+    assert first is not None and second is None and third is not None
+    sampled, ids, values = first
+    assert math.isclose(sampled, float(raw[0, int(out.token_ids[0])]), rel_tol=1e-6)
+    assert ids == raw[0].topk(4).indices.tolist()
+    assert torch.allclose(torch.tensor(values), raw[0].topk(4).values)
+    assert third[1:] == ([], []) and math.isclose(third[0], float(raw[2].max()), rel_tol=1e-6)
+    assert sampler()(logits, rows(SamplingParams(temperature=0.0))).logprobs is None

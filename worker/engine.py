@@ -1,0 +1,56 @@
+"""A ready-to-run worker, built from a ``WorkerConfig``: the model loaded, the KV cache sized and
+allocated, the runner, and the ``ModelInfo`` to announce. No sockets: tests and benchmarks
+drive ``Worker(config).runner`` in-process, exactly as the process loop does."""
+
+from __future__ import annotations
+
+import logging
+
+from protocol.config import WorkerConfig
+from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
+from worker.kv_cache import KVCache, bytes_per_block, num_blocks_for
+from worker.loader import load_model, resolve_device, resolve_dtype, resolve_max_model_len, resolve_model_dir
+from worker.model_config import LlamaConfig
+from worker.model_info import build_model_info
+from worker.runner import ModelRunner
+
+log = logging.getLogger("sluice.worker")
+
+WARMUP_RID = -1  # rids the frontend assigns are >= 0
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        model_dir = resolve_model_dir(config.model)
+        cfg = LlamaConfig.from_file(model_dir / "config.json")
+        self.max_model_len = resolve_max_model_len(cfg, config.max_model_len, model_dir / "config.json")
+        dtype = resolve_dtype(config.dtype, self.device)
+        model = load_model(model_dir, cfg, dtype, self.device, max_positions=self.max_model_len)
+        log.info("loaded %s (%s, %.1fM parameters) on %s as %s", model_dir, cfg.architecture,
+                 sum(p.numel() for p in model.parameters()) / 1e6, self.device, str(dtype).removeprefix("torch."))
+        per_block = bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        num_blocks = num_blocks_for(config, per_block, self.device)
+        cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
+                        self.device)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %d bytes (%.1f MiB)", num_blocks, config.block_size,
+                 num_blocks * config.block_size, cache.nbytes, cache.nbytes / 2**20)
+        self.info: ModelInfo = build_model_info(
+            model_dir, cfg, name=config.served_model_name or config.model, max_model_len=self.max_model_len,
+            num_kv_blocks=num_blocks, block_size=config.block_size,
+        )
+        # The host-copy buffer is sized for the most rows a step can have.
+        self.runner = ModelRunner(model, cache, self.device, self.max_model_len, self.info.eos_token_ids,
+                                  config.max_num_seqs)
+
+    def warm_up(self) -> None:
+        """One small forward and sample, so the first request does not pay for lazy
+        initialisation. It writes into block 0, which no request holds yet; a request always
+        writes a position before it reads it."""
+        n = max(1, min(self.config.block_size, self.max_model_len - 1, 8))
+        greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        plan = StepPlan(-1, [NewRequest(WARMUP_RID, list(range(1, n + 1)), n, greedy)], [WARMUP_RID], [n], [[0]])
+        for _ in self.runner.execute(plan):
+            pass
+        self.runner.seqs.pop(WARMUP_RID, None)

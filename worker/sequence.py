@@ -1,0 +1,62 @@
+"""The worker's record of one request: what it knows, what it has computed, where its KV lives.
+
+Created from a ``NewRequest`` (the prompt, or everything known after a preemption) and changed
+only through the methods here, following the scheduler's plans. The stop rules are the
+scheduler's own (``scheduler/request.py``): both sides must agree on when a request ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from protocol.messages import NewRequest, SamplingParams
+
+
+class PlanError(RuntimeError):
+    """A plan the worker cannot follow (unknown request, blocks that do not cover the tokens):
+    a scheduler bug, reported as one line rather than as silently wrong attention."""
+
+
+@dataclasses.dataclass
+class SequenceState:
+    rid: int
+    token_ids: list[int]  # prompt + outputs so far
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    num_computed: int = 0  # tokens whose KV is in the cache
+    block_table: list[int] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def from_new(cls, new: NewRequest) -> SequenceState:
+        return cls(new.rid, list(new.token_ids), new.num_prompt_tokens, new.sampling, new.num_computed)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def fully_computed(self) -> bool:
+        """Every known token has its KV: the next forward's last logits sample a new token."""
+        return self.num_computed == len(self.token_ids)
+
+    def schedule(self, num_tokens: int, block_size: int) -> int:
+        """Claim the next ``num_tokens`` tokens for computation; returns their first position."""
+        start = self.num_computed
+        end = start + num_tokens
+        if num_tokens < 1 or end > len(self.token_ids):
+            raise PlanError(f"rid {self.rid}: cannot compute {num_tokens} tokens from position {start} "
+                            f"of {len(self.token_ids)} known")
+        if end > len(self.block_table) * block_size:
+            raise PlanError(f"rid {self.rid}: position {end - 1} lies beyond its {len(self.block_table)} blocks")
+        self.num_computed = end
+        return start
+
+    def append(self, token: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> bool:
+        """Add a sampled token; True when the request stops with it (the token itself counts)."""
+        self.token_ids.append(token)
+        p = self.sampling
+        if token in p.stop_token_ids:
+            return True
+        if not p.ignore_eos and token in eos_token_ids and self.num_outputs >= p.min_tokens:
+            return True
+        return self.num_outputs >= p.max_tokens or len(self.token_ids) >= max_model_len
