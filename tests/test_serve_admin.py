@@ -108,7 +108,11 @@ def test_server_pause_stops_decoding_and_resume_continues(server: SluiceServer) 
     def output() -> int:
         return int(httpx.get(f"{server.url}/admin/requests/{bg.request_id}", headers=AUTH).json()["output_tokens"])
 
-    wait_for(lambda: httpx.get(f"{server.url}/admin/stats", headers=AUTH).json()["server_paused"])
+    def quiet() -> bool:  # paused, and the multi-step window in flight has ended
+        stats = httpx.get(f"{server.url}/admin/stats", headers=AUTH).json()
+        return bool(stats["server_paused"]) and stats["plan_in_flight"] is None
+
+    wait_for(quiet)
     frozen = output()
     time.sleep(0.5)
     assert output() == frozen
@@ -134,9 +138,10 @@ def test_metrics_parse_and_counters_move(server: SluiceServer) -> None:
 
     async def load() -> None:
         async with httpx.AsyncClient(timeout=60) as c:
-            await asyncio.gather(*(c.post(f"{server.url}/v1/completions",
-                                          json={"prompt": prompt, "max_tokens": 8, "ignore_eos": True})
-                                   for _ in range(4)))
+            body = {"prompt": prompt, "max_tokens": 8, "ignore_eos": True}
+            await c.post(f"{server.url}/v1/completions", json=body)  # its full blocks get cached...
+            await asyncio.gather(*(c.post(f"{server.url}/v1/completions", json=body)  # ...and hit
+                                   for _ in range(3)))
 
     asyncio.run(load())
     time.sleep(1.2)  # scheduler gauges/counters arrive with the next pings
