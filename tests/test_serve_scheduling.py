@@ -151,7 +151,11 @@ def test_cut_in_runs_next_and_everyone_keeps_their_output(tmp_path_factory: pyte
                     return out["choices"][0]["token_ids"]
 
                 long_task = asyncio.create_task(run("long", long_prompt, 0))
-                await asyncio.sleep(0.3)
+                for _ in range(200):  # wait until the long one holds the only seat
+                    running = (await client.get(f"{url}/admin/requests", headers=AUTH)).json()["data"]
+                    if any(r["state"] == "running" for r in running):
+                        break
+                    await asyncio.sleep(0.01)
                 short_task = asyncio.create_task(run("short", short_prompt, 5))
                 listing: list[dict] = []
                 for _ in range(200):
