@@ -26,6 +26,7 @@ from protocol.messages import (
     Finish,
     FinishReason,
     FrontendMessage,
+    Logprob,
     ModelInfo,
     Ping,
     Pong,
@@ -41,7 +42,6 @@ PING_INTERVAL_S = 0.5
 # The scheduler answers pings within milliseconds when alive; this much silence means it is not.
 SCHEDULER_TIMEOUT_S = 5.0
 
-Logprob = tuple[float, list[int], list[float]] | None
 
 
 class RequestStream:

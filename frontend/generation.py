@@ -13,10 +13,10 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 
-from frontend.engine_client import EngineClient, Logprob, RequestStream
+from frontend.engine_client import EngineClient, RequestStream
 from frontend.metrics import Metrics
 from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopStringMatcher
-from protocol.messages import AddRequest, FinishReason
+from protocol.messages import AddRequest, FinishReason, Logprob
 
 
 @dataclasses.dataclass(slots=True)

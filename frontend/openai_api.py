@@ -23,7 +23,7 @@ from frontend.generation import Delta, Generation
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, message_text
 from frontend.state import AppState
 from frontend.tokenizer import ChatTemplateError, ModelTokenizer
-from protocol.messages import AddRequest, FinishReason, SamplingParams
+from protocol.messages import AddRequest, FinishReason, Logprob, SamplingParams
 
 _json = msgspec.json.Encoder()
 SSE_DONE = b"data: [DONE]\n\n"
@@ -89,8 +89,6 @@ def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens
         raise bad_request("n > 1 is not supported yet; send several requests instead", "n")
     if body.presence_penalty or body.frequency_penalty:
         raise bad_request("presence_penalty and frequency_penalty are not supported yet", "presence_penalty")
-    if logprobs is not None:
-        raise bad_request("logprobs are not supported yet", "logprobs")
     stop_ids = body.stop_token_ids or []
     _check_token_ids(stop_ids, model.vocab_size, "stop_token_ids")
     return SamplingParams(
@@ -102,6 +100,7 @@ def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens
         seed=body.seed,
         stop_token_ids=stop_ids,
         ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
     )
 
 
@@ -128,10 +127,10 @@ async def _run(
     sampling: SamplingParams,
     request_id: str,
     chunk: Callable[[Delta, bool], dict[str, Any] | None],
-    final: Callable[[str, str, Any, list[int]], dict[str, Any]],
+    final: Callable[[str, str, Any, list[int], list[Logprob]], dict[str, Any]],
 ) -> Response:
     """Shared by both endpoints: ``chunk(delta, first)`` makes one SSE chunk body (or None to
-    send nothing), ``final(text, finish_reason, usage, token_ids)`` the non-streaming body."""
+    send nothing), ``final(text, finish_reason, usage, token_ids, logprobs)`` the non-streaming body."""
     _check_capacity(state)
     add = AddRequest(
         rid=state.client.next_rid(),
@@ -151,8 +150,8 @@ async def _run(
             media_type="text/event-stream",
             headers={"X-Request-Id": request_id, "Cache-Control": "no-cache"},
         )
-    text, reason, token_ids = await _collect_unless_disconnected(request, gen)
-    return _json_response(final(text, reason, gen.usage.as_dict(), token_ids), request_id)
+    text, reason, token_ids, entries = await _collect_unless_disconnected(request, gen)
+    return _json_response(final(text, reason, gen.usage.as_dict(), token_ids, entries), request_id)
 
 
 async def _stream(gen: Generation, chunk: Callable[[Delta, bool], dict[str, Any] | None],
@@ -173,21 +172,23 @@ async def _stream(gen: Generation, chunk: Callable[[Delta, bool], dict[str, Any]
     yield SSE_DONE
 
 
-async def _collect(gen: Generation) -> tuple[str, str, list[int]]:
+async def _collect(gen: Generation) -> tuple[str, str, list[int], list[Logprob]]:
     parts: list[str] = []
     token_ids: list[int] = []
+    entries: list[Logprob] = []
     reason = FinishReason.ABORT
     async for delta in gen.deltas():
         if delta.error is not None:
             raise APIError(503, delta.error, code="engine_error")
         parts.append(delta.text)
         token_ids += delta.token_ids
+        entries += delta.logprobs
         if delta.finish_reason is not None:
             reason = delta.finish_reason
-    return "".join(parts), reason, token_ids
+    return "".join(parts), reason, token_ids, entries
 
 
-async def _collect_unless_disconnected(request: Request, gen: Generation) -> tuple[str, str, list[int]]:
+async def _collect_unless_disconnected(request: Request, gen: Generation) -> tuple[str, str, list[int], list[Logprob]]:
     """Collect the answer, but give up (aborting the request) if the client disconnects."""
     collect = asyncio.ensure_future(_collect(gen))
     disconnect = asyncio.ensure_future(_wait_disconnect(request))
@@ -236,8 +237,24 @@ async def completions(request: Request) -> Response:
     created = int(time.time())
     model = state.model_name
 
+    offset = [0]  # text offset of the next token, for logprobs
+
+    def completion_logprobs(delta_ids: list[int], entries: list[Logprob], texts: list[str]) -> dict[str, Any] | None:
+        if body.logprobs is None or not delta_ids:
+            return None
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, entry, text in zip(delta_ids, entries, texts, strict=True):
+            out["tokens"].append(tokenizer.token_str(tid))
+            out["token_logprobs"].append(entry[0] if entry else None)
+            out["top_logprobs"].append({tokenizer.token_str(t): lp
+                                        for t, lp in zip(entry[1], entry[2], strict=True)} if entry else None)
+            out["text_offset"].append(offset[0])
+            offset[0] += len(text)
+        return out
+
     def chunk(delta: Delta, first: bool) -> dict[str, Any]:
-        choice = {"index": 0, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
+        choice = {"index": 0, "text": delta.text, "finish_reason": delta.finish_reason,
+                  "logprobs": completion_logprobs(delta.token_ids, delta.logprobs, [delta.text])}
         if body.return_token_ids:
             choice["token_ids"] = delta.token_ids
             if first:
@@ -245,8 +262,10 @@ async def completions(request: Request) -> Response:
         return {"id": request_id, "object": "text_completion", "created": created, "model": model,
                 "choices": [choice]}
 
-    def final(text: str, reason: str, usage: Any, token_ids: list[int]) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    def final(text: str, reason: str, usage: Any, token_ids: list[int], entries: list[Logprob]) -> dict[str, Any]:
+        texts = [tokenizer.decode([t]) for t in token_ids]
+        choice = {"index": 0, "text": text, "finish_reason": reason,
+                  "logprobs": completion_logprobs(token_ids, entries, texts)}
         if body.return_token_ids:
             choice.update(token_ids=token_ids, prompt_token_ids=prompt_ids)
         return {"id": request_id, "object": "text_completion", "created": created, "model": model,
@@ -267,23 +286,39 @@ async def chat_completions(request: Request) -> Response:
     except (ValueError, ChatTemplateError) as e:
         raise bad_request(str(e), "messages") from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    top_logprobs = body.top_logprobs if body.logprobs else None
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sampling = _sampling(state, body, len(prompt_ids), max_tokens, top_logprobs, default_max_tokens=None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = state.model_name
+
+    def chat_logprobs(delta_ids: list[int], entries: list[Logprob]) -> dict[str, Any] | None:
+        if top_logprobs is None or not delta_ids:
+            return None
+
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            text = tokenizer.token_str(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = []
+        for tid, entry in zip(delta_ids, entries, strict=True):
+            if entry is None:
+                continue
+            content.append(item(tid, entry[0]) | {
+                "top_logprobs": [item(t, lp) for t, lp in zip(entry[1], entry[2], strict=True)]})
+        return {"content": content}
 
     def chunk(delta: Delta, first: bool) -> dict[str, Any]:
         message: dict[str, Any] = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         if first:
             message = {"role": "assistant", "content": delta.text}
         return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": message, "logprobs": None,
+                "choices": [{"index": 0, "delta": message, "logprobs": chat_logprobs(delta.token_ids, delta.logprobs),
                              "finish_reason": delta.finish_reason}]}
 
-    def final(text: str, reason: str, usage: Any, token_ids: list[int]) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": reason}
+    def final(text: str, reason: str, usage: Any, token_ids: list[int], entries: list[Logprob]) -> dict[str, Any]:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": chat_logprobs(token_ids, entries), "finish_reason": reason}
         if body.return_token_ids:
             choice.update(token_ids=token_ids, prompt_token_ids=prompt_ids)
         return {"id": request_id, "object": "chat.completion", "created": created, "model": model,

@@ -83,6 +83,14 @@ class ModelTokenizer:
             ids.insert(0, bos)
         return ids
 
+    def token_str(self, token_id: int) -> str:
+        """A token's text for logprobs: decoded, or its vocabulary entry when it is only part of
+        a character (decoding would give U+FFFD, the same for many tokens)."""
+        text: str = self._tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            return self._tok.id_to_token(token_id) or text
+        return text
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text: str = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         return text

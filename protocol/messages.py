@@ -59,6 +59,10 @@ class Finish(msgspec.Struct, array_like=True, frozen=True):
     preemptions: int = 0
 
 
+# One sampled token's logprobs: (its logprob, top-k token ids, their logprobs); None when the
+# request did not ask.
+Logprob = tuple[float, list[int], list[float]] | None
+
 # --------------------------------------------------------------------------------------------
 # frontend -> scheduler
 
@@ -154,7 +158,7 @@ class TokenBatch(msgspec.Struct, tag=True, array_like=True):
     rids: list[int]
     token_ids: list[int]
     finished: list[Finish] = []
-    logprobs: list[tuple[float, list[int], list[float]] | None] | None = None
+    logprobs: list[Logprob] | None = None
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
@@ -265,7 +269,7 @@ class StepTokens(msgspec.Struct, tag=True, array_like=True):
     token_ids: list[int]
     last: bool
     busy_s: float = 0.0
-    logprobs: list[tuple[float, list[int], list[float]] | None] | None = None
+    logprobs: list[Logprob] | None = None
 
 
 class WorkerReady(msgspec.Struct, tag=True, array_like=True):

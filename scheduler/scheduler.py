@@ -31,7 +31,16 @@ import time
 from collections.abc import Callable
 
 from protocol.config import SchedulerConfig
-from protocol.messages import AddRequest, Finish, FinishReason, NewRequest, StepPlan, StepTokens, TokenBatch
+from protocol.messages import (
+    AddRequest,
+    Finish,
+    FinishReason,
+    Logprob,
+    NewRequest,
+    StepPlan,
+    StepTokens,
+    TokenBatch,
+)
 from scheduler.block_pool import BlockPool
 from scheduler.queues import make_queue
 from scheduler.request import Request, Status
@@ -434,7 +443,8 @@ class Scheduler:
 
     def update(self, out: StepTokens) -> TokenBatch:
         rids, tokens, finished = [], [], []
-        for rid, token in zip(out.rids, out.token_ids, strict=True):
+        logprobs: list[Logprob] = []
+        for i, (rid, token) in enumerate(zip(out.rids, out.token_ids, strict=True)):
             req = self.requests.get(rid)
             if req is None or req.status is not Status.RUNNING:
                 continue  # finished or preempted while the plan ran: its tokens are void
@@ -445,11 +455,12 @@ class Scheduler:
             req.append_token(token)
             rids.append(rid)
             tokens.append(token)
+            logprobs.append(out.logprobs[i] if out.logprobs else None)
             reason = req.check_stop(self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 self.running.remove(req)
                 finished.append(self._finish(req, reason))
-        return TokenBatch(rids, tokens, finished)
+        return TokenBatch(rids, tokens, finished, logprobs if out.logprobs else None)
 
     # ------------------------------------------------------------------ helpers
 

@@ -186,3 +186,28 @@ def test_every_kv_block_is_free_after_finished_aborted_and_disconnected(server: 
         asyncio.run(asyncio.sleep(0.1))
     assert stats["running"] == 0 and stats["waiting"] == 0, stats
     assert stats["kv_blocks_used"] == 0, stats
+
+
+def test_logprobs_completion_and_chat(server: SluiceServer) -> None:
+    r = complete(server, prompt="The fox", max_tokens=5, temperature=0, ignore_eos=True, logprobs=3,
+                 return_token_ids=True).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    for sampled, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert len(top) == 3 and sampled <= 0.0
+        assert abs(sampled - max(top.values())) < 1e-5  # greedy: the sampled token is the top one
+    assert lp["text_offset"][0] == 0
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert content is not None and len(content) == 4
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0.0 for c in content)
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=4, temperature=0, logprobs=True, stream=True,
+                                            extra_body={"ignore_eos": True})
+    streamed = [c for chunk in stream for c in (chunk.choices[0].logprobs.content or [])
+                if chunk.choices and chunk.choices[0].logprobs]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
