@@ -61,11 +61,20 @@ class _Step:
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    _rids: set[int] = dataclasses.field(default_factory=set)  # O(1) membership on the hot path
+
+    def add(self, req: Request, num_tokens: int) -> None:
+        self.rows.append(_Row(req, num_tokens))
+        self._rids.add(req.rid)
+        self.budget -= num_tokens
 
     def has(self, req: Request) -> bool:
-        return any(row.req is req for row in self.rows)
+        return req.rid in self._rids
 
     def drop(self, req: Request) -> None:
+        if req.rid not in self._rids:
+            return
+        self._rids.discard(req.rid)
         for i, row in enumerate(self.rows):
             if row.req is req:
                 self.budget += row.num_tokens
@@ -247,8 +256,7 @@ class Scheduler:
             self._preempt(req, step)
             return
         req.blocks.extend(self.pool.allocate(max(0, need)))
-        step.rows.append(_Row(req, n))
-        step.budget -= n
+        step.add(req, n)
 
     def _prefill_share(self, budget: int, num_running_prefills: int) -> int:
         """Most tokens one prompt may take this step (seed 000: split across k prompts)."""
@@ -318,8 +326,7 @@ class Scheduler:
             req.scheduled_at = time.time()
         req.status = Status.RUNNING
         bisect.insort(self.running, req, key=self.key)
-        step.rows.append(_Row(req, n))
-        step.budget -= n
+        step.add(req, n)
         return True
 
     # ------------------------------------------------------------------ making room
