@@ -51,6 +51,9 @@ class SchedulerConfig:
         _positive("--min-concurrent-prefills", self.min_concurrent_prefills)
         _positive("--num-scheduler-steps", self.num_scheduler_steps)
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            # The flag and the per-rank wiring exist; sharded layers and a plan fan-out do not yet.
+            raise ConfigError("--tensor-parallel-size > 1 is not supported yet; use 1")
         if self.long_prefill_threshold < 0:
             raise ConfigError("--long-prefill-threshold must be >= 0 (0 turns it off)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -81,6 +84,9 @@ class WorkerConfig:
         _positive("--num-kv-blocks", self.num_kv_blocks, allow_none=True)
         _positive("--max-model-len", self.max_model_len, allow_none=True)
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            # The flag and the per-rank wiring exist; sharded layers and a plan fan-out do not yet.
+            raise ConfigError("--tensor-parallel-size > 1 is not supported yet; use 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError("--dtype must be auto, float32, bfloat16 or float16")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
