@@ -246,11 +246,21 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True):
     copy_blocks: list[tuple[int, int]] = []  # (src, dst) device blocks: copy-on-write
 
 
+class CancelRows(msgspec.Struct, tag=True, array_like=True):
+    """Stop computing ``rids`` in plan ``plan_id`` from the next step boundary the worker reaches
+    (an abort or a pause arrived mid-plan). Tokens already sampled are still reported; the
+    worker keeps the rows' state unless ``forget`` (an abort: the state is dropped at once)."""
+
+    plan_id: int
+    rids: list[int]
+    forget: bool = False
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-WorkerCommand = StepPlan | Shutdown
+WorkerCommand = StepPlan | CancelRows | Shutdown
 
 # --------------------------------------------------------------------------------------------
 # worker -> scheduler
