@@ -27,6 +27,7 @@ from protocol.config import SchedulerConfig
 from protocol.messages import (
     AbortRequest,
     AddRequest,
+    CancelRows,
     EngineError,
     EngineReady,
     Finish,
@@ -80,8 +81,8 @@ class SchedulerProcess:
         self.plan_in_flight: int | None = None
         self.failure: str | None = None
         self.stopping = False
-        # Controls that change what runs wait for the plan in flight to end, so the worker's
-        # state and the scheduler's never disagree about a request mid-plan.
+        # Priority changes and cache resets wait for the plan in flight to end: they only shape
+        # the next plan. Aborts and pauses act at once (see ``_cancel_in_flight``).
         self.deferred: list[object] = []
         # Worker compute time, for the device-idle ratio: busy seconds over wall seconds since
         # the previous ping (1.0 = the device did nothing).
@@ -94,9 +95,9 @@ class SchedulerProcess:
             Query: self.on_query,
             PauseAll: self.on_pause_all,
             ResumeAll: self.on_resume_all,
+            PauseRequest: self.on_pause,
+            ResumeRequest: self.on_resume,
             SetPriority: self.defer,
-            PauseRequest: self.defer,
-            ResumeRequest: self.defer,
             ResetPrefixCache: self.defer,
             StepTokens: self.on_step_tokens,
             WorkerReady: self.on_worker_ready,
@@ -188,9 +189,26 @@ class SchedulerProcess:
 
     def on_abort(self, msg: AbortRequest) -> None:
         if self.core is not None:
+            in_flight = msg.rid in self.core.in_flight
             finish = self.core.abort(msg.rid)
             if finish is not None:
                 self._to_frontend(TokenBatch([], [], [finish]))
+                if in_flight:
+                    self._cancel_in_flight([msg.rid], forget=True)
+
+    def on_pause(self, msg: PauseRequest) -> None:
+        if self.core is not None and self.core.pause(msg.rid) and msg.rid in self.core.in_flight:
+            self._cancel_in_flight([msg.rid], forget=False)
+
+    def on_resume(self, msg: ResumeRequest) -> None:
+        if self.core is not None:
+            self.core.resume(msg.rid)
+
+    def _cancel_in_flight(self, rids: list[int], forget: bool) -> None:
+        """Have the worker drop ``rids`` from the plan it runs at its next step boundary, rather
+        than after the whole multi-step window. Their tokens until then still arrive and count."""
+        if self.plan_in_flight is not None and self.failure is None:
+            self._to_workers(CancelRows(self.plan_in_flight, rids, forget))
 
     def on_ping(self, msg: Ping) -> None:
         self.frontend_seen = True
@@ -221,19 +239,21 @@ class SchedulerProcess:
         if core is None:
             self._to_frontend(QueryReply(msg.query_id, False))
         elif msg.what == "stats":
-            stats = core.stats() | {"workers_alive": self._workers_alive(), "plan_in_flight": self.plan_in_flight}
+            stats = core.stats() | {"workers_alive": self._workers_alive(), "plan_in_flight": self.plan_in_flight,
+                                    "worker_busy_s_total": self.busy_total_s}
             self._to_frontend(QueryReply(msg.query_id, True, stats))
         elif msg.what == "requests":
-            items = [r.summary(core.block_size) for r in core.requests.values()]
+            items = [core.summary(r) for r in core.requests.values()]
             self._to_frontend(QueryReply(msg.query_id, True, items))
         else:
             req = core.requests.get(msg.rid)
-            self._to_frontend(QueryReply(msg.query_id, req is not None,
-                                         req.summary(core.block_size) if req else None))
+            self._to_frontend(QueryReply(msg.query_id, req is not None, core.summary(req) if req else None))
 
     def on_pause_all(self, msg: PauseAll) -> None:
         if self.core is not None:
             self.core.paused = True
+            if self.core.in_flight:
+                self._cancel_in_flight(sorted(self.core.in_flight), forget=False)
 
     def on_resume_all(self, msg: ResumeAll) -> None:
         if self.core is not None:
@@ -250,10 +270,6 @@ class SchedulerProcess:
         for msg in msgs:
             if isinstance(msg, SetPriority):
                 core.set_priority(msg.rid, msg.priority, msg.cut_in)
-            elif isinstance(msg, PauseRequest):
-                core.pause(msg.rid)
-            elif isinstance(msg, ResumeRequest):
-                core.resume(msg.rid)
             elif isinstance(msg, ResetPrefixCache):
                 dropped = core.reset_prefix_cache()
                 log.info("prefix cache reset: %d cached blocks dropped", dropped)

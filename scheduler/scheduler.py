@@ -15,8 +15,9 @@ One step, under one token budget (``max_num_batched_tokens``) and ``max_num_seqs
 4. **blocks** — if the pool runs dry for a running request, paused requests give their blocks back
    first, then the least urgent, latest-arrived running request not yet scheduled is preempted
    (``recompute`` or ``swap``, seed 004);
-5. **multi-step** — when every row samples in this step and nobody waits, the plan covers
-   ``num_scheduler_steps`` steps, with look-ahead blocks reserved for the extra tokens (seed 002).
+5. **multi-step** — when every row samples in this step and no admissible prompt was left out
+   for lack of token budget, the plan covers ``num_scheduler_steps`` steps, with look-ahead blocks
+   reserved for the extra tokens (seed 002).
 
 Every step moves each row's computed count toward its token count; chunked prefill, prefix hits
 and decode are the same rule. Tokens reported by the worker then append outputs and apply stops.
@@ -99,6 +100,9 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self._cut_ins: list[Request] = []
         self._forget: list[int] = []  # rids whose worker state must go in the next plan
+        # Rows of the plan the worker is running: their tokens count even if they were paused
+        # meanwhile (the worker stops them at its next step boundary, not at once).
+        self.in_flight: set[int] = set()
         self._next_plan_id = 0
         self.paused = False
         self.num_preemptions = 0
@@ -209,6 +213,11 @@ class Scheduler:
         if req.status is Status.RUNNING:
             bisect.insort(self.running, req, key=self.key)
         return True
+
+    def summary(self, req: Request) -> dict[str, object]:
+        """What the admin API shows of a request. ``in_flight``: it is in the plan the worker
+        runs, so a pause or abort is still reaching the worker's next step boundary."""
+        return req.summary(self.block_size) | {"in_flight": req.rid in self.in_flight}
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_cache()
@@ -390,11 +399,17 @@ class Scheduler:
     # ------------------------------------------------------------------ the plan
 
     def _num_steps(self, step: _Step) -> int:
+        """Multi-step unless prefill work would wait for the window: a prompt still mid-prefill,
+        or waiting prompts that only this step's token budget kept out. Prompts waiting for
+        blocks or seats do not stop it (they could not start sooner anyway): new arrivals then
+        wait at most one window, and the first step of every plan admits what fits."""
         steps = self.config.num_scheduler_steps
-        if steps == 1 or len(self.queue) or self._cut_ins:
+        if steps == 1 or self._cut_ins:
             return 1
         if any(row.num_tokens != row.req.num_uncomputed for row in step.rows):
             return 1  # a prompt is still mid-prefill: come back after one step
+        if len(self.queue) and step.budget <= 0 and not self._seats_full(step):
+            return 1  # more prompts fit next step
         return steps
 
     def _reserve_lookahead(self, step: _Step, steps: int) -> int:
@@ -433,6 +448,7 @@ class Scheduler:
             self.queue.charge(req.user, row.num_tokens)
         self._next_plan_id += 1
         self.num_steps_run += steps
+        self.in_flight = set(rids)
         return StepPlan(self._next_plan_id, new_requests, rids, num_tokens, new_blocks, steps, forget,
                         step.swap_out, step.swap_in, step.copies)
 
@@ -453,7 +469,8 @@ class Scheduler:
         logprobs: list[Logprob] = []
         for i, (rid, token) in enumerate(zip(out.rids, out.token_ids, strict=True)):
             req = self.requests.get(rid)
-            if req is None or req.status is not Status.RUNNING:
+            if req is None or not (req.status is Status.RUNNING
+                                   or (req.status is Status.PAUSED and rid in self.in_flight)):
                 continue  # finished or preempted while the plan ran: its tokens are void
             if out.step > 0:
                 self._register_full_blocks(req, 1)
@@ -465,8 +482,10 @@ class Scheduler:
             logprobs.append(out.logprobs[i] if out.logprobs else None)
             reason = req.check_stop(self.eos_token_ids, self.max_model_len)
             if reason is not None:
-                self.running.remove(req)
+                self._detach(req)
                 finished.append(self._finish(req, reason))
+        if out.last:
+            self.in_flight.clear()
         return TokenBatch(rids, tokens, finished, logprobs if out.logprobs else None)
 
     # ------------------------------------------------------------------ helpers

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -21,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 
@@ -111,6 +113,32 @@ def bare_forward_loop(model: str, batch: int, prompt_tokens: int, output_tokens:
     return produced / (time.perf_counter() - start)
 
 
+@contextlib.contextmanager
+def serving(url: str | None, model: str, flags: list[str]) -> Iterator[str]:
+    """``url`` if given, else a fresh `sluice serve` on a free port, stopped afterwards."""
+    if url is not None:
+        yield url
+        return
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "frontend", "serve", "--port", str(port), "--model", model,
+           "--log-level", "warning", *flags]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"sluice serve exited with {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()  # as Ctrl-C would: `sluice serve` stops its children itself
+        proc.wait(timeout=30)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="a running server; default: start `sluice serve` here")
@@ -123,28 +151,8 @@ def main() -> None:
     p.add_argument("--serve-args", default="", help="extra flags for `sluice serve`")
     args = p.parse_args()
 
-    proc = None
-    url = args.url
-    if url is None:
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "frontend", "serve", "--port", str(port), "--model", args.model,
-               "--log-level", "warning", *args.serve_args.split()]
-        proc = subprocess.Popen(cmd, start_new_session=True)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-    try:
+    with serving(args.url, args.model, args.serve_args.split()) as url:
         served = asyncio.run(run_load(url, args.concurrency, args.prompt_tokens, args.output_tokens))
-    finally:
-        if proc is not None:
-            proc.terminate()  # as Ctrl-C would: `sluice serve` stops its children itself
-            proc.wait(timeout=30)
     print(f"sluice serve ({args.model}), {args.concurrency} concurrent streams, "
           f"{args.prompt_tokens} prompt / {args.output_tokens} output tokens:")
     for k, v in served.items():

@@ -66,7 +66,9 @@ class FakeWorker:
             return True
         return n_out >= p.max_tokens or len(s.tokens) >= self.max_model_len
 
-    def run(self, plan: StepPlan) -> list[StepTokens]:
+    def run(self, plan: StepPlan, cancel_after: dict[int, int] | None = None) -> list[StepTokens]:
+        """``cancel_after[rid] = k``: a ``CancelRows`` for rid reached the worker after step k."""
+        cancel_after = cancel_after or {}
         for rid in plan.forget:
             self.seqs.pop(rid, None)
         for new in plan.new_requests:
@@ -96,9 +98,11 @@ class FakeWorker:
                 s = self.seqs[rid]
                 tokens.append(self.token_for(rid, len(s.tokens) - s.num_prompt))
                 s.tokens.append(tokens[-1])
-            still = [rid for rid in active if not self._stopped(self.seqs[rid])]
-            for rid in set(active) - set(still):
-                del self.seqs[rid]
+            still = [rid for rid in active
+                     if not self._stopped(self.seqs[rid]) and cancel_after.get(rid, plan.num_steps) > step]
+            for rid in active:
+                if self._stopped(self.seqs[rid]):
+                    del self.seqs[rid]
             last = step == plan.num_steps - 1 or not still
             out.append(StepTokens(plan.plan_id, step, list(active), tokens, last))
             if last:

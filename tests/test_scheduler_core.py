@@ -199,14 +199,31 @@ def test_multi_step_plan_covers_decodes_of_several_requests() -> None:
     assert sched.pool.num_free == sched.pool.num_blocks
 
 
-def test_multi_step_only_when_nothing_waits_and_no_prompt_is_mid_prefill() -> None:
+def test_multi_step_unless_prefill_work_would_wait_for_the_window() -> None:
+    # A prompt waiting for a seat cannot start sooner: the decode goes on multi-step.
     sched, worker = make(num_scheduler_steps=4, max_num_batched_tokens=16, max_num_seqs=1)
     add(sched, 0, 8, max_tokens=20)
     add(sched, 1, 8, max_tokens=20)
     plan, _ = step(sched, worker)
-    assert plan is not None and plan.num_steps == 1  # rid 1 waits for a seat
-    finished = run_to_end(sched, worker)
-    assert finished == {0: "length", 1: "length"}
+    assert plan is not None and plan.num_steps == 4
+    assert run_to_end(sched, worker) == {0: "length", 1: "length"}
+    # A prompt that only the token budget kept out starts next step: single step until it has.
+    sched, worker = make(num_scheduler_steps=4, max_num_batched_tokens=16, max_num_seqs=4)
+    for rid in range(3):
+        add(sched, rid, 8, max_tokens=20)
+    plan, _ = step(sched, worker)
+    assert plan is not None and plan.rids == [0, 1] and plan.num_steps == 1
+    plan, _ = step(sched, worker)
+    assert plan is not None and sorted(plan.rids) == [0, 1, 2] and plan.num_steps == 4
+    # A prompt mid-prefill (chunked) comes back after one step.
+    sched, worker = make(num_scheduler_steps=4, max_num_batched_tokens=16, max_num_seqs=4)
+    add(sched, 0, 24, max_tokens=20)
+    plan, _ = step(sched, worker)
+    assert plan is not None and plan.num_tokens == [16] and plan.num_steps == 1
+    plan, _ = step(sched, worker)
+    assert plan is not None and plan.num_tokens == [8] and plan.num_steps == 4
+    assert run_to_end(sched, worker) == {0: "length"}
+    assert sched.pool.num_free == sched.pool.num_blocks
 
 
 def test_abort_frees_blocks_at_once_and_forgets_on_worker() -> None:
@@ -249,3 +266,36 @@ def test_pause_all_stops_scheduling() -> None:
     assert sched.schedule() is None
     sched.paused = False
     assert run_to_end(sched, worker) == {0: "length"}
+
+
+def test_a_pause_mid_window_keeps_the_tokens_made_until_the_worker_stops_the_row() -> None:
+    """Paused after step 1 of a 4-step window: the scheduler keeps counting that row's tokens
+    from the plan in flight (the worker stops it at its next step boundary), so both sides agree
+    when it resumes; the fake worker checks every KV position it reads."""
+    sched, worker = make(num_scheduler_steps=4)
+    add(sched, 0, 8, max_tokens=20)
+    add(sched, 1, 8, max_tokens=20)
+    step(sched, worker)  # both prompts, then 3 more steps
+    plan = sched.schedule()
+    assert plan is not None and plan.num_steps == 4 and sched.in_flight == {0, 1}
+    outs = worker.run(plan, cancel_after={0: 1})
+    got = [sched.update(outs[0]), sched.update(outs[1])]
+    assert sched.pause(0)
+    got += [sched.update(out) for out in outs[2:]]
+    assert [len(b.rids) for b in got] == [2, 2, 1, 1] and sched.in_flight == set()
+    assert sched.requests[0].num_outputs == 4 + 2  # the first window, then 2 steps of this one
+    assert sched.resume(0)
+    assert run_to_end(sched, worker) == {0: "length", 1: "length"}
+    assert sched.pool.num_free == sched.pool.num_blocks
+
+
+def test_tokens_of_an_aborted_request_still_in_flight_are_void() -> None:
+    sched, worker = make(num_scheduler_steps=4)
+    add(sched, 0, 8, max_tokens=20)
+    step(sched, worker)
+    plan = sched.schedule()
+    assert plan is not None
+    outs = worker.run(plan)
+    sched.update(outs[0])
+    assert sched.abort(0) is not None and sched.pool.num_free == sched.pool.num_blocks
+    assert all(not sched.update(out).rids for out in outs[1:])

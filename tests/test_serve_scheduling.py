@@ -90,11 +90,13 @@ def test_prefix_cache_hit_reports_cached_tokens_and_same_output(recompute_server
     assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
 
 
-async def _wait_state(client: httpx.AsyncClient, url: str, request_id: str, state: str) -> dict:
+async def _wait_state(client: httpx.AsyncClient, url: str, request_id: str, state: str,
+                      settled: bool = False) -> dict:
+    """Wait for ``state``; with ``settled``, also for the request to be out of the worker's plan."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         r = await client.get(f"{url}/admin/requests/{request_id}", headers=AUTH)
-        if r.status_code == 200 and r.json()["state"] == state:
+        if r.status_code == 200 and r.json()["state"] == state and not (settled and r.json()["in_flight"]):
             return r.json()
         await asyncio.sleep(0.05)
     raise AssertionError(f"{request_id} never reached state {state}")
@@ -119,7 +121,8 @@ def test_pause_and_resume_keep_greedy_output(recompute_server: SluiceServer) -> 
                     if len(tokens) >= 10:
                         break
                 await client.post(f"{url}/admin/requests/{request_id}/pause", headers=AUTH)
-                info = await _wait_state(client, url, request_id, "paused")
+                # Paused at once; tokens of the plan in flight count until the worker's next step.
+                info = await _wait_state(client, url, request_id, "paused", settled=True)
                 assert info["kv_blocks"] > 0  # kept while memory allows
                 frozen = info["output_tokens"]
                 await asyncio.sleep(0.5)

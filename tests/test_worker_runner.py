@@ -11,7 +11,7 @@ import pytest
 from worker_testing import Driver, greedy, one_cpu_thread
 
 from protocol.config import WorkerConfig
-from protocol.messages import NewRequest, SamplingParams, StepPlan, StepTokens
+from protocol.messages import CancelRows, NewRequest, SamplingParams, StepPlan, StepTokens
 from worker.engine import Worker
 from worker.runner import ModelRunner
 from worker.sequence import PlanError
@@ -34,9 +34,13 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Worker:
     return Worker(WorkerConfig(model=str(model), num_kv_blocks=512, block_size=BS))
 
 
-def runner_like(worker: Worker, eos: list[int] | None = None, max_model_len: int = 8192) -> ModelRunner:
+def runner_like(worker: Worker, eos: list[int] | None = None, max_model_len: int = 8192,
+                lag: int = 0) -> ModelRunner:
+    """``lag`` 1 runs the CUDA pipeline's logic on the CPU: step k's ids are read only after
+    step k+1 was launched."""
     r = worker.runner
-    return ModelRunner(r.model, r.cache, r.device, max_model_len, list(r.eos_token_ids) if eos is None else eos)
+    return ModelRunner(r.model, r.cache, r.device, max_model_len, list(r.eos_token_ids) if eos is None else eos,
+                       finalize_lag=lag)
 
 
 def run_alone(runner: ModelRunner, prompt: list[int], params: SamplingParams, steps: int = 1) -> Driver:
@@ -62,10 +66,11 @@ def _check_plan_messages(messages: list[StepTokens]) -> None:
         assert [m.last for m in msgs] == [False] * (len(msgs) - 1) + [True]
 
 
-def test_stop_token_inside_a_multi_step_window(worker: Worker, reference: list[int]) -> None:
+@pytest.mark.parametrize("lag", [0, 1])
+def test_stop_token_inside_a_multi_step_window(worker: Worker, reference: list[int], lag: int) -> None:
     stop = reference[5]
     cut = reference.index(stop) + 1
-    runner = runner_like(worker)
+    runner = runner_like(worker, lag=lag)
     d = Driver(runner)
     d.prefill({0: PROMPT}, greedy(24, stop_token_ids=[stop]), steps=8)
     d.prefill({1: OTHER}, greedy(10), steps=8)  # another request, in its own plans
@@ -76,20 +81,25 @@ def test_stop_token_inside_a_multi_step_window(worker: Worker, reference: list[i
     _check_plan_messages(d.messages)
 
 
-def test_max_tokens_and_max_model_len_stop_early(worker: Worker, reference: list[int]) -> None:
-    d = run_alone(runner_like(worker), PROMPT, greedy(5), steps=8)
+@pytest.mark.parametrize("lag", [0, 1])
+def test_max_tokens_and_max_model_len_stop_early(worker: Worker, reference: list[int], lag: int) -> None:
+    d = run_alone(runner_like(worker, lag=lag), PROMPT, greedy(5), steps=8)
     assert d.outputs[0] == reference[:5]
     assert [(m.step, m.last) for m in d.messages] == [(0, False), (1, False), (2, False), (3, False), (4, True)]
-    d = run_alone(runner_like(worker, max_model_len=len(PROMPT) + 3), PROMPT, greedy(24), steps=8)
+    d = run_alone(runner_like(worker, max_model_len=len(PROMPT) + 3, lag=lag), PROMPT, greedy(24), steps=8)
     assert d.outputs[0] == reference[:3]
 
 
-def test_eos_stops_unless_ignored_and_only_after_min_tokens(worker: Worker, reference: list[int]) -> None:
+@pytest.mark.parametrize("lag", [0, 1])
+def test_eos_stops_unless_ignored_and_only_after_min_tokens(worker: Worker, reference: list[int], lag: int) -> None:
     eos = reference[5]
     first = reference.index(eos)
     stopping = SamplingParams(max_tokens=24, temperature=0.0)
-    assert run_alone(runner_like(worker, eos=[eos]), PROMPT, stopping, 8).outputs[0] == reference[: first + 1]
-    assert run_alone(runner_like(worker, eos=[eos]), PROMPT, greedy(24), 8).outputs[0] == reference
+    runner = runner_like(worker, eos=[eos], lag=lag)
+    d = run_alone(runner, PROMPT, stopping, 8)
+    assert d.outputs[0] == reference[: first + 1] and runner.seqs == {}
+    _check_plan_messages(d.messages)
+    assert run_alone(runner_like(worker, eos=[eos], lag=lag), PROMPT, greedy(24), 8).outputs[0] == reference
     # Held back past its first appearance, EOS then ends the request the first time it is sampled
     # (on the tiny model it comes back two tokens later).
     held = SamplingParams(max_tokens=24, temperature=0.0, min_tokens=first + 2)
@@ -109,11 +119,12 @@ def test_plans_that_sample_nothing_still_end_with_one_last_message(worker: Worke
     assert [len(m.rids) for m in msgs] == [1, 1, 1, 1] and msgs[-1].last
 
 
-def test_seeded_sampling_ignores_the_batch_and_survives_recompute(worker: Worker) -> None:
+@pytest.mark.parametrize("lag", [0, 1])
+def test_seeded_sampling_ignores_the_batch_and_survives_recompute(worker: Worker, lag: int) -> None:
     seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
     alone = run_alone(runner_like(worker), PROMPT, seeded, steps=4).outputs[0]
 
-    d = Driver(runner_like(worker))
+    d = Driver(runner_like(worker, lag=lag))
     noisy = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
     d.plan([(0, len(PROMPT)), (1, len(OTHER)), (2, len(OTHER))],
            [NewRequest(0, PROMPT, len(PROMPT), seeded), NewRequest(1, OTHER, len(OTHER), noisy),
@@ -131,8 +142,9 @@ def test_seeded_sampling_ignores_the_batch_and_survives_recompute(worker: Worker
     assert d.outputs[0] == alone
 
 
-def test_logprobs_travel_with_their_rows(worker: Worker) -> None:
-    d = Driver(runner_like(worker))
+@pytest.mark.parametrize("lag", [0, 1])
+def test_logprobs_travel_with_their_rows(worker: Worker, lag: int) -> None:
+    d = Driver(runner_like(worker, lag=lag))
     d.plan([(0, len(PROMPT)), (1, len(OTHER))],
            [NewRequest(0, PROMPT, len(PROMPT), greedy(6, logprobs=3)), NewRequest(1, OTHER, len(OTHER), greedy(6))],
            steps=6)
@@ -197,3 +209,33 @@ def test_warm_up_leaves_no_state(tmp_path: Path) -> None:
     w = Worker(WorkerConfig(model=str(materialize_tiny(tmp_path)), num_kv_blocks=8))
     w.warm_up()
     assert w.runner.seqs == {}
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_rows_cancelled_mid_plan_leave_at_the_next_step(worker: Worker, reference: list[int], lag: int) -> None:
+    """An abort (forget) and a pause (keep the state) arrive after step 2 of an 8-step plan: both
+    rows stop there; the paused one then resumes in a later plan exactly where it stopped."""
+    runner = runner_like(worker, lag=lag)
+    d = Driver(runner)
+    d.prefill({0: PROMPT, 1: PROMPT, 2: PROMPT}, greedy(24))
+    tables = {rid: d.tables[rid] + [300 + 10 * rid + i for i in range(3)] for rid in (0, 1, 2)}
+    plan = StepPlan(77, [], [0, 1, 2], [1, 1, 1], [tables[rid][len(d.tables[rid]):] for rid in (0, 1, 2)], 8)
+    got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    messages = []
+    for msg in runner.execute(plan):
+        messages.append(msg)
+        for rid, tok in zip(msg.rids, msg.token_ids, strict=True):
+            got[rid].append(tok)
+        if msg.step == 2:
+            runner.cancel(CancelRows(77, [0], forget=True))
+            runner.cancel(CancelRows(77, [1]))
+    _check_plan_messages(messages)
+    # Both ran steps 0..2. With lag 1 step 3 was already launched: the paused row reports its
+    # token, the aborted one (forgotten) reports nothing more.
+    assert len(got[0]) == 3 and len(got[1]) == 3 + lag and len(got[2]) == 8
+    assert got[1] == reference[1 : 4 + lag] and got[2] == reference[1:9]
+    assert 0 not in runner.seqs and runner.seqs[1].num_in_flight == 0
+    paused = runner.seqs[1]
+    assert paused.num_computed == len(paused.token_ids) - 1  # its newest token waits to be computed
+    resumed = list(runner.execute(StepPlan(78, [], [1], [1], [[]], 2)))
+    assert [t for m in resumed for t in m.token_ids] == reference[4 + lag : 6 + lag]

@@ -2,7 +2,8 @@
 
 On CUDA the copy goes to a pinned buffer on a side stream, fenced by an event: the compute
 stream never waits for the host, and only the thread that needs the ids blocks, on that event.
-On the CPU the same two calls degenerate to a plain synchronous read.
+A small ring of pinned buffers lets several steps' copies be in flight at once (the runner reads
+step k while step k+1 computes). On the CPU the same calls degenerate to a plain synchronous read.
 """
 
 from __future__ import annotations
@@ -11,12 +12,17 @@ import dataclasses
 
 import torch
 
+RING = 4  # copies in flight at once; the runner keeps at most two
+
 
 @dataclasses.dataclass
 class PendingCopy:
     source: torch.Tensor  # on CUDA, kept alive until the copy is done
     host: torch.Tensor  # the pinned destination (or ``source`` itself on the CPU)
     event: torch.cuda.Event | None
+
+    def done(self) -> bool:
+        return self.event is None or bool(self.event.query())
 
     def result(self) -> list[int]:
         """Block until the copy has landed, then read it."""
@@ -27,22 +33,25 @@ class PendingCopy:
 
 class HostCopier:
     def __init__(self, device: torch.device, capacity: int = 256) -> None:
-        self.cuda = device.type == "cuda" and torch.cuda.is_available()
-        if self.cuda:
+        self.asynchronous = device.type == "cuda" and torch.cuda.is_available()
+        if self.asynchronous:
             self.stream = torch.cuda.Stream(device=device)
-            self.pinned = torch.empty(capacity, dtype=torch.long, pin_memory=True)
+            self.ring = [torch.empty(capacity, dtype=torch.long, pin_memory=True) for _ in range(RING)]
+            self.next = 0
 
     def start(self, ids: torch.Tensor) -> PendingCopy:
-        """Begin copying ``ids`` (1-D, long) to the host. One copy is read before the next starts:
-        they share the pinned buffer."""
-        if not self.cuda:
+        """Begin copying ``ids`` (1-D, long) to the host. A copy must be read before ``RING``
+        more have started: they take turns with the pinned buffers."""
+        if not self.asynchronous:
             return PendingCopy(ids, ids.cpu(), None)
         n = ids.shape[0]
-        if n > self.pinned.shape[0]:
-            self.pinned = torch.empty(max(n, 2 * self.pinned.shape[0]), dtype=torch.long, pin_memory=True)
+        slot = self.next
+        self.next = (self.next + 1) % RING
+        if n > self.ring[slot].shape[0]:
+            self.ring[slot] = torch.empty(max(n, 2 * self.ring[slot].shape[0]), dtype=torch.long, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream(ids.device))  # the ids must exist first
         with torch.cuda.stream(self.stream):
-            host = self.pinned[:n]
+            host = self.ring[slot][:n]
             host.copy_(ids, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)

@@ -1,17 +1,23 @@
 """The worker process: build the worker, announce readiness, run plans until told to stop.
 
-Sockets (connecting to the scheduler, which binds): PULL for commands, PUSH for results, and a
-second PUSH owned by the heartbeat thread (ZeroMQ sockets are not thread-safe). Any failure to
-load or to run a plan is reported as one ``WorkerFailed`` line, logged with its traceback, and
-ends the process with status 1; ``Shutdown``, SIGTERM and SIGINT end it with status 0.
+Sockets (connecting to the scheduler, which binds): PULL for commands, read by the main thread;
+PUSH for results, owned by the sender thread; a second PUSH owned by the heartbeat thread
+(ZeroMQ sockets are not thread-safe). The main thread runs plans; each step's tokens go to the
+sender thread, which encodes and sends them while the next step computes. Between steps the main
+thread reads its inbox without blocking: ``CancelRows`` applies at once, a next plan waits its
+turn. Any failure to load or to run a plan is reported as one ``WorkerFailed`` line, logged with
+its traceback, and ends the process with status 1; ``Shutdown``, SIGTERM and SIGINT end it with
+status 0.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import threading
+from collections import deque
 from types import FrameType
 from typing import Any
 
@@ -19,7 +25,16 @@ import torch
 import zmq
 
 from protocol.config import WorkerConfig
-from protocol.messages import Shutdown, StepPlan, WorkerCommand, WorkerFailed, WorkerHeartbeat, WorkerReady
+from protocol.messages import (
+    CancelRows,
+    Shutdown,
+    StepPlan,
+    WorkerCommand,
+    WorkerFailed,
+    WorkerHeartbeat,
+    WorkerMessage,
+    WorkerReady,
+)
 from protocol.transport import Endpoints, make_socket, scheduler_worker_codec, worker_codec
 from worker.engine import Worker
 
@@ -62,36 +77,81 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+class Sender:
+    """Owns the results socket: messages queued by the main thread are encoded and sent in
+    order by this thread, so the next forward pass never waits for serialization or the socket."""
+
+    def __init__(self, ctx: zmq.Context[Any], address: str) -> None:
+        self.sock = make_socket(ctx, zmq.PUSH, address, bind=False)
+        self.codec = scheduler_worker_codec()
+        self.outbox: queue.SimpleQueue[WorkerMessage | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="sender")
+        self.thread.start()
+
+    def send(self, msg: WorkerMessage) -> None:
+        self.outbox.put(msg)
+
+    def _run(self) -> None:
+        while (msg := self.outbox.get()) is not None:
+            self.sock.send(self.codec.encode(msg))
+
+    def close(self) -> None:
+        """Send what is queued, then close the socket."""
+        self.outbox.put(None)
+        self.thread.join(timeout=5.0)
+        self.sock.close(linger=FINAL_LINGER_MS)
+
+
 class WorkerProcess:
     def __init__(self, config: WorkerConfig, ctx: zmq.Context[Any]) -> None:
         self.config = config
         self.endpoints = Endpoints.from_base(config.address)
-        self.out = make_socket(ctx, zmq.PUSH, self.endpoints.worker_to_scheduler, bind=False)
+        self.sender = Sender(ctx, self.endpoints.worker_to_scheduler)
         self.inbox = make_socket(ctx, zmq.PULL, self.endpoints.scheduler_to_worker, bind=False)
-        self.send_codec = scheduler_worker_codec()
         self.recv_codec = worker_codec()
+        self.backlog: deque[WorkerCommand] = deque()  # commands read mid-plan, run after it
 
     def fail(self, what: str, e: BaseException) -> int:
         log.exception("%s", what)
-        self.out.send(self.send_codec.encode(WorkerFailed(self.config.rank, f"{what}: {_one_line(e)}")))
+        self.sender.send(WorkerFailed(self.config.rank, f"{what}: {_one_line(e)}"))
         return 1
+
+    def _read(self, flags: int = 0) -> WorkerCommand:
+        cmd: WorkerCommand = self.recv_codec.decode(self.inbox.recv(flags, copy=False).buffer)
+        return cmd
+
+    def _poll_inbox(self, worker: Worker) -> None:
+        """Between steps: apply cancels now, keep anything else for after the plan."""
+        while True:
+            try:
+                cmd = self._read(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if isinstance(cmd, CancelRows):
+                worker.runner.cancel(cmd)
+            else:
+                self.backlog.append(cmd)
 
     def serve(self, worker: Worker) -> int:
         """Handle commands until ``Shutdown`` (0) or a failed plan (1)."""
         while True:
-            cmd: WorkerCommand = self.recv_codec.decode(self.inbox.recv(copy=False).buffer)
+            cmd = self.backlog.popleft() if self.backlog else self._read()
             if isinstance(cmd, Shutdown):
                 log.info("shutdown requested")
                 return 0
-            if isinstance(cmd, StepPlan):
+            if isinstance(cmd, CancelRows):
+                worker.runner.cancel(cmd)
+            elif isinstance(cmd, StepPlan):
                 try:
                     for step in worker.runner.execute(cmd):
-                        self.out.send(self.send_codec.encode(step))
+                        self.sender.send(step)
+                        if not step.last:
+                            self._poll_inbox(worker)
                 except Exception as e:
                     return self.fail(f"plan {cmd.plan_id} failed", e)
 
     def close(self) -> None:
-        self.out.close(linger=FINAL_LINGER_MS)
+        self.sender.close()
         self.inbox.close(linger=0)
 
 
@@ -111,7 +171,7 @@ def run(config: WorkerConfig) -> int:
         except Exception as e:
             return proc.fail("loading failed", e)
         heartbeat.start()
-        proc.out.send(proc.send_codec.encode(WorkerReady(config.rank, worker.info)))
+        proc.sender.send(WorkerReady(config.rank, worker.info))
         log.info("ready: %s, max model len %d, %d KV blocks", worker.info.name, worker.max_model_len,
                  worker.info.num_kv_blocks)
         return proc.serve(worker)

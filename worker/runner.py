@@ -10,22 +10,33 @@ whose tokens are then all computed samples from the logits of its last position.
 sampled ids — still on the device — into the next step's input. A row stops early on EOS / a
 stop id / max_tokens / max_model_len, by the rules the scheduler applies too, emits nothing past
 its stop token, and its state is dropped.
+
+The host reads a step's ids ``finalize_lag`` steps after launching it: 0 on the CPU, where the
+copy is synchronous anyway; 1 on CUDA, so the next step is already queued on the device while
+the host waits for the previous copy, and the device never idles on the host. With lag 1, a row
+that stopped on EOS computes one more (discarded) token before the host knows; stops that need
+no token value (max_tokens, the model length) are always known in time. Rows whose sampling
+reads their own history (penalties) force lag 0: they need every id on the host.
+
+Between steps, the caller may ``cancel`` rows (an abort or a pause that arrived mid-plan): they
+leave the batch at the next step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Iterator
 
 import torch
 
-from protocol.messages import StepPlan, StepTokens
+from protocol.messages import CancelRows, StepPlan, StepTokens
 from worker.attention import AttentionMetadata
-from worker.host_copy import HostCopier
+from worker.host_copy import HostCopier, PendingCopy
 from worker.kv_cache import KVCache, SwapSpace
 from worker.llama import LlamaForCausalLM
-from worker.sampler import Sampler, SamplerOutput, SamplingRow
+from worker.sampler import Sampler, SamplerOutput, SamplingRow, TopLogprobs
 from worker.sequence import PlanError, SequenceState
 
 
@@ -41,9 +52,21 @@ class StepBatch:
     logits_indices: list[int]  # flat index of each sampler's last token
 
 
+@dataclasses.dataclass
+class LaunchedStep:
+    """A step whose sampled ids are on their way to the host."""
+
+    step: int
+    samplers: list[SequenceState]
+    token_ids: torch.Tensor  # on the device: the next step's input
+    copy: PendingCopy
+    logprobs: TopLogprobs | None
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device, max_model_len: int,
-                 eos_token_ids: list[int], max_num_seqs: int = 256, seed: int | None = None) -> None:
+                 eos_token_ids: list[int], max_num_seqs: int = 256, seed: int | None = None,
+                 finalize_lag: int | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = device
@@ -54,33 +77,107 @@ class ModelRunner:
         self.sampler = Sampler(device, eos_token_ids, seed)
         self.copier = HostCopier(device, max_num_seqs)
         self.swap_space = SwapSpace(cache)
+        self.finalize_lag = (1 if self.copier.asynchronous else 0) if finalize_lag is None else finalize_lag
+        self.plan_id: int | None = None  # the plan being executed
+        self.cancelled: set[int] = set()
+
+    def cancel(self, msg: CancelRows) -> None:
+        """Take rows out of the plan in progress from its next step; with ``forget``, also drop
+        their state (an abort). A cancel for a plan already over only forgets."""
+        if msg.plan_id == self.plan_id:
+            self.cancelled.update(msg.rids)
+        if msg.forget:
+            for rid in msg.rids:
+                seq = self.seqs.pop(rid, None)
+                if seq is not None:
+                    seq.stopped = True
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> Iterator[StepTokens]:
-        """Run ``plan``; yields one ``StepTokens`` per step, exactly one of them ``last``.
+        """Run ``plan``; yields one ``StepTokens`` per step that sampled, exactly one of them
+        ``last``, and it is the final one (a plan that samples nothing yields one empty ``last``).
 
-        ``busy_s`` counts the worker's own time for the step (input building, forward, sampling,
-        copy to host), not the time the consumer holds the generator between steps."""
-        began = time.perf_counter()
+        ``busy_s`` counts the worker's own time (input building, forward, sampling, reading
+        ids), not the time the consumer holds the generator between messages."""
+        resumed = time.perf_counter()
+        self.plan_id, self.cancelled = plan.plan_id, set()
         self._apply_deltas(plan)
         batch = self._first_batch(plan)
         num_steps = max(1, plan.num_steps)
-        for step in range(num_steps):
-            out = self._forward(batch) if batch is not None else None
-            if out is None or batch is None:  # nothing ran, or only prefill chunks that sample nothing
-                yield StepTokens(plan.plan_id, step, [], [], True, time.perf_counter() - began)
-                return
-            tokens = self.copier.start(out.token_ids).result()
-            logprobs = out.logprobs.to_wire(len(tokens)) if out.logprobs is not None else None
-            still = [i for i, (seq, token) in enumerate(zip(batch.samplers, tokens, strict=True))
-                     if not self._append(seq, token)]
-            last = step == num_steps - 1 or not still
-            yield StepTokens(plan.plan_id, step, [s.rid for s in batch.samplers], tokens, last,
-                             time.perf_counter() - began, logprobs)
-            if last:
-                return
-            began = time.perf_counter()
-            batch = self._decode_batch(batch, out.token_ids, still)
+        in_flight: deque[LaunchedStep] = deque()
+        step, ended = 0, False
+        while batch is not None:
+            final_step = step == num_steps - 1
+            lag = 0 if final_step else self._lag(batch)
+            launched = self._launch(step, batch)
+            if launched is None:  # only prefill chunks that sample nothing
+                break
+            in_flight.append(launched)
+            keep: list[int] = []
+            while len(in_flight) > lag:
+                msg = self._finalize(plan.plan_id, in_flight.popleft())
+                if not in_flight:  # the newest step: first decide whether another follows
+                    keep = [] if final_step else self._alive(launched)
+                    msg.last = ended = not keep
+                msg.busy_s = time.perf_counter() - resumed
+                yield msg  # the caller may cancel rows here
+                resumed = time.perf_counter()
+            if in_flight and not final_step:
+                keep = self._alive(launched)
+            keep = [i for i in keep if self._runs_on(launched.samplers[i])]
+            batch = self._decode_batch(launched, keep) if keep else None
+            step += 1
+        while in_flight:
+            msg = self._finalize(plan.plan_id, in_flight.popleft())
+            msg.last = ended = not in_flight
+            msg.busy_s = time.perf_counter() - resumed
+            yield msg
+            resumed = time.perf_counter()
+        if not ended:  # nothing sampled, or every row was cancelled after its last message
+            yield StepTokens(plan.plan_id, step if step == 0 else step - 1, [], [], True,
+                             time.perf_counter() - resumed)
+        self.plan_id = None
+
+    def _lag(self, batch: StepBatch) -> int:
+        if any(_reads_history(seq) for seq in batch.samplers):
+            return 0
+        return self.finalize_lag
+
+    def _runs_on(self, seq: SequenceState) -> bool:
+        return not seq.stopped and seq.rid not in self.cancelled
+
+    def _alive(self, launched: LaunchedStep) -> list[int]:
+        """Rows of ``launched`` that decode another step, as far as the host knows now."""
+        return [i for i, seq in enumerate(launched.samplers)
+                if self._runs_on(seq) and not seq.surely_stops(self.max_model_len)]
+
+    def _launch(self, step: int, batch: StepBatch) -> LaunchedStep | None:
+        out = self._forward(batch)
+        if out is None:
+            return None
+        for seq in batch.samplers:
+            seq.num_in_flight += 1
+        return LaunchedStep(step, batch.samplers, out.token_ids, self.copier.start(out.token_ids), out.logprobs)
+
+    def _finalize(self, plan_id: int, launched: LaunchedStep) -> StepTokens:
+        """Read a step's ids on the host and apply them: each row's token, unless the row had
+        already stopped (a lagged step computed past its stop); stopped rows are forgotten."""
+        tokens = launched.copy.result()
+        wire = launched.logprobs.to_wire(len(tokens)) if launched.logprobs is not None else None
+        rids: list[int] = []
+        kept: list[int] = []
+        logprobs = []
+        for i, (seq, token) in enumerate(zip(launched.samplers, tokens, strict=True)):
+            if seq.stopped:
+                continue
+            rids.append(seq.rid)
+            kept.append(token)
+            if wire is not None:
+                logprobs.append(wire[i])
+            if seq.append(token, self.eos_token_ids, self.max_model_len):
+                seq.stopped = True
+                self.seqs.pop(seq.rid, None)
+        return StepTokens(plan_id, launched.step, rids, kept, False, 0.0, logprobs if wire is not None else None)
 
     # ------------------------------------------------------------------ plan application
 
@@ -118,10 +215,11 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return StepBatch(input_ids, seqs, starts, list(plan.num_tokens), samplers, logits_indices)
 
-    def _decode_batch(self, prev: StepBatch, sampled: torch.Tensor, keep: list[int]) -> StepBatch:
-        """The next multi-step step: rows ``keep`` of the previous samplers each compute the
-        token they just sampled, taken from ``sampled`` without leaving the device."""
+    def _decode_batch(self, prev: LaunchedStep, keep: list[int]) -> StepBatch:
+        """The next multi-step step: rows ``keep`` of the previous step each compute the token
+        they just sampled, taken from the device without a host round trip."""
         seqs = [prev.samplers[i] for i in keep]
+        sampled = prev.token_ids
         if len(keep) < len(prev.samplers):
             sampled = sampled[torch.tensor(keep, device=sampled.device)]
         starts = [seq.schedule(1, self.cache.block_size) for seq in seqs]
@@ -135,11 +233,9 @@ class ModelRunner:
         logits = self.model(batch.input_ids, meta)
         if not batch.samplers:
             return None
-        return self.sampler(logits, [SamplingRow(s.sampling, s.num_outputs) for s in batch.samplers])
+        return self.sampler(logits, [SamplingRow(s.sampling, s.num_sampled) for s in batch.samplers])
 
-    def _append(self, seq: SequenceState, token: int) -> bool:
-        """Record a sampled token; a request that stops with it is forgotten at once."""
-        stopped = seq.append(token, self.eos_token_ids, self.max_model_len)
-        if stopped:
-            self.seqs.pop(seq.rid, None)
-        return stopped
+
+def _reads_history(seq: SequenceState) -> bool:
+    """Sampling that depends on the sequence's own earlier tokens needs their ids on the host."""
+    return False

@@ -25,6 +25,11 @@ class SequenceState:
     sampling: SamplingParams
     num_computed: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = dataclasses.field(default_factory=list)
+    # Tokens sampled on the device whose ids have not reached the host yet (multi-step with a
+    # copy in flight). They count as known for scheduling: the device feeds them forward itself.
+    num_in_flight: int = 0
+    stopped: bool = False
+
 
     @classmethod
     def from_new(cls, new: NewRequest) -> SequenceState:
@@ -35,24 +40,41 @@ class SequenceState:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_known(self) -> int:
+        """Tokens the sequence has, on the host or still in flight from the device."""
+        return len(self.token_ids) + self.num_in_flight
+
+    @property
+    def num_sampled(self) -> int:
+        """Outputs sampled so far, in flight included: the index of the next token sampled."""
+        return self.num_known - self.num_prompt_tokens
+
+    @property
     def fully_computed(self) -> bool:
         """Every known token has its KV: the next forward's last logits sample a new token."""
-        return self.num_computed == len(self.token_ids)
+        return self.num_computed == self.num_known
+
+    def surely_stops(self, max_model_len: int) -> bool:
+        """Stops with its newest sampled token whatever that token is (max_tokens or the model
+        length): decidable without waiting for in-flight ids."""
+        return self.num_sampled >= self.sampling.max_tokens or self.num_known >= max_model_len
 
     def schedule(self, num_tokens: int, block_size: int) -> int:
         """Claim the next ``num_tokens`` tokens for computation; returns their first position."""
         start = self.num_computed
         end = start + num_tokens
-        if num_tokens < 1 or end > len(self.token_ids):
+        if num_tokens < 1 or end > self.num_known:
             raise PlanError(f"rid {self.rid}: cannot compute {num_tokens} tokens from position {start} "
-                            f"of {len(self.token_ids)} known")
+                            f"of {self.num_known} known")
         if end > len(self.block_table) * block_size:
             raise PlanError(f"rid {self.rid}: position {end - 1} lies beyond its {len(self.block_table)} blocks")
         self.num_computed = end
         return start
 
     def append(self, token: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> bool:
-        """Add a sampled token; True when the request stops with it (the token itself counts)."""
+        """Add a sampled token that reached the host; True when the request stops with it (the
+        token itself counts)."""
+        self.num_in_flight = max(0, self.num_in_flight - 1)
         self.token_ids.append(token)
         p = self.sampling
         if token in p.stop_token_ids:
