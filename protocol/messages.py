@@ -244,6 +244,10 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True):
     swap_out: list[tuple[int, int]] = []  # (device block, host block): a swap preemption
     swap_in: list[tuple[int, int]] = []  # (host block, device block): a swapped request resumes
     copy_blocks: list[tuple[int, int]] = []  # (src, dst) device blocks: copy-on-write
+    # Planned while the previous plan still ran (async scheduling): each row continues from
+    # wherever that plan left it, and a row whose request stopped or was aborted meanwhile is
+    # skipped rather than an error.
+    speculative: bool = False
 
 
 class CancelRows(msgspec.Struct, tag=True, array_like=True):
