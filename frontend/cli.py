@@ -67,6 +67,8 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        help="spread the prefill budget over at least this many waiting prompts")
         p.add_argument("--num-scheduler-steps", type=int, default=8,
                        help="decode steps a worker runs per scheduler call")
+        _bool_flag(p, "--async-scheduling", True,
+                   "plan the next decode window while the worker runs the current one")
         p.add_argument("--scheduling-policy", default="priority", choices=SCHEDULING_POLICIES)
         _bool_flag(p, "--priority-preemption", True,
                    "let a more urgent waiting request preempt less urgent running ones")

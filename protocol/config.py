@@ -37,6 +37,7 @@ class SchedulerConfig:
     long_prefill_threshold: int = 0  # 0 = off
     min_concurrent_prefills: int = 1
     num_scheduler_steps: int = 8
+    async_scheduling: bool = True  # plan the next decode window while the worker runs this one
     scheduling_policy: str = "priority"
     priority_preemption: bool = True
     preemption_mode: str = "recompute"
