@@ -78,7 +78,7 @@ class SchedulerProcess:
         self.ready_ranks: dict[int, ModelInfo] = {}
         self.last_seen: dict[int, float] = {}
         self.frontend_seen = False
-        self.plan_in_flight: int | None = None
+        self.plans_in_flight: list[int] = []  # oldest first; a second one is speculative
         self.failure: str | None = None
         self.stopping = False
         # Priority changes and cache resets wait for the plan in flight to end: they only shape
@@ -118,7 +118,7 @@ class SchedulerProcess:
                 if self.from_frontend in ready:
                     self._drain(self.from_frontend, self.frontend_codec)
                 self._check_workers()
-                if self.plan_in_flight is None and self.deferred:
+                if not self.plans_in_flight and self.deferred:
                     self._apply_deferred()
                 if self._can_send_plan():
                     self._send_plan()
@@ -135,15 +135,30 @@ class SchedulerProcess:
             self.handlers[type(msg)](msg)
 
     def _can_send_plan(self) -> bool:
-        return self.core is not None and self.plan_in_flight is None and self.failure is None and self.core.has_work
+        return (self.core is not None and not self.plans_in_flight and self.failure is None
+                and self.core.has_work)
 
     def _send_plan(self) -> None:
         assert self.core is not None
         plan = self.core.schedule()
         if plan is None:
             return
-        self.plan_in_flight = plan.plan_id
+        self.plans_in_flight.append(plan.plan_id)
         self._to_workers(plan)
+        self._send_continuation()
+
+    def _send_continuation(self) -> None:
+        """Async scheduling: queue the next decode window behind the one plan in flight, so
+        the worker never waits for the scheduler between windows. Anything that must change
+        what runs (a waiting prompt, a deferred control) ends the chain: the next plan is then
+        made normally, once the worker is done."""
+        if (self.core is None or not self.config.async_scheduling or len(self.plans_in_flight) != 1
+                or self.deferred or self.failure is not None):
+            return
+        plan = self.core.continue_plan()
+        if plan is not None:
+            self.plans_in_flight.append(plan.plan_id)
+            self._to_workers(plan)
 
     def _close(self) -> None:
         shutdown = self.worker_codec.encode(Shutdown())
@@ -189,26 +204,27 @@ class SchedulerProcess:
 
     def on_abort(self, msg: AbortRequest) -> None:
         if self.core is not None:
-            in_flight = msg.rid in self.core.in_flight
+            plans = self.core.plans_with(msg.rid)
             finish = self.core.abort(msg.rid)
             if finish is not None:
                 self._to_frontend(TokenBatch([], [], [finish]))
-                if in_flight:
-                    self._cancel_in_flight([msg.rid], forget=True)
+                self._cancel_in_flight(plans, [msg.rid], forget=True)
 
     def on_pause(self, msg: PauseRequest) -> None:
-        if self.core is not None and self.core.pause(msg.rid) and msg.rid in self.core.in_flight:
-            self._cancel_in_flight([msg.rid], forget=False)
+        if self.core is not None and self.core.pause(msg.rid):
+            self._cancel_in_flight(self.core.plans_with(msg.rid), [msg.rid], forget=False)
 
     def on_resume(self, msg: ResumeRequest) -> None:
         if self.core is not None:
             self.core.resume(msg.rid)
 
-    def _cancel_in_flight(self, rids: list[int], forget: bool) -> None:
-        """Have the worker drop ``rids`` from the plan it runs at its next step boundary, rather
-        than after the whole multi-step window. Their tokens until then still arrive and count."""
-        if self.plan_in_flight is not None and self.failure is None:
-            self._to_workers(CancelRows(self.plan_in_flight, rids, forget))
+    def _cancel_in_flight(self, plan_ids: list[int], rids: list[int], forget: bool) -> None:
+        """Have the worker drop ``rids`` from ``plan_ids`` at its next step boundary, rather than
+        after the whole multi-step window. Their tokens until then still arrive and count."""
+        if self.failure is not None:
+            return
+        for plan_id in plan_ids:
+            self._to_workers(CancelRows(plan_id, rids, forget))
 
     def on_ping(self, msg: Ping) -> None:
         self.frontend_seen = True
@@ -239,7 +255,8 @@ class SchedulerProcess:
         if core is None:
             self._to_frontend(QueryReply(msg.query_id, False))
         elif msg.what == "stats":
-            stats = core.stats() | {"workers_alive": self._workers_alive(), "plan_in_flight": self.plan_in_flight,
+            plan_in_flight = self.plans_in_flight[0] if self.plans_in_flight else None
+            stats = core.stats() | {"workers_alive": self._workers_alive(), "plan_in_flight": plan_in_flight,
                                     "worker_busy_s_total": self.busy_total_s}
             self._to_frontend(QueryReply(msg.query_id, True, stats))
         elif msg.what == "requests":
@@ -252,8 +269,8 @@ class SchedulerProcess:
     def on_pause_all(self, msg: PauseAll) -> None:
         if self.core is not None:
             self.core.paused = True
-            if self.core.in_flight:
-                self._cancel_in_flight(sorted(self.core.in_flight), forget=False)
+            for plan_id, plan in self.core.in_flight.items():
+                self._cancel_in_flight([plan_id], plan.rids, forget=False)
 
     def on_resume_all(self, msg: ResumeAll) -> None:
         if self.core is not None:
@@ -285,7 +302,7 @@ class SchedulerProcess:
         self.model = info
         self.core = Scheduler(self.config, info.num_kv_blocks, info.block_size, info.max_model_len,
                               info.eos_token_ids)
-        self.plan_in_flight = None
+        self.plans_in_flight = []
         self.failure = None
         log.info("workers ready: %s, %d KV blocks of %d tokens", info.name, info.num_kv_blocks, info.block_size)
 
@@ -298,13 +315,14 @@ class SchedulerProcess:
     def on_step_tokens(self, msg: StepTokens) -> None:
         self.last_seen[0] = time.monotonic()
         self.busy_total_s += msg.busy_s
-        if self.core is None or msg.plan_id != self.plan_in_flight:
+        if self.core is None or msg.plan_id not in self.plans_in_flight:
             return
         batch = self.core.update(msg)
         if batch.rids or batch.finished:
             self._to_frontend(batch)
         if msg.last:
-            self.plan_in_flight = None
+            self.plans_in_flight.remove(msg.plan_id)
+            self._send_continuation()
 
     # ------------------------------------------------------------------ failure
 
@@ -324,7 +342,7 @@ class SchedulerProcess:
         log.error("engine failed: %s", reason)
         self.failure = reason
         self.ready_ranks.clear()
-        self.plan_in_flight = None
+        self.plans_in_flight = []
         if self.core is not None:
             finishes = self.core.finish_all(FinishReason.ERROR, reason)
             if finishes:

@@ -83,6 +83,14 @@ class _Step:
                 return
 
 
+@dataclasses.dataclass
+class _PlanInFlight:
+    rids: list[int]
+    num_steps: int
+    speculative: bool
+    steps_seen: int = 0  # steps whose tokens have arrived
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int,
                  eos_token_ids: list[int]) -> None:
@@ -100,9 +108,10 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self._cut_ins: list[Request] = []
         self._forget: list[int] = []  # rids whose worker state must go in the next plan
-        # Rows of the plan the worker is running: their tokens count even if they were paused
-        # meanwhile (the worker stops them at its next step boundary, not at once).
-        self.in_flight: set[int] = set()
+        # Plans sent and not finished (at most two: one running, one speculative behind it),
+        # with their rows. Those rows' tokens count even if they were paused meanwhile: the
+        # worker stops them at its next step boundary, not at once.
+        self.in_flight: dict[int, _PlanInFlight] = {}
         self._next_plan_id = 0
         self.paused = False
         self.num_preemptions = 0
@@ -214,10 +223,14 @@ class Scheduler:
             bisect.insort(self.running, req, key=self.key)
         return True
 
+    def plans_with(self, rid: int) -> list[int]:
+        """Ids of the plans in flight that have ``rid`` as a row."""
+        return [pid for pid, plan in self.in_flight.items() if rid in plan.rids]
+
     def summary(self, req: Request) -> dict[str, object]:
-        """What the admin API shows of a request. ``in_flight``: it is in the plan the worker
+        """What the admin API shows of a request. ``in_flight``: it is in a plan the worker
         runs, so a pause or abort is still reaching the worker's next step boundary."""
-        return req.summary(self.block_size) | {"in_flight": req.rid in self.in_flight}
+        return req.summary(self.block_size) | {"in_flight": bool(self.plans_with(req.rid))}
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_cache()
@@ -448,7 +461,7 @@ class Scheduler:
             self.queue.charge(req.user, row.num_tokens)
         self._next_plan_id += 1
         self.num_steps_run += steps
-        self.in_flight = set(rids)
+        self.in_flight[self._next_plan_id] = _PlanInFlight(rids, steps, speculative=False)
         return StepPlan(self._next_plan_id, new_requests, rids, num_tokens, new_blocks, steps, forget,
                         step.swap_out, step.swap_in, step.copies)
 
@@ -462,17 +475,62 @@ class Scheduler:
             for i in range(first, min(last, len(hashes))):
                 self.pool.register(req.blocks[i], hashes[i])
 
+    def continue_plan(self) -> StepPlan | None:
+        """Async scheduling: the next decode window of the plan in flight, made before its
+        tokens arrive, so the worker starts it the moment the current one ends.
+
+        Only a pure continuation qualifies: one multi-step plan in flight, nobody waiting, no
+        cut-in, server not paused. Each row is assumed to run the whole current window; rows
+        that surely stop in it (max_tokens, the model length) are left out, and a row that stops
+        on a token (or is aborted) meanwhile is skipped by the worker. Its rows advance as
+        their tokens arrive (see ``update``)."""
+        if len(self.in_flight) != 1 or self.paused or len(self.queue) or self._cut_ins:
+            return None
+        current = next(iter(self.in_flight.values()))
+        steps = current.num_steps
+        if steps <= 1:
+            return None
+        ahead = steps - current.steps_seen  # tokens each row still gets from the current plan
+        rows: list[Request] = []
+        wants: list[int] = []
+        for rid in current.rids:
+            req = self.requests.get(rid)
+            if req is None or req.status is not Status.RUNNING:
+                continue
+            known = len(req.token_ids) + ahead
+            if req.num_outputs + ahead >= req.sampling.max_tokens or known >= self.max_model_len:
+                continue
+            cover = min(known - 1 + steps, req.max_total_tokens(self.max_model_len))
+            rows.append(req)
+            wants.append(max(0, self._blocks_for(cover) - len(req.blocks)))
+        if not rows or not self.pool.can_allocate(sum(wants)):
+            return None
+        new_blocks = []
+        for req, want in zip(rows, wants, strict=True):
+            req.blocks.extend(self.pool.allocate(want))
+            new_blocks.append(req.blocks[req.worker_blocks :])
+            req.worker_blocks = len(req.blocks)
+        self._next_plan_id += 1
+        self.num_steps_run += steps
+        rids = [r.rid for r in rows]
+        self.in_flight[self._next_plan_id] = _PlanInFlight(rids, steps, speculative=True)
+        return StepPlan(self._next_plan_id, [], rids, [1] * len(rows), new_blocks, steps, speculative=True)
+
     # ------------------------------------------------------------------ results
 
     def update(self, out: StepTokens) -> TokenBatch:
+        plan = self.in_flight.get(out.plan_id)
+        # A speculative plan's first step also computes a token the scheduler has not counted:
+        # it was planned before the previous plan's last token arrived.
+        computes_previous = out.step > 0 or (plan is not None and plan.speculative)
         rids, tokens, finished = [], [], []
         logprobs: list[Logprob] = []
         for i, (rid, token) in enumerate(zip(out.rids, out.token_ids, strict=True)):
             req = self.requests.get(rid)
             if req is None or not (req.status is Status.RUNNING
-                                   or (req.status is Status.PAUSED and rid in self.in_flight)):
+                                   or (req.status is Status.PAUSED and plan is not None and rid in plan.rids)):
                 continue  # finished or preempted while the plan ran: its tokens are void
-            if out.step > 0:
+            if computes_previous:
                 self._register_full_blocks(req, 1)
                 req.advance(1)  # the worker computed the token it sampled last step
                 self.queue.charge(req.user, 1)
@@ -484,8 +542,10 @@ class Scheduler:
             if reason is not None:
                 self._detach(req)
                 finished.append(self._finish(req, reason))
-        if out.last:
-            self.in_flight.clear()
+        if plan is not None:
+            plan.steps_seen = out.step + 1
+            if out.last:
+                del self.in_flight[out.plan_id]
         return TokenBatch(rids, tokens, finished, logprobs if out.logprobs else None)
 
     # ------------------------------------------------------------------ helpers

@@ -78,6 +78,8 @@ class FakeWorker:
         self._move(dict(self.device), self.device, plan.copy_blocks)
         active = []
         for rid, n, blocks in zip(plan.rids, plan.num_tokens, plan.new_block_ids, strict=True):
+            if plan.speculative and rid not in self.seqs:
+                continue  # stopped after the plan was made
             s = self.seqs[rid]
             s.blocks += blocks
             self._compute(rid, s, s.computed, n)

@@ -277,12 +277,12 @@ def test_a_pause_mid_window_keeps_the_tokens_made_until_the_worker_stops_the_row
     add(sched, 1, 8, max_tokens=20)
     step(sched, worker)  # both prompts, then 3 more steps
     plan = sched.schedule()
-    assert plan is not None and plan.num_steps == 4 and sched.in_flight == {0, 1}
+    assert plan is not None and plan.num_steps == 4 and sched.plans_with(0) == sched.plans_with(1) == [plan.plan_id]
     outs = worker.run(plan, cancel_after={0: 1})
     got = [sched.update(outs[0]), sched.update(outs[1])]
     assert sched.pause(0)
     got += [sched.update(out) for out in outs[2:]]
-    assert [len(b.rids) for b in got] == [2, 2, 1, 1] and sched.in_flight == set()
+    assert [len(b.rids) for b in got] == [2, 2, 1, 1] and sched.in_flight == {}
     assert sched.requests[0].num_outputs == 4 + 2  # the first window, then 2 steps of this one
     assert sched.resume(0)
     assert run_to_end(sched, worker) == {0: "length", 1: "length"}
@@ -299,3 +299,38 @@ def test_tokens_of_an_aborted_request_still_in_flight_are_void() -> None:
     sched.update(outs[0])
     assert sched.abort(0) is not None and sched.pool.num_free == sched.pool.num_blocks
     assert all(not sched.update(out).rids for out in outs[1:])
+
+
+def _outputs(batches: list[TokenBatch], into: dict[int, list[int]]) -> None:
+    for b in batches:
+        for rid, tok in zip(b.rids, b.token_ids, strict=True):
+            into.setdefault(rid, []).append(tok)
+
+
+def test_async_scheduling_continues_windows_before_their_tokens_arrive() -> None:
+    """Each window is planned while the previous one still runs (its tokens not yet applied);
+    the tokens, stops and block accounting equal those of plain one-plan-at-a-time scheduling."""
+    def requests(sched: Scheduler) -> None:
+        add(sched, 0, 8, max_tokens=21)  # stops by max_tokens mid-window
+        add(sched, 1, 8, max_tokens=40, stop_token_ids=[100 + (7 + 13) % 50])  # a stop id at output 13
+        add(sched, 2, 5, max_tokens=30)
+
+    sched, worker = make(num_scheduler_steps=4)
+    requests(sched)
+    want: dict[int, list[int]] = {}
+    while (plan := sched.schedule()) is not None:
+        _outputs([sched.update(out) for out in worker.run(plan)], want)
+
+    sched, worker = make(num_scheduler_steps=4)
+    requests(sched)
+    got: dict[int, list[int]] = {}
+    plan = sched.schedule()
+    speculative = 0
+    while plan is not None:
+        following = sched.continue_plan()  # made before ``plan``'s tokens are applied
+        speculative += following is not None
+        _outputs([sched.update(out) for out in worker.run(plan)], got)
+        plan = following if following is not None else sched.schedule()
+    assert got == want and speculative >= 5
+    assert len(got[1]) == 14 and len(got[0]) == 21 and len(got[2]) == 30
+    assert sched.requests == {} and sched.in_flight == {} and sched.pool.num_free == sched.pool.num_blocks

@@ -79,13 +79,16 @@ class ModelRunner:
         self.swap_space = SwapSpace(cache)
         self.finalize_lag = (1 if self.copier.asynchronous else 0) if finalize_lag is None else finalize_lag
         self.plan_id: int | None = None  # the plan being executed
-        self.cancelled: set[int] = set()
+        self.cancelled: set[int] = set()  # its rows that stop at the next step
+        self.cancels_ahead: dict[int, set[int]] = {}  # for plans received but not started
 
     def cancel(self, msg: CancelRows) -> None:
         """Take rows out of the plan in progress from its next step; with ``forget``, also drop
         their state (an abort). A cancel for a plan already over only forgets."""
         if msg.plan_id == self.plan_id:
             self.cancelled.update(msg.rids)
+        elif self.plan_id is None or msg.plan_id > self.plan_id:
+            self.cancels_ahead.setdefault(msg.plan_id, set()).update(msg.rids)
         if msg.forget:
             for rid in msg.rids:
                 seq = self.seqs.pop(rid, None)
@@ -100,7 +103,9 @@ class ModelRunner:
         ``busy_s`` counts the worker's own time (input building, forward, sampling, reading
         ids), not the time the consumer holds the generator between messages."""
         resumed = time.perf_counter()
-        self.plan_id, self.cancelled = plan.plan_id, set()
+        self.plan_id, self.cancelled = plan.plan_id, self.cancels_ahead.pop(plan.plan_id, set())
+        for stale in [p for p in self.cancels_ahead if p < plan.plan_id]:
+            del self.cancels_ahead[stale]
         self._apply_deltas(plan)
         batch = self._first_batch(plan)
         num_steps = max(1, plan.num_steps)
@@ -196,24 +201,29 @@ class ModelRunner:
             raise PlanError(f"plan {plan.plan_id}: rids, num_tokens and new_block_ids differ in length")
         if len(set(plan.rids)) != len(plan.rids):
             raise PlanError(f"plan {plan.plan_id}: a request appears twice")
-        if not plan.rids:
-            return None
         ids: list[int] = []
-        seqs, starts, samplers, logits_indices = [], [], [], []
+        seqs, starts, lengths, samplers, logits_indices = [], [], [], [], []
         for rid, n, new_blocks in zip(plan.rids, plan.num_tokens, plan.new_block_ids, strict=True):
             seq = self.seqs.get(rid)
             if seq is None:
+                if plan.speculative:
+                    continue  # stopped or aborted after this plan was made
                 raise PlanError(f"plan {plan.plan_id}: unknown rid {rid} (never sent, or forgotten)")
-            seq.block_table.extend(new_blocks)
+            seq.block_table.extend(new_blocks)  # the scheduler counts them as sent, run or not
+            if plan.speculative and rid in self.cancelled:
+                continue  # paused after this plan was made
             start = seq.schedule(n, self.cache.block_size)
             ids.extend(seq.token_ids[start : start + n])
             seqs.append(seq)
             starts.append(start)
+            lengths.append(n)
             if seq.fully_computed:
                 samplers.append(seq)
                 logits_indices.append(len(ids) - 1)
+        if not seqs:
+            return None
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return StepBatch(input_ids, seqs, starts, list(plan.num_tokens), samplers, logits_indices)
+        return StepBatch(input_ids, seqs, starts, lengths, samplers, logits_indices)
 
     def _decode_batch(self, prev: LaunchedStep, keep: list[int]) -> StepBatch:
         """The next multi-step step: rows ``keep`` of the previous step each compute the token
