@@ -79,6 +79,7 @@ class SchedulerProcess:
         self.last_seen: dict[int, float] = {}
         self.frontend_seen = False
         self.plans_in_flight: list[int] = []  # oldest first; a second one is speculative
+        self.cut_short: set[int] = set()  # speculative plans called off
         self.failure: str | None = None
         self.stopping = False
         # Priority changes and cache resets wait for the plan in flight to end: they only shape
@@ -201,6 +202,8 @@ class SchedulerProcess:
         rejected = self.core.add(msg)
         if rejected is not None:
             self._to_frontend(TokenBatch([], [], [rejected]))
+        else:
+            self._cut_speculative()
 
     def on_abort(self, msg: AbortRequest) -> None:
         if self.core is not None:
@@ -278,6 +281,17 @@ class SchedulerProcess:
 
     def defer(self, msg: object) -> None:
         self.deferred.append(msg)
+        self._cut_speculative()
+
+    def _cut_speculative(self) -> None:
+        """Something must change what runs (a new prompt, a control): the speculative window
+        queued behind the running one is called off, so the change waits for one window at
+        most, not two. If it has started, it ends at its next step boundary."""
+        if len(self.plans_in_flight) == 2 and self.plans_in_flight[1] not in self.cut_short:
+            assert self.core is not None
+            plan_id = self.plans_in_flight[1]
+            self.cut_short.add(plan_id)
+            self._cancel_in_flight([plan_id], self.core.in_flight[plan_id].rids, forget=False)
 
     def _apply_deferred(self) -> None:
         msgs, self.deferred = self.deferred, []
@@ -303,6 +317,7 @@ class SchedulerProcess:
         self.core = Scheduler(self.config, info.num_kv_blocks, info.block_size, info.max_model_len,
                               info.eos_token_ids)
         self.plans_in_flight = []
+        self.cut_short.clear()
         self.failure = None
         log.info("workers ready: %s, %d KV blocks of %d tokens", info.name, info.num_kv_blocks, info.block_size)
 
@@ -322,6 +337,7 @@ class SchedulerProcess:
             self._to_frontend(batch)
         if msg.last:
             self.plans_in_flight.remove(msg.plan_id)
+            self.cut_short.discard(msg.plan_id)
             self._send_continuation()
 
     # ------------------------------------------------------------------ failure
@@ -343,6 +359,7 @@ class SchedulerProcess:
         self.failure = reason
         self.ready_ranks.clear()
         self.plans_in_flight = []
+        self.cut_short.clear()
         if self.core is not None:
             finishes = self.core.finish_all(FinishReason.ERROR, reason)
             if finishes:
