@@ -75,6 +75,9 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     priority: int = 0
     user: str = ""
     arrival_time: float = 0.0
+    # n > 1: choices after the first wait until request ``after`` has computed its prompt, then
+    # start on its KV blocks through the prefix cache (shared, copied at the first divergent one).
+    after: int | None = None
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):
