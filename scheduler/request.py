@@ -22,7 +22,7 @@ class Request:
     ``num_computed`` tokens. ``on_worker`` says whether the worker holds its state."""
 
     __slots__ = (
-        "arrival_time", "block_hashes", "blocks", "cut_in", "finish_reason", "host_blocks", "num_cached_tokens",
+        "after", "arrival_time", "block_hashes", "blocks", "cut_in", "finish_reason", "host_blocks", "num_cached_tokens",
         "num_computed", "num_preemptions", "num_prompt_tokens", "on_worker", "priority", "request_id", "rid",
         "sampling", "scheduled_at", "status", "token_ids", "user", "worker_blocks",
     )  # fmt: skip
@@ -36,6 +36,7 @@ class Request:
         self.priority = msg.priority
         self.user = msg.user
         self.arrival_time = msg.arrival_time
+        self.after = msg.after  # n > 1: the sibling whose prompt KV this one waits to share
         self.status = Status.WAITING
         self.num_computed = 0
         self.blocks: list[int] = []

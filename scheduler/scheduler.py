@@ -107,6 +107,8 @@ class Scheduler:
         self.paused_requests: dict[int, Request] = {}
         self.requests: dict[int, Request] = {}
         self._cut_ins: list[Request] = []
+        # n > 1: choices waiting for their first sibling's prompt KV (by that sibling's rid).
+        self._held: dict[int, list[Request]] = {}
         self._forget: list[int] = []  # rids whose worker state must go in the next plan
         # Plans sent and not finished (at most two: one running, one speculative behind it),
         # with their rows. Those rows' tokens count even if they were paused meanwhile: the
@@ -135,8 +137,18 @@ class Scheduler:
         if reason:
             return Finish(msg.rid, FinishReason.ERROR, req.num_prompt_tokens, 0, 0, reason)
         self.requests[req.rid] = req
-        self.queue.push(req)
+        first = self.requests.get(msg.after) if msg.after is not None else None
+        if first is not None and first.num_computed < first.num_prompt_tokens and self.pool.enable_caching:
+            self._held.setdefault(first.rid, []).append(req)
+        else:
+            self.queue.push(req)
         return None
+
+    def _release_held(self, req: Request) -> None:
+        """``req``'s prompt is computed (or it is gone): the choices waiting on it may start,
+        finding its full prompt blocks in the prefix cache."""
+        for held in self._held.pop(req.rid, []):
+            self.queue.push(held)
 
     def abort(self, rid: int) -> Finish | None:
         req = self.requests.get(rid)
@@ -148,6 +160,8 @@ class Scheduler:
     def _detach(self, req: Request) -> None:
         """Take ``req`` out of whichever collection holds it."""
         self.queue.remove(req.rid)
+        if req.after is not None and req in self._held.get(req.after, ()):
+            self._held[req.after].remove(req)
         self.paused_requests.pop(req.rid, None)
         if req.status is Status.RUNNING:
             self.running.remove(req)
@@ -155,6 +169,7 @@ class Scheduler:
             self._cut_ins.remove(req)
 
     def _finish(self, req: Request, reason: str, message: str = "") -> Finish:
+        self._release_held(req)
         if req.on_worker:
             self._forget.append(req.rid)
         if self.host_pool is not None and req.host_blocks:
@@ -458,6 +473,8 @@ class Scheduler:
             req.worker_blocks = len(req.blocks)
             self._register_full_blocks(req, row.num_tokens)
             req.advance(row.num_tokens)
+            if req.rid in self._held and req.num_computed >= req.num_prompt_tokens:
+                self._release_held(req)
             self.queue.charge(req.user, row.num_tokens)
         self._next_plan_id += 1
         self.num_steps_run += steps

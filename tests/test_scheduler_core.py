@@ -334,3 +334,35 @@ def test_async_scheduling_continues_windows_before_their_tokens_arrive() -> None
     assert got == want and speculative >= 5
     assert len(got[1]) == 14 and len(got[0]) == 21 and len(got[2]) == 30
     assert sched.requests == {} and sched.in_flight == {} and sched.pool.num_free == sched.pool.num_blocks
+
+
+def test_choices_of_one_prompt_share_its_blocks() -> None:
+    """n = 3: the second and third choices wait for the first to compute the prompt, then take
+    its full blocks from the prefix cache (shared, not copied) and compute only the last token."""
+    sched, worker = make(num_scheduler_steps=1)
+    prompt = [(j * 13) % 300 + 3 for j in range(4 * BS + 3)]  # four full blocks and a partial one
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for rid in range(3):
+        assert sched.add(AddRequest(rid, f"c-{rid}", prompt, params, 0, "", 0.0, None if rid == 0 else 0)) is None
+    plan, _ = step(sched, worker)
+    assert plan is not None and plan.rids == [0] and len(sched.queue) == 2  # released once computed
+    plan, _ = step(sched, worker)
+    assert plan is not None and sorted(plan.rids) == [0, 1, 2]
+    assert dict(zip(plan.rids, plan.num_tokens, strict=True))[1] == 3  # only the partial block recomputed
+    blocks = {rid: sched.requests[rid].blocks for rid in range(3)}
+    assert blocks[0][:4] == blocks[1][:4] == blocks[2][:4]
+    assert len({blocks[0][4], blocks[1][4], blocks[2][4]}) == 3  # the divergent block: one each
+    assert run_to_end(sched, worker) == {0: "length", 1: "length", 2: "length"}
+    assert sched.pool.num_free == sched.pool.num_blocks
+
+
+def test_a_held_choice_can_be_aborted_and_is_released_if_its_first_sibling_goes() -> None:
+    sched, worker = make()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for rid in range(3):
+        assert sched.add(AddRequest(rid, f"c-{rid}", [5] * 9, params, 0, "", 0.0, None if rid == 0 else 0)) is None
+    assert sched.abort(1) is not None
+    assert sched.abort(0) is not None  # before its prompt was computed: rid 2 is queued instead
+    assert 2 in sched.queue
+    assert run_to_end(sched, worker) == {2: "length"}
+    assert sched.pool.num_free == sched.pool.num_blocks
