@@ -71,6 +71,10 @@ class Generation:
     def request_id(self) -> str:
         return self._request.request_id
 
+    @property
+    def rid(self) -> int:
+        return self._request.rid
+
     async def start(self) -> None:
         self._stream = await self._client.add(self._request)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -85,8 +86,6 @@ def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
                           "min_tokens")
-    if body.n != 1:
-        raise bad_request("n > 1 is not supported yet; send several requests instead", "n")
     if body.presence_penalty or body.frequency_penalty:
         raise bad_request("presence_penalty and frequency_penalty are not supported yet", "presence_penalty")
     stop_ids = body.stop_token_ids or []
@@ -119,6 +118,11 @@ def _check_capacity(state: AppState) -> None:
 # ------------------------------------------------------------------------------------ running
 
 
+ChunkFn = Callable[[Delta, bool, int], "dict[str, Any] | None"]
+FinalFn = Callable[[str, str, Any, list[int], list[Logprob], int], "dict[str, Any]"]
+MAX_N = 128
+
+
 async def _run(
     state: AppState,
     request: Request,
@@ -126,50 +130,116 @@ async def _run(
     prompt_ids: list[int],
     sampling: SamplingParams,
     request_id: str,
-    chunk: Callable[[Delta, bool], dict[str, Any] | None],
-    final: Callable[[str, str, Any, list[int], list[Logprob]], dict[str, Any]],
+    chunk: ChunkFn,
+    final: FinalFn,
 ) -> Response:
-    """Shared by both endpoints: ``chunk(delta, first)`` makes one SSE chunk body (or None to
-    send nothing), ``final(text, finish_reason, usage, token_ids, logprobs)`` the non-streaming body."""
+    """Shared by both endpoints: ``chunk(delta, first, index)`` makes one SSE chunk body for
+    choice ``index`` (or None to send nothing), ``final(text, finish_reason, usage, token_ids,
+    logprobs, index)`` the non-streaming body of one choice; with ``n`` > 1 the choices are
+    merged into one body.
+
+    Choice i > 0 is its own engine request (id ``<request_id>-<i>``, seed + i when seeded) that
+    waits for choice 0 to compute the prompt and then shares its KV blocks."""
+    if body.n > MAX_N:
+        raise bad_request(f"n must be at most {MAX_N}", "n")
     _check_capacity(state)
-    add = AddRequest(
-        rid=state.client.next_rid(),
-        request_id=request_id,
-        prompt_token_ids=prompt_ids,
-        sampling=sampling,
-        priority=body.priority,
-        user=body.user or "",
-        arrival_time=time.time(),
-    )
-    gen = Generation(state.client, state.require_tokenizer(), add, body.stop_strings(), state.metrics)
-    await gen.start()
+    tokenizer = state.require_tokenizer()
+    gens: list[Generation] = []
+    for i in range(body.n):
+        choice_sampling = sampling
+        if i and sampling.seed is not None:
+            choice_sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + i) % 2**63)
+        add = AddRequest(
+            rid=state.client.next_rid(),
+            request_id=request_id if i == 0 else f"{request_id}-{i}",
+            prompt_token_ids=prompt_ids,
+            sampling=choice_sampling,
+            priority=body.priority,
+            user=body.user or "",
+            arrival_time=time.time(),
+            after=gens[0].rid if i else None,
+        )
+        gens.append(Generation(state.client, tokenizer, add, body.stop_strings(), state.metrics))
+    for gen in gens:
+        await gen.start()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            _stream(gen, chunk, include_usage, request_id),
-            media_type="text/event-stream",
-            headers={"X-Request-Id": request_id, "Cache-Control": "no-cache"},
-        )
-    text, reason, token_ids, entries = await _collect_unless_disconnected(request, gen)
-    return _json_response(final(text, reason, gen.usage.as_dict(), token_ids, entries), request_id)
+        stream = _stream(gens[0], chunk, include_usage, request_id) if len(gens) == 1 else \
+            _stream_choices(gens, chunk, include_usage, request_id)
+        return StreamingResponse(stream, media_type="text/event-stream",
+                                 headers={"X-Request-Id": request_id, "Cache-Control": "no-cache"})
+    answers = await _collect_unless_disconnected(request, gens)
+    usage = _usage(gens)
+    bodies = [final(text, reason, usage, token_ids, entries, i)
+              for i, (text, reason, token_ids, entries) in enumerate(answers)]
+    merged = bodies[0]
+    merged["choices"] = [b["choices"][0] for b in bodies]
+    return _json_response(merged, request_id)
 
 
-async def _stream(gen: Generation, chunk: Callable[[Delta, bool], dict[str, Any] | None],
-                  include_usage: bool, request_id: str) -> AsyncIterator[bytes]:
+def _usage(gens: list[Generation]) -> dict[str, object]:
+    """One prompt, however many choices: its tokens count once, completions add up."""
+    usage = dataclasses.replace(gens[0].usage, completion_tokens=sum(g.usage.completion_tokens for g in gens))
+    return usage.as_dict()
+
+
+async def _stream(gen: Generation, chunk: ChunkFn, include_usage: bool, request_id: str) -> AsyncIterator[bytes]:
     first = True
     async for delta in gen.deltas():
         if delta.error is not None:
-            # Headers are gone already: the error travels as a chunk in OpenAI's error shape.
-            yield _sse({"error": {"message": delta.error, "type": "service_unavailable",
-                                  "param": None, "code": "engine_error"}})
+            yield _error_chunk(delta.error)
             break
-        body = chunk(delta, first)
+        body = chunk(delta, first, 0)
         first = False
         if body is not None:
             yield _sse(body)
     if include_usage:
         yield _sse({"id": request_id, "object": "usage", "choices": [], "usage": gen.usage.as_dict()})
     yield SSE_DONE
+
+
+def _error_chunk(message: str) -> bytes:
+    # Headers are gone already: the error travels as a chunk in OpenAI's error shape.
+    return _sse({"error": {"message": message, "type": "service_unavailable", "param": None,
+                           "code": "engine_error"}})
+
+
+async def _stream_choices(gens: list[Generation], chunk: ChunkFn, include_usage: bool,
+                          request_id: str) -> AsyncIterator[bytes]:
+    """n > 1: every choice's chunks, interleaved as they come, each naming its ``index``."""
+    arrived: asyncio.Queue[tuple[int, Delta | None, bool]] = asyncio.Queue()
+
+    async def pump(index: int, gen: Generation) -> None:
+        first = True
+        try:
+            async for delta in gen.deltas():
+                arrived.put_nowait((index, delta, first))
+                first = False
+        finally:
+            arrived.put_nowait((index, None, False))
+
+    pumps = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
+    try:
+        running = len(gens)
+        while running:
+            index, delta, first = await arrived.get()
+            if delta is None:
+                running -= 1
+                continue
+            if delta.error is not None:
+                yield _error_chunk(delta.error)
+                break
+            body = chunk(delta, first, index)
+            if body is not None:
+                yield _sse(body)
+        if include_usage:
+            yield _sse({"id": request_id, "object": "usage", "choices": [], "usage": _usage(gens)})
+        yield SSE_DONE
+    finally:
+        # A client gone mid-stream: cancelling each pump aborts its request (Generation's finally).
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 async def _collect(gen: Generation) -> tuple[str, str, list[int], list[Logprob]]:
@@ -188,18 +258,22 @@ async def _collect(gen: Generation) -> tuple[str, str, list[int], list[Logprob]]
     return "".join(parts), reason, token_ids, entries
 
 
-async def _collect_unless_disconnected(request: Request, gen: Generation) -> tuple[str, str, list[int], list[Logprob]]:
-    """Collect the answer, but give up (aborting the request) if the client disconnects."""
-    collect = asyncio.ensure_future(_collect(gen))
+async def _collect_unless_disconnected(request: Request, gens: list[Generation]
+                                       ) -> list[tuple[str, str, list[int], list[Logprob]]]:
+    """Collect every choice, but give up (aborting the requests) if the client disconnects."""
+    collect = asyncio.ensure_future(asyncio.gather(*(_collect(gen) for gen in gens)))
     disconnect = asyncio.ensure_future(_wait_disconnect(request))
+    either: list[asyncio.Future[Any]] = [collect, disconnect]
     try:
-        await asyncio.wait([collect, disconnect], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     finally:
         disconnect.cancel()
         if not collect.done():
             collect.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await disconnect
+        with contextlib.suppress(asyncio.CancelledError, APIError):
+            await collect  # let cancelled collectors finish their clean-up (the aborts)
     if collect.cancelled():
         raise APIError(400, "client disconnected")  # nobody reads this response
     return collect.result()
@@ -237,9 +311,10 @@ async def completions(request: Request) -> Response:
     created = int(time.time())
     model = state.model_name
 
-    offset = [0]  # text offset of the next token, for logprobs
+    offsets = [0] * body.n  # text offset of each choice's next token, for logprobs
 
-    def completion_logprobs(delta_ids: list[int], entries: list[Logprob], texts: list[str]) -> dict[str, Any] | None:
+    def completion_logprobs(delta_ids: list[int], entries: list[Logprob], texts: list[str],
+                            index: int) -> dict[str, Any] | None:
         if body.logprobs is None or not delta_ids:
             return None
         out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -248,13 +323,13 @@ async def completions(request: Request) -> Response:
             out["token_logprobs"].append(entry[0] if entry else None)
             out["top_logprobs"].append({tokenizer.token_str(t): lp
                                         for t, lp in zip(entry[1], entry[2], strict=True)} if entry else None)
-            out["text_offset"].append(offset[0])
-            offset[0] += len(text)
+            out["text_offset"].append(offsets[index])
+            offsets[index] += len(text)
         return out
 
-    def chunk(delta: Delta, first: bool) -> dict[str, Any]:
-        choice = {"index": 0, "text": delta.text, "finish_reason": delta.finish_reason,
-                  "logprobs": completion_logprobs(delta.token_ids, delta.logprobs, [delta.text])}
+    def chunk(delta: Delta, first: bool, index: int) -> dict[str, Any]:
+        choice = {"index": index, "text": delta.text, "finish_reason": delta.finish_reason,
+                  "logprobs": completion_logprobs(delta.token_ids, delta.logprobs, [delta.text], index)}
         if body.return_token_ids:
             choice["token_ids"] = delta.token_ids
             if first:
@@ -262,10 +337,11 @@ async def completions(request: Request) -> Response:
         return {"id": request_id, "object": "text_completion", "created": created, "model": model,
                 "choices": [choice]}
 
-    def final(text: str, reason: str, usage: Any, token_ids: list[int], entries: list[Logprob]) -> dict[str, Any]:
+    def final(text: str, reason: str, usage: Any, token_ids: list[int], entries: list[Logprob],
+              index: int) -> dict[str, Any]:
         texts = [tokenizer.decode([t]) for t in token_ids]
-        choice = {"index": 0, "text": text, "finish_reason": reason,
-                  "logprobs": completion_logprobs(token_ids, entries, texts)}
+        choice = {"index": index, "text": text, "finish_reason": reason,
+                  "logprobs": completion_logprobs(token_ids, entries, texts, index)}
         if body.return_token_ids:
             choice.update(token_ids=token_ids, prompt_token_ids=prompt_ids)
         return {"id": request_id, "object": "text_completion", "created": created, "model": model,
@@ -308,16 +384,17 @@ async def chat_completions(request: Request) -> Response:
                 "top_logprobs": [item(t, lp) for t, lp in zip(entry[1], entry[2], strict=True)]})
         return {"content": content}
 
-    def chunk(delta: Delta, first: bool) -> dict[str, Any]:
+    def chunk(delta: Delta, first: bool, index: int) -> dict[str, Any]:
         message: dict[str, Any] = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         if first:
             message = {"role": "assistant", "content": delta.text}
         return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": message, "logprobs": chat_logprobs(delta.token_ids, delta.logprobs),
+                "choices": [{"index": index, "delta": message, "logprobs": chat_logprobs(delta.token_ids, delta.logprobs),
                              "finish_reason": delta.finish_reason}]}
 
-    def final(text: str, reason: str, usage: Any, token_ids: list[int], entries: list[Logprob]) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+    def final(text: str, reason: str, usage: Any, token_ids: list[int], entries: list[Logprob],
+              index: int) -> dict[str, Any]:
+        choice = {"index": index, "message": {"role": "assistant", "content": text},
                   "logprobs": chat_logprobs(token_ids, entries), "finish_reason": reason}
         if body.return_token_ids:
             choice.update(token_ids=token_ids, prompt_token_ids=prompt_ids)

@@ -108,7 +108,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny", "prompt": [5] * 8000, "max_tokens": 500}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),  # > KV cache
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 3}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "priority": -1}, 403, "priority"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
