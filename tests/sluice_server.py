@@ -25,6 +25,8 @@ def free_port() -> int:
 
 class SluiceServer:
     def __init__(self, *flags: str, log_dir: Path) -> None:
+        if "--model" not in flags:
+            flags = ("--model", "tiny", *flags)  # tests run the built-in model unless they say otherwise
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"sluice-{self.port}.log"

@@ -1,0 +1,145 @@
+"""GGUF loading: dequantization of every supported type against the ``gguf`` package's reference
+dequantizer, the tokenizer against the one ``transformers`` builds from the same SmolLM2 file,
+and clear start-up errors for files Sluice cannot serve."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter, quants
+
+from protocol.config import WorkerConfig
+from worker.engine import Worker
+from worker.gguf_checkpoint import GGUFCheckpoint
+from worker.gguf_quants import dequantize
+from worker.loader import smollm2_path
+from worker.model_config import ModelLoadError
+
+BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.Q8_0: 34}
+
+
+def _blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random codes with finite fp16 scales (and offsets), as a reader returns them: [rows, bytes]."""
+    size, n = BLOCK_BYTES[qtype], rows * cols // 32
+    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    halves = rng.normal(0.0, 0.05, size=(n, 2)).astype(np.float16).view(np.uint8)
+    raw[:, :2] = halves[:, :2]
+    if qtype in (Q.Q4_1, Q.Q5_1):
+        raw[:, 2:4] = halves[:, 2:]
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK_BYTES))
+def test_quantized_types_match_the_reference_dequantizer(qtype: Q) -> None:
+    rng = np.random.default_rng(int(qtype))
+    data = _blocks(qtype, rows=24, cols=96, rng=rng)
+    got = dequantize(data, qtype, (24, 96))
+    assert got.dtype == torch.float32
+    np.testing.assert_array_equal(got.numpy(), quants.dequantize(data, qtype))
+
+
+def test_float_types_match_the_reference_dequantizer() -> None:
+    rng = np.random.default_rng(1)
+    values = rng.normal(size=(8, 16)).astype(np.float32)
+    np.testing.assert_array_equal(dequantize(values, Q.F32, (8, 16)).numpy(), values)
+    half = values.astype(np.float16)
+    np.testing.assert_array_equal(dequantize(half, Q.F16, (8, 16)).numpy(), half.astype(np.float32))
+    bf16 = quants.quantize(values, Q.BF16)
+    np.testing.assert_array_equal(dequantize(bf16, Q.BF16, (8, 16)).numpy(), quants.dequantize(bf16, Q.BF16))
+
+
+def test_other_types_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="tensor type Q4_K is not supported"):
+        dequantize(np.zeros((1, 144), dtype=np.uint8), Q.Q4_K, (1, 256))
+
+
+# ------------------------------------------------------------------------------------ tokenizer
+
+
+def _texts() -> list[str]:
+    """A few hundred strings: prose, code, numbers, whitespace runs, accents, CJK, emoji, the
+    chat markup, and random mixtures of their pieces."""
+    base = [
+        "Hello, world!", "What is the capital of France?", "  leading and trailing spaces  ",
+        "tabs\tand\nnewlines\n\n\nmany", "def f(x):\n    return x ** 2  # square", "1234567890 3.14159 -42 1e-9",
+        "naïve café résumé façade Ångström", "Größe Straße ÄÖÜ äöü ß", "日本語のテキストです。", "中文句子，带标点。",
+        "한국어 문장입니다", "Русский текст с пунктуацией.", "Ελληνικά γράμματα", "עברית", "العربية",
+        "emoji 🎉🚀👍🏽 and ZWJ 👨‍👩‍👧", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+        "<|endoftext|> after end", "don't won't it's we're they'll I'd", "URL https://example.com/a?b=c&d=e",
+        "JSON {\"a\": [1, 2, {\"b\": null}]}", "ALL CAPS SHOUTING", "mIxEd CaSe", "a" * 50, " " * 17, "\u00a0nbsp",
+    ]
+    rng = random.Random(7)
+    words = [w for s in base for w in s.split(" ") if w]
+    mixed = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 12))) for _ in range(300)]
+    return base + mixed
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    return smollm2_path()
+
+
+def test_tokenizer_encodes_as_transformers_does(smollm2: Path) -> None:
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
+    ours = GGUFCheckpoint(smollm2).tokenizer()
+    texts = _texts()
+    assert len(texts) > 300
+    for text in texts:
+        want = theirs(text, add_special_tokens=False).input_ids
+        assert ours.encode(text, add_special_tokens=False).ids == want, text
+        assert ours.decode(want, skip_special_tokens=False) == theirs.decode(want)
+
+
+def test_smollm2_metadata(smollm2: Path) -> None:
+    ckpt = GGUFCheckpoint(smollm2)
+    cfg = ckpt.config()
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
+    assert cfg.tie_word_embeddings and cfg.max_position_embeddings == 8192
+    assert cfg.eos_token_ids == [2] and not ckpt.add_bos_token()
+    assert "<|im_start|>" in (ckpt.chat_template() or "")
+
+
+# ------------------------------------------------------------------------------------ bad files
+
+
+def _write(path: Path, arch: str = "llama", extra_tensor: str | None = None) -> Path:
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "c", "d"])
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    if extra_tensor:
+        writer.add_tensor(extra_tensor, np.zeros((3, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_bad_gguf_files_fail_with_one_clear_line(tmp_path: Path) -> None:
+    cases = {
+        tmp_path / "notgguf.gguf": "not a readable GGUF file",
+        _write(tmp_path / "gpt2.gguf", arch="gpt2"): "architecture 'gpt2' is not supported",
+        _write(tmp_path / "odd.gguf", extra_tensor="blk.0.attn_q.weight"): "tensor blk.0.attn_q.weight has shape",
+        _write(tmp_path / "alien.gguf", extra_tensor="mystery.weight"): "unexpected tensor mystery.weight",
+        tmp_path / "missing.gguf": "no such GGUF file",
+    }
+    (tmp_path / "notgguf.gguf").write_bytes(b"definitely not gguf")
+    for path, reason in cases.items():
+        with pytest.raises(ModelLoadError, match=reason) as err:
+            Worker(WorkerConfig(model=str(path), num_kv_blocks=4))
+        assert str(path) in str(err.value) and "\n" not in str(err.value)

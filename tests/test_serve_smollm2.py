@@ -1,0 +1,92 @@
+"""The default model end to end: ``sluice serve --model smollm2`` gives exactly the greedy tokens
+``transformers`` gives when it loads the same GGUF file, for chat prompts alone and batched, and
+answers a real question."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from sluice_server import SluiceServer, running_server
+
+from worker.loader import smollm2_path
+
+pytestmark = pytest.mark.timeout(900)
+
+QUESTIONS = [
+    "Write a short poem about the sea.",
+    "Explain in a few sentences how a bicycle works.",
+    "List five fruits and say one thing about each.",
+    "What should I pack for a weekend of hiking?",
+]
+NEW_TOKENS = 40  # min_tokens = max_tokens: every answer is exactly this long, EOS held back
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
+    with running_server("--model", "smollm2", "--num-kv-blocks", "256",
+                        log_dir=tmp_path_factory.mktemp("logs")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, list[int]]:
+    """transformers' greedy continuation of each chat prompt, from the same GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    out = {}
+    with torch.inference_mode():
+        for q in QUESTIONS:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                return_dict=False)
+            generated = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                       do_sample=False)
+            out[q] = generated[0, len(ids):].tolist()
+    return out
+
+
+async def _chat(client: httpx.AsyncClient, url: str, question: str) -> list[int]:
+    r = await client.post(f"{url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": question}], "temperature": 0, "max_tokens": NEW_TOKENS,
+        "min_tokens": NEW_TOKENS, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return list(r.json()["choices"][0]["token_ids"])
+
+
+def test_each_chat_prompt_alone_matches_transformers(server: SluiceServer, expected: dict[str, list[int]]) -> None:
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=300) as client:
+            for q in QUESTIONS:
+                assert await _chat(client, server.url, q) == expected[q], q
+
+    asyncio.run(run())
+
+
+def test_batched_chat_prompts_match_transformers(server: SluiceServer, expected: dict[str, list[int]]) -> None:
+    async def run() -> list[list[int]]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            return list(await asyncio.gather(*(_chat(client, server.url, q) for q in QUESTIONS)))
+
+    assert asyncio.run(run()) == [expected[q] for q in QUESTIONS]
+
+
+def test_the_capital_of_france_is_paris(server: SluiceServer) -> None:
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0,
+        "max_tokens": 32})
+    assert r.status_code == 200
+    answer = r.json()["choices"][0]["message"]["content"]
+    assert "Paris" in answer, answer
+    assert r.json()["choices"][0]["finish_reason"] == "stop"  # ended on <|im_end|>, not by length
+
+
+def test_models_lists_smollm2(server: SluiceServer, tmp_path: Path) -> None:
+    data = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in data] == ["smollm2"] and data[0]["max_model_len"] == 8192
