@@ -67,8 +67,8 @@ def _texts() -> list[str]:
     base = [
         "Hello, world!", "What is the capital of France?", "  leading and trailing spaces  ",
         "tabs\tand\nnewlines\n\n\nmany", "def f(x):\n    return x ** 2  # square", "1234567890 3.14159 -42 1e-9",
-        "naïve café résumé façade Ångström", "Größe Straße ÄÖÜ äöü ß", "日本語のテキストです。", "中文句子，带标点。",
-        "한국어 문장입니다", "Русский текст с пунктуацией.", "Ελληνικά γράμματα", "עברית", "العربية",
+        "naïve café résumé façade Ångström", "Größe Straße ÄÖÜ äöü ß", "日本語のテキストです。", "中文句子，带标点。",  # noqa: RUF001
+        "한국어 문장입니다", "Русский текст с пунктуацией.", "Ελληνικά γράμματα", "עברית", "العربية",  # noqa: RUF001
         "emoji 🎉🚀👍🏽 and ZWJ 👨‍👩‍👧", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
         "<|endoftext|> after end", "don't won't it's we're they'll I'd", "URL https://example.com/a?b=c&d=e",
         "JSON {\"a\": [1, 2, {\"b\": null}]}", "ALL CAPS SHOUTING", "mIxEd CaSe", "a" * 50, " " * 17, "\u00a0nbsp",
