@@ -86,10 +86,9 @@ def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
                           "min_tokens")
-    if body.presence_penalty or body.frequency_penalty:
-        raise bad_request("presence_penalty and frequency_penalty are not supported yet", "presence_penalty")
     stop_ids = body.stop_token_ids or []
     _check_token_ids(stop_ids, model.vocab_size, "stop_token_ids")
+    logit_bias = _logit_bias(body.logit_bias or {}, model.vocab_size)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -100,7 +99,23 @@ def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens
         stop_token_ids=stop_ids,
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=logit_bias,
     )
+
+
+def _logit_bias(bias: dict[str, float], vocab_size: int) -> list[tuple[int, float]]:
+    """OpenAI's ``{"token id": bias}`` as (id, bias) pairs; keys must be in-vocabulary ids."""
+    pairs = []
+    for key, value in bias.items():
+        if not key.strip().isdigit() or int(key) >= vocab_size:
+            raise bad_request(f"logit_bias key {key!r} is not a token id of this model (vocab size {vocab_size})",
+                              "logit_bias")
+        pairs.append((int(key), float(value)))
+    return pairs
 
 
 def _check_priority(state: AppState, request: Request, priority: int) -> None:

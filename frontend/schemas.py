@@ -46,6 +46,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0  # vLLM's extension
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0  # vLLM's extension
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
     # vLLM's extension: also return the prompt's and the output's token ids.
     return_token_ids: bool = False
 

@@ -37,6 +37,16 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs to return per token; None = off
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; 0 = off
+    repetition_penalty: float = 1.0  # on tokens of the prompt and the output; 1 = off
+    presence_penalty: float = 0.0  # subtracted once from tokens already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    logit_bias: list[tuple[int, float]] = []  # (token id, bias added to its logit)
+
+    @property
+    def reads_history(self) -> bool:
+        """Sampling depends on the request's own earlier tokens (the penalties)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 class FinishReason:

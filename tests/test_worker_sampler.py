@@ -112,3 +112,58 @@ def test_logprobs_are_the_raw_model_distribution() -> None:
     assert torch.allclose(torch.tensor(values), raw[0].topk(4).values)
     assert third[1:] == ([], []) and math.isclose(third[0], float(raw[2].max()), rel_tol=1e-6)
     assert sampler()(logits, rows(SamplingParams(temperature=0.0))).logprobs is None
+
+
+# ------------------------------------------------------------------------------------ bias, penalties, min_p
+
+
+def _reference_penalties(logits: torch.Tensor, history: list[int], num_prompt: int, p: SamplingParams) -> torch.Tensor:
+    """The rules written out one token at a time."""
+    out = logits.clone()
+    outputs = history[num_prompt:]
+    for token in set(history):
+        if p.repetition_penalty != 1.0:
+            out[token] = out[token] / p.repetition_penalty if out[token] > 0 else out[token] * p.repetition_penalty
+    for token in set(outputs):
+        out[token] -= p.frequency_penalty * outputs.count(token) + p.presence_penalty
+    return out
+
+
+def test_penalties_follow_the_rules_row_by_row() -> None:
+    logits = random_logits(3, 40, seed=3)
+    histories = [([5, 6, 7, 5], 2), ([1, 2, 3], 3), ([9, 9, 9, 4, 4, 30], 1)]  # (prompt + outputs, prompt length)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0),  # no penalties: untouched
+              SamplingParams(temperature=0.0, repetition_penalty=0.8, frequency_penalty=0.7, presence_penalty=-0.4)]
+    batch = [SamplingRow(p, len(h) - n, h, n) for p, (h, n) in zip(params, histories, strict=True)]
+    got = sampler()._penalize(logits, batch)
+    for i, (p, (h, n)) in enumerate(zip(params, histories, strict=True)):
+        torch.testing.assert_close(got[i], _reference_penalties(logits[i], h, n, p))
+
+
+def test_logit_bias_forces_and_forbids_tokens() -> None:
+    logits = random_logits(2, 30, seed=4)
+    top = logits.argmax(-1).tolist()
+    forced = SamplingParams(temperature=0.0, logit_bias=[(17, 100.0)])
+    banned = SamplingParams(temperature=0.0, logit_bias=[(top[1], -100.0)])
+    out = sampler()(logits, rows(forced, banned)).token_ids.tolist()
+    assert out[0] == 17
+    assert out[1] == logits[1].clone().index_fill_(0, torch.tensor([top[1]]), -1e9).argmax().item()
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]]))
+    params = SamplingParams(temperature=1.0, min_p=0.25)  # keeps p >= 0.125: tokens 0 and 1
+    s = sampler(seed=11)
+    drawn = {int(s(logits, rows(params)).token_ids[0]) for _ in range(300)}
+    assert drawn == {0, 1}
+
+
+def test_penalised_seeded_rows_ignore_the_batch() -> None:
+    logits = random_logits(3, 60, seed=5)
+    p = SamplingParams(temperature=0.9, seed=77, frequency_penalty=0.5, repetition_penalty=1.2)
+    row = SamplingRow(p, 2, [3, 4, 5, 3, 3], 3)
+    alone = sampler(seed=1)(logits[:1], [row]).token_ids.tolist()
+    noisy = [SamplingRow(SamplingParams(temperature=1.0), 0), row, SamplingRow(SamplingParams(temperature=0.0), 0)]
+    together = sampler(seed=2)(torch.stack([logits[1], logits[0], logits[2]]), noisy).token_ids.tolist()
+    assert together[1] == alone[0]

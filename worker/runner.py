@@ -243,9 +243,12 @@ class ModelRunner:
         logits = self.model(batch.input_ids, meta)
         if not batch.samplers:
             return None
-        return self.sampler(logits, [SamplingRow(s.sampling, s.num_sampled) for s in batch.samplers])
+        return self.sampler(logits, [
+            SamplingRow(s.sampling, s.num_sampled, s.token_ids, s.num_prompt_tokens) if s.sampling.reads_history
+            else SamplingRow(s.sampling, s.num_sampled) for s in batch.samplers])
 
 
 def _reads_history(seq: SequenceState) -> bool:
-    """Sampling that depends on the sequence's own earlier tokens needs their ids on the host."""
-    return False
+    """Sampling that depends on the sequence's own earlier tokens (penalties) needs their ids on
+    the host before it samples again."""
+    return seq.sampling.reads_history

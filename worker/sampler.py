@@ -1,5 +1,13 @@
-"""Batched sampling on the device: greedy, temperature, top-k, top-p, min_tokens, per-request
-seeds, and optional logprobs.
+"""Batched sampling on the device: logit bias, penalties, greedy, temperature, top-k, top-p,
+min-p, min_tokens, per-request seeds, and optional logprobs.
+
+In order, on the raw logits: ``logit_bias`` is added; EOS and stop ids are banned until
+``min_tokens``; the repetition penalty divides positive (multiplies negative) logits of tokens
+seen in the prompt or the output (vLLM's rule), then the frequency and presence penalties
+subtract per occurrence / once for tokens of the output (OpenAI's). Greedy rows take the argmax
+of that; random rows divide by the temperature, keep their top-k / top-p nucleus and the tokens
+at least ``min_p`` times as likely as the most likely one, and sample. Every step is batched;
+rows that use none of an option cost it nothing, and a batch where nobody does skips it whole.
 
 Random rows sample by the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. per token
 draws exactly from ``p``. A seeded request draws its ``E`` from a generator seeded by a mix of
@@ -13,6 +21,7 @@ temperature, top-k/top-p and the min_tokens ban), as vLLM reports them by defaul
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -37,6 +46,10 @@ def seed_for(seed: int, output_index: int) -> int:
 class SamplingRow:
     params: SamplingParams
     num_outputs: int  # outputs so far: the index of the token being sampled
+    # Prompt + outputs so far, for the penalties; only rows whose params read their history
+    # need it (the runner passes it to those alone).
+    token_ids: Sequence[int] = ()
+    num_prompt_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -79,7 +92,9 @@ class Sampler:
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         # Computed before the ban, from the raw logits (see the module docstring).
         raw_logprobs = logits[torch.tensor(wanted, device=logits.device)].log_softmax(dim=-1) if wanted else None
+        logits = self._add_bias(logits, rows)
         logits = self._ban_stop_tokens(logits, rows)
+        logits = self._penalize(logits, rows)
         greedy = [r.params.temperature < GREEDY_BELOW for r in rows]
         if all(greedy):
             token_ids = logits.argmax(dim=-1)
@@ -92,6 +107,44 @@ class Sampler:
             counts = [min(int(rows[i].params.logprobs or 0), logits.shape[-1]) for i in wanted]
             logprobs = _top_logprobs(raw_logprobs, wanted, counts, token_ids)
         return SamplerOutput(token_ids, logprobs)
+
+    def _add_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        row_idx: list[int] = []
+        tok_idx: list[int] = []
+        bias: list[float] = []
+        for i, row in enumerate(rows):
+            for token, value in row.params.logit_bias:
+                row_idx.append(i)
+                tok_idx.append(token)
+                bias.append(value)
+        if not row_idx:
+            return logits
+        device = logits.device
+        return logits.index_put((torch.tensor(row_idx, device=device), torch.tensor(tok_idx, device=device)),
+                                torch.tensor(bias, device=device, dtype=logits.dtype), accumulate=True)
+
+    def _penalize(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        which = [i for i, r in enumerate(rows) if r.params.reads_history]
+        if not which:
+            return logits
+        device, vocab = logits.device, logits.shape[-1]
+        counts = torch.zeros((len(which), vocab), device=device)  # occurrences in the output
+        seen = torch.zeros((len(which), vocab), dtype=torch.bool, device=device)  # in prompt or output
+        for j, i in enumerate(which):
+            ids = torch.tensor(list(rows[i].token_ids), dtype=torch.long, device=device)
+            outputs = ids[rows[i].num_prompt_tokens :]
+            counts[j].index_add_(0, outputs, torch.ones_like(outputs, dtype=counts.dtype))
+            seen[j, ids] = True
+        params = [rows[i].params for i in which]
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        picked = logits[torch.tensor(which, device=device)]
+        picked = torch.where(seen, torch.where(picked > 0, picked / rep, picked * rep), picked)
+        picked = picked - freq * counts - pres * (counts > 0)
+        logits = logits.clone()
+        logits[torch.tensor(which, device=device)] = picked
+        return logits
 
     def _ban_stop_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Until a request has min_tokens outputs, EOS and its stop ids may not be sampled."""
@@ -119,6 +172,10 @@ class Sampler:
             scaled = _filter_top_k_top_p(scaled, torch.tensor(top_k, device=device),
                                          torch.tensor(top_p, device=device))
         probs = scaled.softmax(dim=-1)
+        min_p = [r.params.min_p for r in rows]
+        if any(m > 0.0 for m in min_p):
+            floor = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)  # the most likely token always stays
         return (probs / self._exponentials(rows, logits.shape[-1])).argmax(dim=-1)
 
     def _exponentials(self, rows: list[SamplingRow], vocab: int) -> torch.Tensor:

@@ -1,0 +1,56 @@
+"""The sampling surface through a real ``sluice serve``: logit_bias, penalties and min_p change
+what is generated the way they should, seeded requests repeat, bad values are OpenAI 400s."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from sluice_server import SluiceServer, running_server
+
+PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
+    with running_server("--model", "tiny", log_dir=tmp_path_factory.mktemp("logs")) as s:
+        yield s
+
+
+def _ids(url: str, **body: object) -> list[int]:
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_token_ids": True} | body)
+    assert r.status_code == 200, r.text
+    return list(r.json()["choices"][0]["token_ids"])
+
+
+def test_logit_bias_forces_a_token(server: SluiceServer) -> None:
+    assert _ids(server.url, logit_bias={"77": 100}) == [77] * 24
+    plain = _ids(server.url)
+    assert plain[0] not in _ids(server.url, max_tokens=1, logit_bias={str(plain[0]): -100})
+
+
+def test_penalties_make_greedy_output_repeat_less(server: SluiceServer) -> None:
+    plain = _ids(server.url, max_tokens=48)
+    penalised = _ids(server.url, max_tokens=48, frequency_penalty=2.0, presence_penalty=2.0)
+    repeated = _ids(server.url, max_tokens=48, repetition_penalty=1.8)
+    assert len(set(plain)) < len(set(penalised)) and len(set(plain)) < len(set(repeated))
+    assert _ids(server.url, max_tokens=48, frequency_penalty=2.0, presence_penalty=2.0) == penalised
+
+
+def test_min_p_and_seed(server: SluiceServer) -> None:
+    body = {"temperature": 1.0, "seed": 5, "min_p": 0.2}
+    assert _ids(server.url, **body) == _ids(server.url, **body)
+    # min_p 1.0 keeps only the most likely token: sampling becomes greedy.
+    assert _ids(server.url, temperature=1.0, seed=9, min_p=1.0) == _ids(server.url)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("logit_bias", {"abc": 1}), ("logit_bias", {"99999999": 1}), ("logit_bias", {"5": 101}),
+    ("repetition_penalty", 0), ("min_p", 1.5), ("presence_penalty", 3), ("frequency_penalty", -2.5),
+])
+def test_bad_sampling_values_are_400s_naming_the_field(server: SluiceServer, field: str, value: object) -> None:
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", field: value}, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"].startswith(field)
