@@ -239,3 +239,11 @@ def test_rows_cancelled_mid_plan_leave_at_the_next_step(worker: Worker, referenc
     assert paused.num_computed == len(paused.token_ids) - 1  # its newest token waits to be computed
     resumed = list(runner.execute(StepPlan(78, [], [1], [1], [[]], 2)))
     assert [t for m in resumed for t in m.token_ids] == reference[4 + lag : 6 + lag]
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_penalties_see_every_token_inside_a_multi_step_window(worker: Worker, lag: int) -> None:
+    penalised = greedy(24, frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.3)
+    single = run_alone(runner_like(worker), PROMPT, penalised, steps=1).outputs[0]
+    assert run_alone(runner_like(worker, lag=lag), PROMPT, penalised, steps=8).outputs[0] == single
+    assert single != run_alone(runner_like(worker), PROMPT, greedy(24), steps=1).outputs[0]
