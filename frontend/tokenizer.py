@@ -6,9 +6,14 @@ the chat template in ``ModelInfo``, so a frontend on another host needs no share
 
 from __future__ import annotations
 
+import datetime
+import json
 from typing import Any
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
@@ -28,6 +33,41 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes <, >, & and ' for HTML; templates written for transformers expect
+    # plain JSON with non-ASCII text kept (tool schemas end up in the prompt verbatim).
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    # Templates that put today's date in the system prompt (Llama 3.x) call this.
+    return datetime.datetime.now().strftime(fmt)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks; for
+    serving it renders its body unchanged (templates that use it fail to parse without it)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def chat_environment() -> jinja2.Environment:
+    """A sandbox that renders chat templates the way ``transformers`` does: trimmed blocks,
+    loop controls, the same ``tojson``, ``raise_exception`` and ``strftime_now``."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
 class ChatTemplateError(ValueError):
     """The conversation cannot be rendered by the model's chat template (a client error)."""
 
@@ -37,9 +77,7 @@ class ModelTokenizer:
         self.info = info
         self._tok = Tokenizer.from_str(info.tokenizer_json)
         self.vocab_size = info.vocab_size
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        self._template = env.from_string(info.chat_template or DEFAULT_CHAT_TEMPLATE)
+        self._template = chat_environment().from_string(info.chat_template or DEFAULT_CHAT_TEMPLATE)
         self._bos_text = self._token_text(info.bos_token_id)
         eos = info.eos_token_ids[0] if info.eos_token_ids else None
         self._eos_text = self._token_text(eos)
@@ -61,25 +99,26 @@ class ModelTokenizer:
         try:
             return self._template.render(
                 messages=messages,
+                tools=None,  # transformers passes both, so `tools is none` tests see None, not undefined
+                documents=None,
                 add_generation_prompt=True,
                 bos_token=self._bos_text,
                 eos_token=self._eos_text,
             )
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
+            # Also a template's own slip on an unexpected conversation (a None content added to
+            # a string, messages[0] of nothing): the client's request cannot be rendered.
             raise ChatTemplateError(f"chat template rejected the messages: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Render the chat template and tokenize it as HF does: special tokens come from the
-        template text itself (add_special_tokens=False), except a BOS the template omitted."""
+        """Render the chat template and tokenize it as ``transformers``' ``apply_chat_template``
+        does: special tokens come from the template text alone (add_special_tokens=False). The
+        plain default template has no BOS of its own, so prompts rendered with it get the one
+        the model expects, as completion prompts do."""
         text = self.render_chat(messages)
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         bos = self.info.bos_token_id
-        if (
-            self.info.add_bos_token
-            and bos is not None
-            and self._bos_text not in text[: len(self._bos_text) + 8]
-            and (not ids or ids[0] != bos)
-        ):
+        if self.info.chat_template is None and self.info.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
         return ids
 
