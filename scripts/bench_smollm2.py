@@ -119,12 +119,19 @@ def main() -> None:
     import torch
 
     model = _load_transformers() if args.transformers else None
-    print(f"  {'concurrency':>11} | {'sluice tok/s':>12} | {'transformers':>12} | ratio   "
-          f"(transformers: one batched generate, {torch.get_num_threads()} torch threads; "
-          f"sluice's worker: 1 thread, the other core left to frontend and scheduler)")
+    all_threads = torch.get_num_threads()
+    # transformers twice: with the one thread Sluice's worker computes on (the other core is the
+    # frontend's and scheduler's), and with every core, as a plain `generate` would run.
+    print(f"  {'concurrency':>11} | {'sluice tok/s':>12} | {'hf, 1 thread':>12} | ratio | "
+          f"{f'hf, {all_threads} threads':>13} | ratio")
     for c in args.concurrency:
-        theirs = _transformers(model, _prompts(c, args.prompt_tokens), args.output_tokens) if model else float("nan")
-        print(f"  {c:>11} | {served[c]:>12,.1f} | {theirs:>12,.1f} | {served[c] / theirs:5.2f}")
+        theirs = []
+        for threads in (1, all_threads):
+            torch.set_num_threads(threads)
+            prompts = _prompts(c, args.prompt_tokens)
+            theirs.append(_transformers(model, prompts, args.output_tokens) if model else float("nan"))
+        print(f"  {c:>11} | {served[c]:>12,.1f} | {theirs[0]:>12,.1f} | {served[c] / theirs[0]:5.2f} | "
+              f"{theirs[1]:>13,.1f} | {served[c] / theirs[1]:5.2f}")
 
 
 if __name__ == "__main__":
