@@ -16,7 +16,7 @@ from checkpoints import hf_greedy, save_llama_checkpoint
 from worker_testing import Driver, greedy, one_cpu_thread
 
 from protocol.config import WorkerConfig
-from protocol.messages import NewRequest
+from protocol.messages import NewRequest, SamplingParams
 from worker.attention import AttentionMetadata
 from worker.engine import Worker
 from worker.tiny import build_byte_level_tokenizer
@@ -126,6 +126,75 @@ def test_logits_match_transformers_forward(worker: Worker, checkpoint: Path) -> 
     torch.testing.assert_close(got[len(whole) :], want_chunk, atol=1e-4, rtol=1e-4)
 
 
+def test_logprobs_equal_transformers_log_softmax(worker: Worker, checkpoint: Path) -> None:
+    """Each step's sampled and top-5 logprobs, from a batch of two with multi-step decoding,
+    equal ``log_softmax`` of transformers' logits at that position within 1e-4."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    d = Driver(worker.runner)
+    d.plan([(1, len(PROMPTS[1])), (2, len(PROMPTS[2]))],
+           [NewRequest(1, PROMPTS[1], len(PROMPTS[1]), greedy(8, logprobs=5)),
+            NewRequest(2, PROMPTS[2], len(PROMPTS[2]),
+                       SamplingParams(max_tokens=8, seed=7, ignore_eos=True, logprobs=5))], steps=4)
+    d.decode_to_end(4)
+    for rid in (1, 2):
+        entries = [lp for m in d.messages for r, lp in zip(m.rids, m.logprobs or [], strict=True) if r == rid]
+        outputs = d.outputs[rid]
+        assert len(entries) == len(outputs) == 8
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPTS[rid] + outputs[:-1]])).logits[0, len(PROMPTS[rid]) - 1 :]
+        want = logits.log_softmax(-1)
+        for i, (token, entry) in enumerate(zip(outputs, entries, strict=True)):
+            assert entry is not None
+            sampled, ids, values = entry
+            top = want[i].topk(5)
+            assert abs(sampled - float(want[i, token])) < 1e-4
+            assert ids == top.indices.tolist()
+            torch.testing.assert_close(torch.tensor(values), top.values, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("saved", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoints_cast_to_float32_match_transformers(tmp_path: Path, saved: torch.dtype) -> None:
+    from safetensors.torch import load_file, save_file
+
+    ckpt = save_llama_checkpoint(tmp_path / "half", seed=2)
+    weights = ckpt / "model.safetensors"
+    save_file({k: v.to(saved) for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(config | {"dtype": str(saved).removeprefix("torch.")}))
+    want = hf_greedy(ckpt, [PROMPTS[2]], 12)  # transformers upcasts to float32 too
+    w = Worker(WorkerConfig(model=str(ckpt), num_kv_blocks=64, block_size=8, dtype="float32"))
+    assert {p.dtype for p in w.runner.model.parameters()} == {torch.float32}
+    d = Driver(w.runner)
+    d.prefill({0: PROMPTS[2]}, greedy(12), 4)
+    d.decode_to_end(4)
+    assert [d.outputs[0]] == want
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dtype_flag_casts_weights_and_cache(checkpoint: Path, dtype: str) -> None:
+    """A float32 checkpoint served in half precision: weights and KV cache in that dtype, and
+    its logits close to transformers' float32 ones (half precision cannot promise the argmax)."""
+    from transformers import AutoModelForCausalLM
+
+    w = Worker(WorkerConfig(model=str(checkpoint), num_kv_blocks=16, block_size=8, dtype=dtype))
+    want_dtype = getattr(torch, dtype)
+    assert {p.dtype for p in w.runner.model.parameters()} == {want_dtype}
+    assert {t.dtype for t in w.runner.cache.layers} == {want_dtype}
+    prompt = PROMPTS[1]
+    runner = w.runner
+    meta = AttentionMetadata.build(runner.cache, [[0, 1, 2]], [0], [len(prompt)], list(range(len(prompt))),
+                                   runner.device)
+    with torch.inference_mode():
+        got = runner.model(torch.tensor(prompt), meta)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]
+    assert got.dtype == torch.float32  # the sampler always sees float32 logits
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.999
+
+
 def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -150,32 +219,62 @@ SMALL: dict[str, Any] = dict(vocab_size=320, hidden_size=64, intermediate_size=1
              initializer_range=0.1)
 
 
-def test_qwen2_bias_and_tied_embeddings_from_shards_match_transformers(tmp_path: Path) -> None:
+def save_qwen2(path: Path) -> Path:
+    """q/k/v bias, tied embeddings, no BOS, sharded safetensors."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(**SMALL, rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
                          tie_word_embeddings=True)
-    ckpt = _save_hf(tmp_path / "qwen2", config, Qwen2ForCausalLM, {"bos_token": None, "eos_token": "</s>"},
-                    max_shard_size="60KB")
+    ckpt = _save_hf(path, config, Qwen2ForCausalLM, {"bos_token": None, "eos_token": "</s>"}, max_shard_size="60KB")
     assert (ckpt / "model.safetensors.index.json").exists()
-    prompts = [PROMPTS[1], PROMPTS[2]]
-    want = hf_greedy(ckpt, prompts, 12)
-    w = Worker(WorkerConfig(model=str(ckpt), num_kv_blocks=64, block_size=8))
-    assert w.info.bos_token_id is None and not w.info.add_bos_token
-    d = Driver(w.runner)
-    d.prefill(dict(enumerate(prompts)), greedy(12), 4)
-    d.decode_to_end(4)
-    assert [d.outputs[0], d.outputs[1]] == want
+    return ckpt
 
 
-def test_mistral_sliding_window_matches_transformers(tmp_path: Path) -> None:
+def save_mistral(path: Path) -> Path:
+    """A 16-token sliding window: most of every prompt's context lies outside it."""
     from transformers import MistralConfig, MistralForCausalLM
 
     config = MistralConfig(**SMALL, sliding_window=16)
-    ckpt = _save_hf(tmp_path / "mistral", config, MistralForCausalLM, {"bos_token": "<s>", "eos_token": "</s>"})
-    prompt = PROMPTS[2]  # 39 tokens: most of the context lies outside the window
-    want = hf_greedy(ckpt, [prompt], 12)[0]
-    d = Driver(Worker(WorkerConfig(model=str(ckpt), num_kv_blocks=64, block_size=8)).runner)
-    d.prefill({0: prompt}, greedy(12), 4)
-    d.decode_to_end(4)
-    assert d.outputs[0] == want
+    return _save_hf(path, config, MistralForCausalLM, {"bos_token": "<s>", "eos_token": "</s>"})
+
+
+FAMILIES = {"qwen2": save_qwen2, "mistral": save_mistral}
+FAMILY_NEW = 12
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> tuple[Worker, dict[int, list[int]]]:
+    ckpt = FAMILIES[request.param](tmp_path_factory.mktemp(request.param) / "ckpt")
+    want = dict(zip(PROMPTS, hf_greedy(ckpt, list(PROMPTS.values()), FAMILY_NEW), strict=True))
+    return Worker(WorkerConfig(model=str(ckpt), num_kv_blocks=128, block_size=8)), want
+
+
+def test_family_loads_what_its_files_say(family: tuple[Worker, dict[int, list[int]]]) -> None:
+    w, _ = family
+    if w.runner.model.config.qkv_bias:  # qwen2
+        assert w.info.bos_token_id is None and not w.info.add_bos_token
+    else:
+        assert w.runner.model.config.sliding_window == 16 and w.info.bos_token_id == 1
+
+
+def test_family_each_prompt_alone_matches_transformers(family: tuple[Worker, dict[int, list[int]]]) -> None:
+    w, want = family
+    for rid, prompt in PROMPTS.items():
+        d = Driver(w.runner)
+        d.prefill({rid: prompt}, greedy(FAMILY_NEW), 4)
+        d.decode_to_end(4)
+        assert d.outputs[rid] == want[rid], f"prompt {rid}"
+
+
+def test_family_batched_and_chunked_match_transformers(family: tuple[Worker, dict[int, list[int]]]) -> None:
+    """All prompts at once, each prefilled 11 tokens per plan alongside the others' decodes (with
+    Mistral's window, chunks after the first start past the window)."""
+    w, want = family
+    d = Driver(w.runner)
+    d.plan([(rid, min(11, len(p))) for rid, p in PROMPTS.items()],
+           [NewRequest(rid, p, len(p), greedy(FAMILY_NEW)) for rid, p in PROMPTS.items()])
+    while d.live():
+        rows = [(rid, min(11, len(w.runner.seqs[rid].token_ids) - w.runner.seqs[rid].num_computed)) for rid in d.live()]
+        d.plan(rows, steps=3)
+    assert d.outputs == want
