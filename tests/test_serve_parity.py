@@ -1,15 +1,18 @@
-"""Greedy parity with ``transformers`` through a real ``sluice serve --model <checkpoint dir>``:
-each prompt alone, all four batched together, and prefilled in chunks."""
+"""Greedy parity with ``transformers`` through a real ``sluice serve --model <checkpoint dir>``,
+for each family (Llama, Qwen2, Mistral): each prompt alone, all four batched together, and
+prefilled in chunks. The servers also show the start-up defaults: the model's own length limit,
+and a KV cache sized from ``--kv-cache-memory`` and logged."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from checkpoints import hf_greedy, save_llama_checkpoint
+from checkpoints import hf_greedy, save_llama_checkpoint, save_mistral, save_qwen2
 from sluice_server import SluiceServer, running_server
 
 NEW_TOKENS = 40
@@ -17,9 +20,19 @@ NEW_TOKENS = 40
 PROMPTS = [[1, *range(10, 14)], [1, *range(20, 36)], [1, *range(40, 79)], [1, *(t % 300 + 3 for t in range(69))]]
 
 
+FAMILIES: dict[str, Callable[[Path], Path]] = {
+    "llama": save_llama_checkpoint, "qwen2": save_qwen2, "mistral": save_mistral}
+MAX_POSITIONS = {"llama": 512, "qwen2": 256, "mistral": 256}  # what the checkpoints' configs say
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_llama_checkpoint(tmp_path_factory.mktemp("llama") / "ckpt")
+def checkpoint(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return FAMILIES[family](tmp_path_factory.mktemp(family) / "ckpt")
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +42,8 @@ def expected(checkpoint: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
-    flags = ["--model", str(checkpoint), "--max-num-batched-tokens", "32", "--num-kv-blocks", "64"]
+    # No --max-model-len and no --num-kv-blocks: both come from the model and the memory budget.
+    flags = ["--model", str(checkpoint), "--max-num-batched-tokens", "32", "--kv-cache-memory", "4MiB"]
     with running_server(*flags, log_dir=tmp_path_factory.mktemp("parity-logs")) as s:
         yield s
 
@@ -56,3 +70,11 @@ def test_batched_prompts_match_transformers(server: SluiceServer, expected: list
         return list(await asyncio.gather(*(_generate(server.url, p) for p in PROMPTS)))
 
     assert asyncio.run(all_at_once()) == expected
+
+
+def test_model_length_and_kv_cache_size_come_from_the_model_and_memory(server: SluiceServer, family: str) -> None:
+    models = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+    assert models[0]["max_model_len"] == MAX_POSITIONS[family]
+    # 2 layers x 2 KV heads x 16 dims x 16 tokens x (K, V) x 4 bytes = 8 KiB a block: 512 in 4 MiB.
+    logged = re.search(r"KV cache: (\d+) blocks x 16 tokens", server.log())
+    assert logged is not None and int(logged.group(1)) == 512

@@ -8,18 +8,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from checkpoints import hf_greedy, save_llama_checkpoint
+from checkpoints import hf_greedy, save_llama_checkpoint, save_mistral, save_qwen2
 from worker_testing import Driver, greedy, one_cpu_thread
 
 from protocol.config import WorkerConfig
 from protocol.messages import NewRequest, SamplingParams
 from worker.attention import AttentionMetadata
 from worker.engine import Worker
-from worker.tiny import build_byte_level_tokenizer
 
 NEW = 32
 PROMPTS = {
@@ -204,38 +202,6 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
     d = Driver(Worker(WorkerConfig(model=str(ckpt), num_kv_blocks=64, block_size=8)).runner)
     d.prefill({0: prompt}, greedy(16), 16)
     assert d.outputs[0] == want
-
-
-def _save_hf(path: Path, config: Any, model_cls: Any, tokenizer_config: dict[str, Any], **save: Any) -> Path:
-    torch.manual_seed(3)
-    model_cls(config).eval().save_pretrained(path, **save)
-    build_byte_level_tokenizer(config.vocab_size).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    return path
-
-
-SMALL: dict[str, Any] = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-             initializer_range=0.1)
-
-
-def save_qwen2(path: Path) -> Path:
-    """q/k/v bias, tied embeddings, no BOS, sharded safetensors."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(**SMALL, rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
-                         tie_word_embeddings=True)
-    ckpt = _save_hf(path, config, Qwen2ForCausalLM, {"bos_token": None, "eos_token": "</s>"}, max_shard_size="60KB")
-    assert (ckpt / "model.safetensors.index.json").exists()
-    return ckpt
-
-
-def save_mistral(path: Path) -> Path:
-    """A 16-token sliding window: most of every prompt's context lies outside it."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    config = MistralConfig(**SMALL, sliding_window=16)
-    return _save_hf(path, config, MistralForCausalLM, {"bos_token": "<s>", "eos_token": "</s>"})
 
 
 FAMILIES = {"qwen2": save_qwen2, "mistral": save_mistral}
