@@ -3,6 +3,7 @@ what is generated the way they should, seeded requests repeat, bad values are Op
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import httpx
@@ -44,6 +45,29 @@ def test_min_p_and_seed(server: SluiceServer) -> None:
     assert _ids(server.url, **body) == _ids(server.url, **body)
     # min_p 1.0 keeps only the most likely token: sampling becomes greedy.
     assert _ids(server.url, temperature=1.0, seed=9, min_p=1.0) == _ids(server.url)
+
+
+def test_seeded_requests_ignore_what_else_is_in_the_batch(server: SluiceServer) -> None:
+    """Each seeded request alone, then all of them together with unseeded noise in the same
+    batches: the same tokens (penalised ones too, whose sampling reads their own history)."""
+    seeded = [{"temperature": 1.0, "seed": 11, "top_p": 0.9},
+              {"temperature": 0.8, "seed": 12, "top_k": 20, "repetition_penalty": 1.3, "frequency_penalty": 0.5},
+              {"temperature": 1.2, "seed": 13, "min_p": 0.05, "logit_bias": {"77": 5}}]
+    alone = [_ids(server.url, **body) for body in seeded]
+
+    async def together() -> list[list[int]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def one(body: dict[str, object], prompt: list[int]) -> list[int]:
+                r = await client.post(f"{server.url}/v1/completions", json={
+                    "prompt": prompt, "max_tokens": 24, "ignore_eos": True, "return_token_ids": True} | body)
+                assert r.status_code == 200, r.text
+                return list(r.json()["choices"][0]["token_ids"])
+
+            noise = [one({"temperature": 1.0}, [1, *range(30 + i, 40 + 2 * i)]) for i in range(5)]
+            results = await asyncio.gather(*(one(body, PROMPT) for body in seeded), *noise)
+            return results[: len(seeded)]
+
+    assert asyncio.run(together()) == alone
 
 
 @pytest.mark.parametrize(("field", "value"), [
