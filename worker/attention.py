@@ -10,10 +10,14 @@ The metadata of a step is built once on the host and shared by every layer:
 * ``query_rows``/``query_cols`` — where each flat token sits in the padded [B, max_q] layout.
 
 Each layer gathers the step's context *block by block* (one ``index_select`` of whole blocks,
-each a contiguous run of ``block_size * kv_heads * head_dim`` values) into a scratch buffer the
-step allocates once and every layer reuses, then runs ``scaled_dot_product_attention`` on a
-strided view of it. Gathering single slots instead costs about three times as much on the CPU
-(a copy per ``head_dim`` row), and allocating per layer pays page faults every time.
+each a contiguous run of ``block_size * kv_heads * head_dim`` values) into a scratch buffer that
+every layer reuses, then runs ``scaled_dot_product_attention`` on a strided view of it.
+Gathering single slots instead costs about three times as much on the CPU (a copy per
+``head_dim`` row), and a freshly allocated buffer pays a page fault per 4 KiB on first touch
+(at 64 x 4096 tokens, six times the copy itself). So the scratch outlives the step: one pair per
+KV cache, grown on demand and kept while it holds no more blocks than the cache itself (at most
+one layer's share of the cache's memory; a step whose padded context is larger borrows a
+buffer for that step only).
 
 With a sliding window, a sequence skips the leading blocks that no query of this step can see,
 so a long Mistral context costs what its window costs: column c of row b is then context
@@ -29,6 +33,7 @@ masked, and the cache only ever holds finite values, so masked columns contribut
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -90,8 +95,7 @@ class AttentionMetadata:
         positions = starts_t[rows] + q_cols
         # Every position computed now lies in a gathered block (first_block <= start // bs).
         slots = table[rows, positions // bs - first_block[rows]] * bs + positions % bs
-        layer = cache.keys[0]
-        block_numel = layer[0].numel()
+        key_scratch, value_scratch = _scratch(cache, b * max_blocks)
         return cls(
             positions=positions.to(device),
             slot_mapping=slots.to(device),
@@ -102,9 +106,25 @@ class AttentionMetadata:
             max_q=max_q,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
             cache=cache,
-            key_scratch=layer.new_empty((b * max_blocks, block_numel)),
-            value_scratch=layer.new_empty((b * max_blocks, block_numel)),
+            key_scratch=key_scratch,
+            value_scratch=value_scratch,
         )
+
+
+# Per KV cache: the kept (key, value) scratch pair, [blocks, block numel] each.
+_kept_scratch: weakref.WeakKeyDictionary[KVCache, tuple[torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _scratch(cache: KVCache, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for ``num_blocks`` gathered blocks of keys and of values (see the module docstring)."""
+    kept = _kept_scratch.get(cache)
+    if kept is not None and kept[0].shape[0] >= num_blocks:
+        return kept[0][:num_blocks], kept[1][:num_blocks]
+    layer = cache.keys[0]
+    pair = (layer.new_empty((num_blocks, layer[0].numel())), layer.new_empty((num_blocks, layer[0].numel())))
+    if num_blocks <= cache.num_blocks:
+        _kept_scratch[cache] = pair
+    return pair
 
 
 def _gather(layer: torch.Tensor, table: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
