@@ -99,7 +99,7 @@ def test_tokenizer_encodes_as_transformers_does(smollm2: Path) -> None:
 
 def test_smollm2_metadata(smollm2: Path) -> None:
     ckpt = GGUFCheckpoint(smollm2)
-    cfg = ckpt.config()
+    cfg = ckpt.config
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
     assert cfg.tie_word_embeddings and cfg.max_position_embeddings == 8192
     assert cfg.eos_token_ids == [2] and not ckpt.add_bos_token()

@@ -36,7 +36,7 @@ class Worker:
         source = resolve_model_dir(config.model)
         gguf = GGUFCheckpoint(source) if is_gguf(source) else None
         config_file = source if gguf is not None else source / "config.json"
-        cfg = gguf.config() if gguf is not None else LlamaConfig.from_file(config_file)
+        cfg = gguf.config if gguf is not None else LlamaConfig.from_file(config_file)
         self.max_model_len = resolve_max_model_len(cfg, config.max_model_len, config_file)
         dtype = resolve_dtype(config.dtype, self.device)
         model = load_model(source, cfg, dtype, self.device, max_positions=self.max_model_len,

@@ -14,6 +14,7 @@ same file. Other tokenizer models are refused by name.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,7 @@ class GGUFCheckpoint:
 
     # ------------------------------------------------------------------ config
 
+    @functools.cached_property
     def config(self) -> LlamaConfig:
         a = self.arch
         heads = int(self._field(f"{a}.attention.head_count"))
@@ -84,7 +86,8 @@ class GGUFCheckpoint:
         scaling = self.reader.fields.get(f"{a}.rope.scaling.type")
         if (scaling is not None and scaling.contents() not in ("none", "")) or "rope_freqs.weight" in self.tensors:
             raise ModelLoadError(f"{self.path}: rope scaling in GGUF files is not supported")
-        vocab = len(self._field("tokenizer.ggml.tokens"))
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else 0  # its item count, without decoding them
         eos = self.reader.fields.get("tokenizer.ggml.eos_token_id")
         bos = self.reader.fields.get("tokenizer.ggml.bos_token_id")
         return LlamaConfig(
@@ -126,7 +129,7 @@ class GGUFCheckpoint:
     def weights(self, expected: dict[str, torch.Size], dtype: torch.dtype,
                 device: torch.device) -> dict[str, torch.Tensor]:
         """Every tensor under its model name, dequantized and cast to ``dtype`` on ``device``."""
-        cfg = self.config()
+        cfg = self.config
         state: dict[str, torch.Tensor] = {}
         for name, t in self.tensors.items():
             target = self.hf_name(name)
