@@ -124,6 +124,23 @@ def test_logits_match_transformers_forward(worker: Worker, checkpoint: Path) -> 
     torch.testing.assert_close(got[len(whole) :], want_chunk, atol=1e-4, rtol=1e-4)
 
 
+def test_contexts_of_very_different_lengths_attend_in_groups_and_match_transformers(worker: Worker,
+                                                                                      checkpoint: Path) -> None:
+    """A 300-token prompt batched with short ones: attention splits the rows into groups (the
+    long row is not padded onto the others), in the prefill and in every decode step."""
+    long_prompt = [1, *((7 * t) % 300 + 3 for t in range(299))]
+    prompts = {0: PROMPTS[0], 1: long_prompt, 2: PROMPTS[1], 3: PROMPTS[3]}
+    want = dict(zip(prompts, hf_greedy(checkpoint, list(prompts.values()), 10), strict=True))
+    runner = worker.runner
+    meta = AttentionMetadata.build(runner.cache, [list(range(40)), [40, 41]], [len(long_prompt), 5], [1, 1], [0, 1],
+                                   runner.device)
+    assert [g.block_table.shape[0] for g in meta.groups] == [1, 1]
+    d = Driver(runner)
+    d.prefill(prompts, greedy(10), steps=4)
+    d.decode_to_end(3)
+    assert d.outputs == want
+
+
 def test_logprobs_equal_transformers_log_softmax(worker: Worker, checkpoint: Path) -> None:
     """Each step's sampled and top-5 logprobs, from a batch of two with multi-step decoding,
     equal ``log_softmax`` of transformers' logits at that position within 1e-4."""

@@ -4,10 +4,12 @@ its block table.
 The metadata of a step is built once on the host and shared by every layer:
 
 * ``slot_mapping[t]`` — cache slot (``block * block_size + offset``) where token t's K/V go;
-* ``block_table[b, j]`` — the j-th block sequence b reads (padded with block 0);
-* ``mask[b, 1, i, c]`` — query i of sequence b may see gathered column c (causal, in range, and
-  inside the sliding window);
-* ``query_rows``/``query_cols`` — where each flat token sits in the padded [B, max_q] layout.
+* ``groups`` — the rows split by context length, so a long row is not padded onto short ones
+  (padding at most doubles what a group reads). Per group:
+  ``block_table[g, j]`` — the j-th block row g reads (padded with block 0);
+  ``mask[g, 1, i, c]`` — query i of row g may see gathered column c (causal, in range, inside
+  the sliding window); ``query_rows``/``query_cols`` — where each of the group's queries sits in
+  its padded [G, max_q] layout; ``tokens`` — which of the step's flat tokens those are.
 
 Each layer gathers the step's context *block by block* (one ``index_select`` of whole blocks,
 each a contiguous run of ``block_size * kv_heads * head_dim`` values) into a scratch buffer that
@@ -20,8 +22,8 @@ one layer's share of the cache's memory; a step whose padded context is larger b
 buffer for that step only).
 
 With a sliding window, a sequence skips the leading blocks that no query of this step can see,
-so a long Mistral context costs what its window costs: column c of row b is then context
-position ``first_block[b] * block_size + c``.
+so a long Mistral context costs what its window costs: column c of row g is then context
+position ``first_block[g] * block_size + c``.
 
 A decode step is the special case max_q = 1, and a prefill chunk after an already computed
 prefix is the general case: its queries start at position ``start`` and see everything before.
@@ -42,17 +44,25 @@ from worker.kv_cache import KVCache
 
 
 @dataclasses.dataclass
+class AttentionGroup:
+    """Rows of similar context length, gathered and attended together."""
+
+    tokens: torch.Tensor | None  # [Tg] flat indices of the group's queries; None: all of the step's, in order
+    block_table: torch.Tensor  # [G, blocks] long, padded with block 0
+    mask: torch.Tensor  # [G, 1, max_q, blocks * block_size] bool
+    query_rows: torch.Tensor  # [Tg] row within the group of each query
+    query_cols: torch.Tensor  # [Tg] its index among that row's queries
+    max_q: int
+
+
+@dataclasses.dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T]
-    block_table: torch.Tensor  # [B, max_blocks] long
-    mask: torch.Tensor  # [B, 1, max_q, max_blocks * block_size] bool
-    query_rows: torch.Tensor  # [T]
-    query_cols: torch.Tensor  # [T]
-    max_q: int
+    groups: list[AttentionGroup]
     logits_indices: torch.Tensor  # flat token indices whose logits are needed
     cache: KVCache
-    key_scratch: torch.Tensor  # [B * max_blocks, block numel]: every layer gathers into these
+    key_scratch: torch.Tensor  # [blocks, block numel]: every group of every layer gathers into these
     value_scratch: torch.Tensor
 
     @classmethod
@@ -63,52 +73,95 @@ class AttentionMetadata:
         reading its context through ``block_tables[b]``, which must cover them. With a sliding
         window, a query at position i sees only positions > i - window (Mistral's rule)."""
         bs = cache.block_size
-        b = len(lengths)
-        max_q = max(lengths)
-        starts_t = torch.tensor(starts)
-        lengths_t = torch.tensor(lengths)
-        kv_lens = starts_t + lengths_t
-        last_block = (kv_lens - 1) // bs  # inclusive
-        first_block = torch.zeros(b, dtype=torch.long)
-        if sliding_window is not None:
-            # The earliest query (position start) sees positions > start - window.
-            first_block = (starts_t - sliding_window + 1).clamp(min=0) // bs
-        num_blocks = last_block - first_block + 1
-        max_blocks = int(num_blocks.max())
-        table = torch.zeros((b, max_blocks), dtype=torch.long)
-        for i, blocks in enumerate(block_tables):
-            lo, n = int(first_block[i]), int(num_blocks[i])
-            if len(blocks) < lo + n:
-                raise ValueError(f"row {i}: {len(blocks)} blocks do not cover position {int(kv_lens[i]) - 1}")
-            table[i, :n] = torch.tensor(blocks[lo : lo + n], dtype=torch.long)
-        cols = torch.arange(max_blocks * bs)
-        kv_pos = first_block[:, None] * bs + cols[None, :]  # [B, C]: context position of each column
-        q_off = torch.arange(max_q)
-        valid_q = q_off[None, :] < lengths_t[:, None]
-        # Padded query rows see their sequence's first gathered position only: no all-masked NaN rows.
-        q_pos = torch.where(valid_q, starts_t[:, None] + q_off[None, :], first_block[:, None] * bs)  # [B, max_q]
-        mask = (kv_pos[:, None, :] <= q_pos[:, :, None]) & (kv_pos[:, None, :] < kv_lens[:, None, None])
-        if sliding_window is not None:
-            mask &= kv_pos[:, None, :] > q_pos[:, :, None] - sliding_window
-        rows = torch.repeat_interleave(torch.arange(b), lengths_t)
-        q_cols = torch.arange(rows.shape[0]) - torch.repeat_interleave(torch.cumsum(lengths_t, 0) - lengths_t, lengths_t)
-        positions = starts_t[rows] + q_cols
+        rows = _Rows(starts, lengths, bs, sliding_window)
+        table = rows.table(block_tables)
+        flat_rows = torch.repeat_interleave(torch.arange(len(lengths)), rows.lengths)
+        positions = rows.starts[flat_rows] + (torch.arange(flat_rows.shape[0]) - rows.first_token[flat_rows])
         # Every position computed now lies in a gathered block (first_block <= start // bs).
-        slots = table[rows, positions // bs - first_block[rows]] * bs + positions % bs
-        key_scratch, value_scratch = _scratch(cache, b * max_blocks)
+        slots = table[flat_rows, positions // bs - rows.first_block[flat_rows]] * bs + positions % bs
+        groups = [rows.group(members, table, device) for members in _group_rows(rows.num_blocks.tolist(), bs)]
+        if len(groups) == 1:
+            groups[0].tokens = None
+        key_scratch, value_scratch = _scratch(cache, max(g.block_table.numel() for g in groups))
         return cls(
             positions=positions.to(device),
             slot_mapping=slots.to(device),
-            block_table=table.to(device),
-            mask=mask.unsqueeze(1).to(device),
-            query_rows=rows.to(device),
-            query_cols=q_cols.to(device),
-            max_q=max_q,
+            groups=groups,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
             cache=cache,
             key_scratch=key_scratch,
             value_scratch=value_scratch,
         )
+
+
+class _Rows:
+    """Per-row facts of a step on the host, and the groups' tensors made from them."""
+
+    def __init__(self, starts: list[int], lengths: list[int], bs: int, sliding_window: int | None) -> None:
+        self.bs, self.window = bs, sliding_window
+        self.starts = torch.tensor(starts)
+        self.lengths = torch.tensor(lengths)
+        self.kv_lens = self.starts + self.lengths
+        self.first_token = torch.cumsum(self.lengths, 0) - self.lengths  # flat index of each row's first query
+        self.first_block = torch.zeros(len(lengths), dtype=torch.long)
+        if sliding_window is not None:
+            # The earliest query (position start) sees positions > start - window.
+            self.first_block = (self.starts - sliding_window + 1).clamp(min=0) // bs
+        self.num_blocks = (self.kv_lens - 1) // bs - self.first_block + 1
+
+    def table(self, block_tables: list[list[int]]) -> torch.Tensor:
+        """[B, max blocks]: the blocks each row reads, from its first visible one."""
+        table = torch.zeros((len(block_tables), int(self.num_blocks.max())), dtype=torch.long)
+        for i, blocks in enumerate(block_tables):
+            lo, n = int(self.first_block[i]), int(self.num_blocks[i])
+            if len(blocks) < lo + n:
+                raise ValueError(f"row {i}: {len(blocks)} blocks do not cover position {int(self.kv_lens[i]) - 1}")
+            table[i, :n] = torch.tensor(blocks[lo : lo + n], dtype=torch.long)
+        return table
+
+    def group(self, members: list[int], table: torch.Tensor, device: torch.device) -> AttentionGroup:
+        idx = torch.tensor(members)
+        starts, lengths, kv_lens, first = self.starts[idx], self.lengths[idx], self.kv_lens[idx], self.first_block[idx]
+        num_blocks = int(self.num_blocks[idx].max())
+        max_q = int(lengths.max())
+        kv_pos = first[:, None] * self.bs + torch.arange(num_blocks * self.bs)[None, :]  # [G, C]
+        q_off = torch.arange(max_q)
+        valid_q = q_off[None, :] < lengths[:, None]
+        # Padded query rows see their row's first gathered position only: no all-masked NaN rows.
+        q_pos = torch.where(valid_q, starts[:, None] + q_off[None, :], first[:, None] * self.bs)  # [G, max_q]
+        mask = (kv_pos[:, None, :] <= q_pos[:, :, None]) & (kv_pos[:, None, :] < kv_lens[:, None, None])
+        if self.window is not None:
+            mask &= kv_pos[:, None, :] > q_pos[:, :, None] - self.window
+        query_rows = torch.repeat_interleave(torch.arange(len(members)), lengths)
+        query_cols = torch.arange(query_rows.shape[0]) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths,
+                                                                                lengths)
+        tokens = self.first_token[idx][query_rows] + query_cols
+        return AttentionGroup(
+            tokens=tokens.to(device),
+            block_table=table[idx, :num_blocks].to(device),
+            mask=mask.unsqueeze(1).to(device),
+            query_rows=query_rows.to(device),
+            query_cols=query_cols.to(device),
+            max_q=max_q,
+        )
+
+
+SPLIT_ABOVE_TOKENS = 256  # shorter contexts cost less to pad than to attend separately
+
+
+def _group_rows(num_blocks: list[int], bs: int) -> list[list[int]]:
+    """Rows in groups whose padding at most doubles what they gather: from the longest context
+    down, a row joins the current group while it needs more than half the group's longest (or
+    that longest is short anyway). A single group keeps the rows in batch order."""
+    order = sorted(range(len(num_blocks)), key=lambda r: -num_blocks[r])
+    groups: list[list[int]] = []
+    for r in order:
+        longest = num_blocks[groups[-1][0]] if groups else 0
+        if groups and (2 * num_blocks[r] > longest or longest * bs <= SPLIT_ABOVE_TOKENS):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups if len(groups) > 1 else [list(range(len(num_blocks)))]
 
 
 # Per KV cache: the kept (key, value) scratch pair, [blocks, block numel] each.
@@ -128,12 +181,13 @@ def _scratch(cache: KVCache, num_blocks: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _gather(layer: torch.Tensor, table: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """``layer`` [num_blocks, bs, KVH, D] -> the rows' context as a [B, KVH, max_blocks * bs, D]
+    """``layer`` [num_blocks, bs, KVH, D] -> the rows' context as a [G, KVH, blocks * bs, D]
     view of ``scratch`` (strided: SDPA reads it as it is)."""
-    b, max_blocks = table.shape
+    g, blocks = table.shape
     _, bs, kv_heads, head_dim = layer.shape
-    torch.index_select(layer.view(layer.shape[0], -1), 0, table.view(-1), out=scratch)
-    return scratch.view(b, max_blocks * bs, kv_heads, head_dim).transpose(1, 2)
+    out = scratch[: g * blocks]
+    torch.index_select(layer.view(layer.shape[0], -1), 0, table.view(-1), out=out)
+    return out.view(g, blocks * bs, kv_heads, head_dim).transpose(1, 2)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, layer: int,
@@ -142,19 +196,32 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
     cache = meta.cache
     cache.key_slots[layer].index_copy_(0, meta.slot_mapping, k)
     cache.value_slots[layer].index_copy_(0, meta.slot_mapping, v)
-    keys = _gather(cache.keys[layer], meta.block_table, meta.key_scratch)
-    values = _gather(cache.values[layer], meta.block_table, meta.value_scratch)
-    b = meta.block_table.shape[0]
-    if meta.max_q == 1:
-        q_pad = q.unsqueeze(1)  # decode: one token per sequence, already in batch order
+    if meta.groups[0].tokens is None:  # one group: the whole step, in order
+        return _attend(q, *_gather_both(cache, layer, meta.groups[0], meta), meta.groups[0], scale)
+    out = torch.empty_like(q)
+    for group in meta.groups:
+        out[group.tokens] = _attend(q[group.tokens], *_gather_both(cache, layer, group, meta), group, scale)
+    return out
+
+
+def _gather_both(cache: KVCache, layer: int, group: AttentionGroup, meta: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return (_gather(cache.keys[layer], group.block_table, meta.key_scratch),
+            _gather(cache.values[layer], group.block_table, meta.value_scratch))
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: AttentionGroup,
+            scale: float) -> torch.Tensor:
+    """The group's queries q [Tg, H, D] against its gathered context -> [Tg, H, D]."""
+    if group.max_q == 1:
+        q_pad = q.unsqueeze(1)  # decode: one token per row, already in row order
     else:
-        q_pad = q.new_zeros((b, meta.max_q, q.shape[1], q.shape[2]))
-        q_pad[meta.query_rows, meta.query_cols] = q
+        q_pad = q.new_zeros((group.block_table.shape[0], group.max_q, q.shape[1], q.shape[2]))
+        q_pad[group.query_rows, group.query_cols] = q
     out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=scale,
+        q_pad.transpose(1, 2), keys, values, attn_mask=group.mask, scale=scale,
         enable_gqa=keys.shape[1] != q.shape[1],
-    )
-    out = out.transpose(1, 2)  # [B, max_q, H, D]
-    if meta.max_q == 1:
+    ).transpose(1, 2)  # [G, max_q, H, D]
+    if group.max_q == 1:
         return out.squeeze(1)
-    return out[meta.query_rows, meta.query_cols]
+    return out[group.query_rows, group.query_cols]
