@@ -77,7 +77,13 @@ class ModelTokenizer:
         self.info = info
         self._tok = Tokenizer.from_str(info.tokenizer_json)
         self.vocab_size = info.vocab_size
-        self._template = chat_environment().from_string(info.chat_template or DEFAULT_CHAT_TEMPLATE)
+        self._template: jinja2.Template | None = None
+        self._template_error = ""
+        try:
+            self._template = chat_environment().from_string(info.chat_template or DEFAULT_CHAT_TEMPLATE)
+        except jinja2.TemplateSyntaxError as e:
+            # The model's own file is broken: chat requests say so; completions still work.
+            self._template_error = f"this model's chat template does not parse (line {e.lineno}: {e.message})"
         self._bos_text = self._token_text(info.bos_token_id)
         eos = info.eos_token_ids[0] if info.eos_token_ids else None
         self._eos_text = self._token_text(eos)
@@ -96,6 +102,8 @@ class ModelTokenizer:
         return ids
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        if self._template is None:
+            raise ChatTemplateError(self._template_error)
         try:
             return self._template.render(
                 messages=messages,

@@ -128,3 +128,10 @@ def test_without_a_template_the_plain_default_starts_with_bos(tmp_path: Path) ->
     ours = _sluice(_model_dir(tmp_path / "model", {}))
     assert ours.render_chat(CONVERSATIONS[2]) == "user: 2+2?\nassistant: 4\nuser: And 3+3?\n\nassistant:"
     assert ours.encode_chat(CONVERSATIONS[0])[0] == 1
+
+
+def test_a_template_that_does_not_parse_fails_chat_requests_only(tmp_path: Path) -> None:
+    ours = _sluice(_model_dir(tmp_path / "model", {"chat_template": "{% for m in messages %}{{ m['content'] }}"}))
+    with pytest.raises(ChatTemplateError, match=r"chat template does not parse \(line 1: "):
+        ours.encode_chat(CONVERSATIONS[0])
+    assert ours.encode_prompt("hi")[0] == 1
