@@ -135,3 +135,14 @@ def test_a_template_that_does_not_parse_fails_chat_requests_only(tmp_path: Path)
     with pytest.raises(ChatTemplateError, match=r"chat template does not parse \(line 1: "):
         ours.encode_chat(CONVERSATIONS[0])
     assert ours.encode_prompt("hi")[0] == 1
+
+
+def test_eos_token_in_the_template_is_the_tokenizer_configs(tmp_path: Path) -> None:
+    """generation_config lists several EOS ids (all stop generation); the template's
+    ``eos_token`` is the tokenizer config's, as in transformers."""
+    path = _model_dir(tmp_path / "model", {"chat_template": INST, "eos_token": "<s>"})
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))
+    ours = _sluice(path)
+    assert ours.info.eos_token_ids == [1, 2]
+    messages = CONVERSATIONS[2]
+    assert ours.render_chat(messages) == _hf(path).apply_chat_template(messages, tokenize=False)

@@ -3,7 +3,10 @@
 The frontend never reads model files; this is where their tokenizer-side facts are decided:
 
 * ``eos_token_ids``: ``generation_config.json``'s ``eos_token_id`` (an int or a list), else
-  ``config.json``'s, else the tokenizer config's ``eos_token``.
+  ``config.json``'s, else the tokenizer config's ``eos_token``. The tokenizer config's
+  ``eos_token`` goes first when it is one of them: the frontend gives the first one's text to
+  the chat template as ``eos_token``, which is what ``transformers`` gives it (Llama 3.1
+  Instruct: ``<|eot_id|>``, not ``<|end_of_text|>``).
 * ``bos_token_id``: the id of ``tokenizer_config.json``'s ``bos_token`` when that key exists
   (``null`` means the model has none), else ``config.json``'s ``bos_token_id``.
 * ``add_bos_token`` — whether prompts start with BOS — follows what ``transformers`` does:
@@ -123,10 +126,12 @@ def build_model_info(model_dir: Path, cfg: LlamaConfig, *, name: str, max_model_
     tok_cfg = _json_file(model_dir / "tokenizer_config.json")
     tokenizer_json, tokenizer = _load_tokenizer(model_dir / "tokenizer.json")
     eos = _ids(_json_file(model_dir / "generation_config.json").get("eos_token_id")) or cfg.eos_token_ids
+    eos_content = _token_content(tok_cfg.get("eos_token"))
+    eos_id = tokenizer.token_to_id(eos_content) if eos_content else None
     if not eos:
-        eos_content = _token_content(tok_cfg.get("eos_token"))
-        eos_id = tokenizer.token_to_id(eos_content) if eos_content else None
         eos = [] if eos_id is None else [eos_id]
+    elif eos_id in eos:
+        eos = [eos_id, *(e for e in eos if e != eos_id)]
     bos = _bos_token_id(tok_cfg, tokenizer, cfg)
     return ModelInfo(
         name=name,
