@@ -16,7 +16,9 @@ from gguf import GGUFWriter, quants
 from protocol.config import WorkerConfig
 from worker.engine import Worker
 from worker.gguf_checkpoint import GGUFCheckpoint
+from worker.gguf_file import GGUFFile
 from worker.gguf_quants import dequantize
+from worker.gguf_tokenizer import build_tokenizer
 from worker.loader import smollm2_path
 from worker.model_config import ModelLoadError
 
@@ -95,6 +97,37 @@ def test_tokenizer_encodes_as_transformers_does(smollm2: Path) -> None:
         want = theirs(text, add_special_tokens=False).input_ids
         assert ours.encode(text, add_special_tokens=False).ids == want, text
         assert ours.decode(want, skip_special_tokens=False) == theirs.decode(want)
+
+
+def _tokenizer_variant(path: Path, smollm2: Path) -> Path:
+    """SmolLM2's vocabulary as another file could describe it: Llama 3's split rule, one
+    USER_DEFINED token, and a CONTROL token spelled outside the byte alphabet (a mislabel)."""
+    meta = GGUFFile(smollm2).metadata
+    tokens, types = [*meta["tokenizer.ggml.tokens"], "<|日本|>"], [*meta["tokenizer.ggml.token_type"], 3]
+    types[tokens.index("<jupyter_code>")] = 4
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_tokenizer_variants_encode_as_transformers_does(smollm2: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    path = _tokenizer_variant(tmp_path / "variant.gguf", smollm2)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    ours = build_tokenizer(GGUFFile(path).metadata)
+    texts = [*_texts(), "year 2024: 1234567 items", "<jupyter_code>x = 1<|im_end|>", "<|日本|> ok"]
+    for text in texts:
+        assert ours.encode(text, add_special_tokens=False).ids == theirs(text, add_special_tokens=False).input_ids, text
 
 
 def test_smollm2_metadata(smollm2: Path) -> None:

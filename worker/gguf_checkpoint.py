@@ -7,9 +7,7 @@ permutation llama.cpp's converter applies to the q and k projections is undone: 
 head it interleaves the two rotary halves (rows i and i + D/2 become neighbours), because its
 rope rotates adjacent pairs while Hugging Face's rotates halves.
 
-Tokenizer: a byte-level BPE (``tokenizer.ggml.model == "gpt2"``) built from the file's tokens
-and merges, with its control tokens as special tokens, as ``transformers`` builds it from the
-same file. Other tokenizer models are refused by name.
+Tokenizer: ``gguf_tokenizer`` builds it from the metadata, as ``transformers`` does.
 """
 
 from __future__ import annotations
@@ -19,12 +17,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from gguf import GGUFReader
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer
 
+from worker.gguf_file import GGUFFile, GGUFFormatError
 from worker.gguf_quants import UnsupportedTensorType, dequantize
+from worker.gguf_tokenizer import UnsupportedTokenizer, build_tokenizer
 from worker.model_config import LlamaConfig, ModelLoadError
 
 _LAYER_NAMES = {
@@ -40,41 +38,26 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_CONTROL = 3  # llama.cpp token type of special tokens such as <|im_end|>
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map that byte-level vocabularies use."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, chars), strict=True))
 
 
 class GGUFCheckpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self.reader = GGUFReader(str(path))
-        except Exception as e:  # gguf raises ValueError / struct errors on foreign files
+            self.file = GGUFFile(path)
+        except (GGUFFormatError, OSError) as e:
             raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
+        self.metadata = self.file.metadata
+        self.tensors = self.file.tensors
         self.arch = str(self._field("general.architecture"))
         if self.arch != "llama":
             raise ModelLoadError(f"{path}: GGUF architecture {self.arch!r} is not supported (only llama)")
-        self.tensors = {t.name: t for t in self.reader.tensors}
 
     def _field(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
-            if default is None:
-                raise ModelLoadError(f"{self.path}: metadata {key} is missing")
-            return default
-        return field.contents()
+        value = self.metadata.get(key, default)
+        if value is None:
+            raise ModelLoadError(f"{self.path}: metadata {key} is missing")
+        return value
 
     # ------------------------------------------------------------------ config
 
@@ -83,13 +66,13 @@ class GGUFCheckpoint:
         a = self.arch
         heads = int(self._field(f"{a}.attention.head_count"))
         hidden = int(self._field(f"{a}.embedding_length"))
-        scaling = self.reader.fields.get(f"{a}.rope.scaling.type")
-        if (scaling is not None and scaling.contents() not in ("none", "")) or "rope_freqs.weight" in self.tensors:
+        if self.metadata.get(f"{a}.rope.scaling.type", "none") not in ("none", "") or "rope_freqs.weight" in self.tensors:
             raise ModelLoadError(f"{self.path}: rope scaling in GGUF files is not supported")
-        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else 0  # its item count, without decoding them
-        eos = self.reader.fields.get("tokenizer.ggml.eos_token_id")
-        bos = self.reader.fields.get("tokenizer.ggml.bos_token_id")
+        if int(self.metadata.get(f"{a}.expert_count", 0)) > 0:
+            raise ModelLoadError(f"{self.path}: mixture-of-experts GGUF files are not supported")
+        vocab = len(self.metadata.get("tokenizer.ggml.tokens", []))
+        eos = self.metadata.get("tokenizer.ggml.eos_token_id")
+        bos = self.metadata.get("tokenizer.ggml.bos_token_id")
         return LlamaConfig(
             architecture="LlamaForCausalLM",
             vocab_size=int(self._field(f"{a}.vocab_size", vocab)),
@@ -108,8 +91,8 @@ class GGUFCheckpoint:
             o_bias=False,
             mlp_bias=False,
             sliding_window=None,
-            bos_token_id=int(bos.contents()) if bos is not None else None,
-            eos_token_ids=[int(eos.contents())] if eos is not None else [],
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=[int(eos)] if eos is not None else [],
         )
 
     # ------------------------------------------------------------------ weights
@@ -133,13 +116,12 @@ class GGUFCheckpoint:
         state: dict[str, torch.Tensor] = {}
         for name, t in self.tensors.items():
             target = self.hf_name(name)
-            shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dimensions fastest first
             want = tuple(expected.get(target, ()))
-            if target not in expected or shape != want:
-                raise ModelLoadError(f"{self.path}: tensor {name} has shape {shape}, the metadata implies "
+            if target not in expected or t.shape != want:
+                raise ModelLoadError(f"{self.path}: tensor {name} has shape {t.shape}, the metadata implies "
                                      f"{want or 'no such tensor'}")
             try:
-                tensor = dequantize(np.asarray(t.data), t.tensor_type, shape)
+                tensor = dequantize(t.data, t.qtype, t.shape)
             except UnsupportedTensorType as e:
                 raise ModelLoadError(f"{self.path}: tensor {name}: {e}") from None
             if name.endswith("attn_q.weight"):
@@ -152,27 +134,16 @@ class GGUFCheckpoint:
     # ------------------------------------------------------------------ tokenizer
 
     def tokenizer(self) -> Tokenizer:
-        kind = self._field("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelLoadError(f"{self.path}: GGUF tokenizer model {kind!r} is not supported (only gpt2 byte-level BPE)")
-        tokens = [str(t) for t in self._field("tokenizer.ggml.tokens")]
-        alphabet = set(_bytes_to_unicode().values())
-        spell = _bytes_to_unicode()
-        vocab = {(tok if set(tok) <= alphabet else "".join(spell[b] for b in tok.encode())): i
-                 for i, tok in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in self._field("tokenizer.ggml.merges")]
-        tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-        types = self._field("tokenizer.ggml.token_type", [])
-        special = [t for t, kind in zip(tokens, types, strict=False) if int(kind) == _CONTROL and set(t) <= alphabet]
-        tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
-        return tok
+        try:
+            return build_tokenizer(self.metadata)
+        except UnsupportedTokenizer as e:
+            raise ModelLoadError(f"{self.path}: {e}") from None
+        except KeyError as e:
+            raise ModelLoadError(f"{self.path}: metadata {e.args[0]} is missing") from None
 
     def chat_template(self) -> str | None:
-        template = self.reader.fields.get("tokenizer.chat_template")
-        return str(template.contents()) if template is not None else None
+        template = self.metadata.get("tokenizer.chat_template")
+        return str(template) if template is not None else None
 
     def add_bos_token(self) -> bool:
         return bool(self._field("tokenizer.ggml.add_bos_token", False))
