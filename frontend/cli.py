@@ -1,4 +1,5 @@
-"""The ``sluice`` command: ``serve`` (everything on one machine) or one component each.
+"""The ``sluice`` command: ``serve`` (everything on one machine) or one component each; ``convert``
+(a GGUF file to a Hugging Face-format directory).
 
 Every flag maps to the config field of the same name; each component takes the flags whose field
 its config has. ``sluice scheduler`` and ``sluice worker`` replace themselves with
@@ -102,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="scheduler base address: tcp://host:port uses port..port+3")
         if name == "worker":
             p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank of this worker")
+    convert = sub.add_parser("convert", help="write a GGUF model as a Hugging Face-format directory")
+    convert.add_argument("source", help="a .gguf file, or 'smollm2'")
+    convert.add_argument("out_dir", help="the directory to create")
+    convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                         help="weights' dtype (float32: exactly the values the quantized blocks stand for)")
     return parser
 
 
@@ -116,6 +122,9 @@ def _exec_component(module: str, config: object) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.command == "convert":  # the worker package reads GGUF files; the frontend never imports it
+        os.execv(sys.executable, [sys.executable, "-m", "worker.gguf_convert", args.source, args.out_dir,
+                                  "--dtype", args.dtype])
     setup_logging(args.log_level)
     try:
         if args.command == "serve":
