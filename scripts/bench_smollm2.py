@@ -34,9 +34,10 @@ def _prompts(n: int, length: int) -> list[list[int]]:
     return [[(1_000 + 37 * i + 101 * j) % 48_000 + 100 for j in range(length)] for i in range(n)]
 
 
-def _rss_mib(pid: int) -> float:
+def _rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """Resident memory now (VmRSS) or at its peak so far (VmHWM), from /proc."""
     status = Path(f"/proc/{pid}/status").read_text()
-    match = re.search(r"VmRSS:\s+(\d+) kB", status)
+    match = re.search(rf"{field}:\s+(\d+) kB", status)
     return int(match.group(1)) / 1024 if match else float("nan")
 
 
@@ -106,7 +107,7 @@ def main() -> None:
         for c in args.concurrency:
             served[c] = asyncio.run(_served(url, _prompts(c, args.prompt_tokens), args.output_tokens))
             print(f"served, {c} streams: {served[c]:,.1f} tok/s", file=sys.stderr)
-        rss = _rss_mib(worker)
+        rss, peak = _rss_mib(worker), _rss_mib(worker, "VmHWM")
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -115,10 +116,14 @@ def main() -> None:
     print(f"\nSmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32), {args.prompt_tokens} prompt / "
           f"{args.output_tokens} output tokens per request")
     print(f"  start-up to /ready: {ready_s:.1f} s (worker load of the GGUF file: "
-          f"{load.group(1) if load else '?'} s); worker RSS {rss:,.0f} MiB with a {blocks}-block KV cache")
+          f"{load.group(1) if load else '?'} s); worker RSS {rss:,.0f} MiB (peak {peak:,.0f}) with a "
+          f"{blocks}-block KV cache")
     import torch
 
+    began = time.perf_counter()
     model = _load_transformers() if args.transformers else None
+    if model is not None:
+        print(f"  transformers from_pretrained(gguf_file=...): {time.perf_counter() - began:.1f} s")
     all_threads = torch.get_num_threads()
     # transformers twice: with the one thread Sluice's worker computes on (the other core is the
     # frontend's and scheduler's), and with every core, as a plain `generate` would run.
