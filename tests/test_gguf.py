@@ -170,8 +170,10 @@ def test_bad_gguf_files_fail_with_one_clear_line(tmp_path: Path) -> None:
         _write(tmp_path / "odd.gguf", extra_tensor="blk.0.attn_q.weight"): "tensor blk.0.attn_q.weight has shape",
         _write(tmp_path / "alien.gguf", extra_tensor="mystery.weight"): "unexpected tensor mystery.weight",
         tmp_path / "missing.gguf": "no such GGUF file",
+        tmp_path / "empty.gguf": "not a readable GGUF file",
     }
     (tmp_path / "notgguf.gguf").write_bytes(b"definitely not gguf")
+    (tmp_path / "empty.gguf").write_bytes(b"")
     for path, reason in cases.items():
         with pytest.raises(ModelLoadError, match=reason) as err:
             Worker(WorkerConfig(model=str(path), num_kv_blocks=4))

@@ -1,5 +1,5 @@
 """A llama.cpp GGUF file as a Llama checkpoint: its config, its weights in the Hugging Face layout,
-and its tokenizer, read with the ``gguf`` package (pure Python over a memory map).
+and its tokenizer, read by ``gguf_file`` from a memory map.
 
 Weights: GGUF names (``blk.3.attn_q.weight``) map to the model's (``model.layers.3.self_attn.
 q_proj.weight``), quantized blocks are dequantized at load (``gguf_quants``), and the row
@@ -45,7 +45,7 @@ class GGUFCheckpoint:
         self.path = path
         try:
             self.file = GGUFFile(path)
-        except (GGUFFormatError, OSError) as e:
+        except (GGUFFormatError, ValueError, OSError) as e:  # ValueError: numpy cannot map an empty file
             raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
         self.metadata = self.file.metadata
         self.tensors = self.file.tensors

@@ -69,7 +69,7 @@ class GGUFFile:
         self.metadata: dict[str, Any] = {}
         for _ in range(n_fields):
             key = self._string()
-            self.metadata[key] = self._value(GGUFValueType(self._unpack("<I")[0]))
+            self.metadata[key] = self._value(self._value_type())
         directory = [self._tensor_entry() for _ in range(n_tensors)]
         alignment = int(self.metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
         if alignment <= 0 or alignment & (alignment - 1):
@@ -103,16 +103,21 @@ class GGUFFile:
         except UnicodeDecodeError:
             raise GGUFFormatError(f"a string ending at byte {end} is not UTF-8") from None
 
+    def _value_type(self) -> GGUFValueType:
+        (raw,) = self._unpack("<I")
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            raise GGUFFormatError(f"unknown metadata value type {raw} at byte {self._at - 4}") from None
+
     def _value(self, kind: GGUFValueType) -> Any:
         if kind == GGUFValueType.STRING:
             return self._string()
         if kind == GGUFValueType.ARRAY:
-            item, count = self._unpack("<IQ")
-            return self._array(GGUFValueType(item), count)
-        fmt = _SCALARS.get(kind)
-        if fmt is None:
-            raise GGUFFormatError(f"unknown metadata value type {kind}")
-        return self._unpack(fmt)[0]
+            item = self._value_type()
+            (count,) = self._unpack("<Q")
+            return self._array(item, count)
+        return self._unpack(_SCALARS[kind])[0]
 
     def _array(self, item: GGUFValueType, count: int) -> list[Any]:
         fmt = _SCALARS.get(item)
