@@ -22,25 +22,25 @@ from worker.gguf_tokenizer import build_tokenizer
 from worker.loader import smollm2_path
 from worker.model_config import ModelLoadError
 
-BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.Q8_0: 34}
+BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.Q8_0: 34, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+FP16_AT = {Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # others: (0,)
 
 
 def _blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random codes with finite fp16 scales (and offsets), as a reader returns them: [rows, bytes]."""
-    size, n = BLOCK_BYTES[qtype], rows * cols // 32
+    per_block = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
+    size, n = BLOCK_BYTES[qtype], rows * cols // per_block
     raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    halves = rng.normal(0.0, 0.05, size=(n, 2)).astype(np.float16).view(np.uint8)
-    raw[:, :2] = halves[:, :2]
-    if qtype in (Q.Q4_1, Q.Q5_1):
-        raw[:, 2:4] = halves[:, 2:]
+    for at in FP16_AT.get(qtype, (0,)):
+        raw[:, at : at + 2] = rng.normal(0.0, 0.05, size=(n, 1)).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 
 @pytest.mark.parametrize("qtype", list(BLOCK_BYTES))
 def test_quantized_types_match_the_reference_dequantizer(qtype: Q) -> None:
     rng = np.random.default_rng(int(qtype))
-    data = _blocks(qtype, rows=24, cols=96, rng=rng)
-    got = dequantize(data, qtype, (24, 96))
+    data = _blocks(qtype, rows=24, cols=512, rng=rng)
+    got = dequantize(data, qtype, (24, 512))
     assert got.dtype == torch.float32
     np.testing.assert_array_equal(got.numpy(), quants.dequantize(data, qtype))
 
@@ -56,8 +56,8 @@ def test_float_types_match_the_reference_dequantizer() -> None:
 
 
 def test_other_types_are_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="tensor type Q4_K is not supported"):
-        dequantize(np.zeros((1, 144), dtype=np.uint8), Q.Q4_K, (1, 256))
+    with pytest.raises(ValueError, match="tensor type Q3_K is not supported"):
+        dequantize(np.zeros((1, 110), dtype=np.uint8), Q.Q3_K, (1, 256))
 
 
 # ------------------------------------------------------------------------------------ tokenizer

@@ -15,6 +15,21 @@ Q5_1     24     d * q_j + m, codes as Q5_0
 Q8_0     34     d * q_j, q_j an int8
 =======  =====  ==========================================================================
 
+The K-quants (the ``Q*_K_M`` / ``Q*_K_S`` files) use super-blocks of 256 weights in 16 or 8
+sub-blocks, each with its own integer scale (and minimum) under fp16 super-scales:
+
+=======  =====  ==========================================================================
+type     bytes  layout; weight l of sub-block i
+=======  =====  ==========================================================================
+Q4_K     144    d, dmin, 12 bytes of 6-bit scales sc_i and mins m_i (8 sub-blocks of 32),
+                128 code bytes: sub-blocks 2k and 2k+1 are the low and high nibbles of
+                bytes 32k..32k+31; weight = d * sc_i * q - dmin * m_i
+Q5_K     176    as Q4_K, with 32 bytes before the codes whose bit i of byte l is the fifth
+                bit of weight l of sub-block i
+Q6_K     210    128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8 scales (16
+                sub-blocks of 16), d last; weight = d * sc_i * (q - 32)
+=======  =====  ==========================================================================
+
 F32, F16 and BF16 tensors are read as they are. Any other type is refused by name.
 """
 
@@ -25,8 +40,10 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 BLOCK = 32
+SUPER_BLOCK = 256
 _BLOCK_BYTES = {QType.Q4_0: 18, QType.Q4_1: 20, QType.Q5_0: 22, QType.Q5_1: 24, QType.Q8_0: 34}
-SUPPORTED = (QType.F32, QType.F16, QType.BF16, *_BLOCK_BYTES)
+_K_BYTES = {QType.Q4_K: 144, QType.Q5_K: 176, QType.Q6_K: 210}
+SUPPORTED = (QType.F32, QType.F16, QType.BF16, *_BLOCK_BYTES, *_K_BYTES)
 
 
 class UnsupportedTensorType(ValueError):
@@ -44,6 +61,8 @@ def dequantize(data: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> torch.
         return raw.view(torch.float16).float().reshape(shape)
     if qtype == QType.BF16:
         return raw.view(torch.bfloat16).float().reshape(shape)
+    if qtype in _K_BYTES:
+        return _dequantize_k(raw.reshape(-1, _K_BYTES[qtype]), qtype).reshape(shape)
     size = _BLOCK_BYTES.get(qtype)
     if size is None:
         name = getattr(qtype, "name", str(qtype))
@@ -68,6 +87,39 @@ def dequantize(data: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> torch.
     if with_offset:
         return out.mul_(d).add_(_f16(blocks, 2)).reshape(shape)
     return out.sub_(16.0 if five_bits else 8.0).mul_(d).reshape(shape)
+
+
+def _dequantize_k(blocks: torch.Tensor, qtype: QType) -> torch.Tensor:
+    """[N, bytes] K-quant super-blocks -> [N, 256] float32."""
+    n = blocks.shape[0]
+    if qtype == QType.Q6_K:
+        low = blocks[:, :128].reshape(n, 2, 64)  # two halves of 128 weights
+        high = blocks[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+        q = torch.cat([low & 0x0F, low >> 4], dim=2) | ((high & 3).reshape(n, 2, 128) << 4)
+        scales = _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()  # [N, 16]
+        return (q.float() - 32.0).reshape(n, 16, 16).mul_(scales.unsqueeze(-1)).reshape(n, SUPER_BLOCK)
+    sc, mins = _scales_and_mins(blocks[:, 4:16])
+    codes = blocks[:, 48:] if qtype == QType.Q5_K else blocks[:, 16:]
+    out = torch.empty(n, 4, 2, BLOCK, dtype=torch.float32)
+    out[:, :, 0] = codes.reshape(n, 4, BLOCK) & 0x0F
+    out[:, :, 1] = codes.reshape(n, 4, BLOCK) >> 4
+    out = out.reshape(n, 8, BLOCK)
+    if qtype == QType.Q5_K:
+        fifth = blocks[:, 16:48].reshape(n, 1, BLOCK) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+        out.add_(fifth & 1, alpha=16)
+    scale = (_f16(blocks, 0) * sc.float()).unsqueeze(-1)
+    offset = (_f16(blocks, 2) * mins.float()).unsqueeze(-1)
+    return out.mul_(scale).sub_(offset).reshape(n, SUPER_BLOCK)
+
+
+def _scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 packed bytes of Q4_K/Q5_K -> 8 six-bit scales and 8 six-bit mins. Sub-blocks 0-3:
+    the low 6 bits of bytes 0-3 (scales) and 4-7 (mins). Sub-blocks 4-7: the low (scales) and
+    high (mins) nibbles of bytes 8-11, topped with the 2 spare high bits of bytes 0-3 / 4-7."""
+    a, b, c = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = torch.cat([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], dim=1)
+    mins = torch.cat([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], dim=1)
+    return scales, mins
 
 
 def _torch_bytes(data: np.ndarray) -> torch.Tensor:
