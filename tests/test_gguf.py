@@ -130,6 +130,56 @@ def test_tokenizer_variants_encode_as_transformers_does(smollm2: Path, tmp_path:
         assert ours.encode(text, add_special_tokens=False).ids == theirs(text, add_special_tokens=False).input_ids, text
 
 
+def _sentencepiece_file(path: Path) -> Path:
+    """A Llama-2-style vocabulary (tokenizer.ggml.model "llama"): <unk>, <s>, </s>, 256 byte
+    tokens, pieces learned over ``▁``-joined words ranked by score, a CONTROL and a USER_DEFINED
+    token; no merges (they follow from the scores)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    learner = Tokenizer(models.BPE())
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    learner.train_from_iterator(_texts() * 3, trainers.BpeTrainer(vocab_size=1500, show_progress=False))
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    types, scores = [2, 3, 3, *[6] * 256], [0.0] * len(tokens)
+    for rank, (piece, _) in enumerate(sorted(learner.get_vocab().items(), key=lambda kv: kv[1])):
+        if piece not in tokens:
+            tokens.append(piece)
+            types.append(1)
+            scores.append(-float(rank))
+    tokens += ["<|user|>", "<think>"]
+    types += [3, 4]
+    scores += [0.0, 0.0]
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_sentencepiece_vocabularies_encode_and_decode_as_transformers_does(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    path = _sentencepiece_file(tmp_path / "spm.gguf")
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    ours = build_tokenizer(GGUFFile(path).metadata)
+    assert len(ours.get_vocab()) == len(theirs)
+    for text in [*_texts(), "<s>x</s> <unk> <think>y<|user|>", "", " ", "\ttab  two", "ü\u00a0ß"]:
+        want = theirs(text, add_special_tokens=False).input_ids
+        assert ours.encode(text, add_special_tokens=False).ids == want, text
+        assert ours.decode(want, skip_special_tokens=False) == theirs.decode(want), text
+    # The file does not say whether prompts start with BOS: for sentencepiece, both say yes.
+    assert "tokenizer.ggml.add_bos_token" not in GGUFFile(path).metadata
+    assert theirs("hi").input_ids[0] == 1 and GGUFCheckpoint(path).add_bos_token()
+
+
 def test_smollm2_metadata(smollm2: Path) -> None:
     ckpt = GGUFCheckpoint(smollm2)
     cfg = ckpt.config

@@ -146,7 +146,10 @@ class GGUFCheckpoint:
         return str(template) if template is not None else None
 
     def add_bos_token(self) -> bool:
-        return bool(self._field("tokenizer.ggml.add_bos_token", False))
+        """The file's flag; without one, True for sentencepiece vocabularies (llama.cpp and
+        transformers both start their prompts with BOS) and False for byte-level ones."""
+        default = self.metadata.get("tokenizer.ggml.model") == "llama"
+        return bool(self.metadata.get("tokenizer.ggml.add_bos_token", default))
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:

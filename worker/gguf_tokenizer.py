@@ -1,18 +1,25 @@
 """The tokenizer a GGUF file describes, rebuilt as a ``tokenizers`` tokenizer.
 
 A GGUF file carries no tokenizer.json, only llama.cpp's description: ``tokenizer.ggml.model``
-(the algorithm), ``.tokens`` and ``.merges``, ``.token_type`` per token and ``.pre`` (which
-text-splitting rule the merges were learned with). Sluice builds what ``transformers`` builds
-from the same file, so both encode every text to the same ids:
+(the algorithm), ``.tokens``, ``.merges`` or ``.scores``, ``.token_type`` per token and ``.pre``
+(which text-splitting rule the merges were learned with). Sluice builds what ``transformers``
+builds from the same file, so both encode every text to the same ids.
+
+Byte-level BPE (``gpt2``: GPT-2, Llama 3, SmolLM, Qwen...):
 
 * the vocabulary spelled in GPT-2's byte alphabet — most tokens already are; a token that is
   not (an added token written as plain text) is re-spelled byte by byte;
-* CONTROL tokens (``<|im_end|>``) as special tokens, USER_DEFINED ones (``<think>``) as plain
-  added tokens, so neither is ever cut into pieces;
 * the split rule: Llama 3's for the ``.pre`` values that name it, GPT-2's (the byte-level
   pre-tokenizer's own) otherwise.
 
-Only byte-level BPE (``gpt2``) is built; sentencepiece-style vocabularies are refused by name.
+SentencePiece BPE (``llama``: Llama 2, Mistral, TinyLlama...):
+
+* pieces as written (``▁`` for a space), unknown characters as ``<0xNN>`` byte tokens;
+* no merges in the file: they follow from the scores (see ``merges_from_scores``);
+* a ``▁`` before the text's first word, and removed again when decoding.
+
+Both: CONTROL tokens (``<|im_end|>``) and the BOS/EOS/UNK/PAD tokens as special tokens,
+USER_DEFINED ones (``<think>``) as plain added tokens, so none is ever cut into pieces.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 # llama.cpp token types (tokenizer.ggml.token_type).
 CONTROL = 3
 USER_DEFINED = 4
+SPACE = "\u2581"  # how SentencePiece writes a space inside a piece
+_NAMED_SPECIAL = ("bos", "eos", "unknown", "padding")  # tokenizer.ggml.<name>_token_id
 
 # Llama 3's split: contractions, letter runs with one leading non-letter, digits in threes,
 # punctuation runs, newlines, other whitespace.
@@ -54,10 +63,19 @@ def byte_alphabet() -> dict[int, str]:
 def build_tokenizer(metadata: Mapping[str, Any]) -> Tokenizer:
     """The tokenizer of a GGUF file's ``metadata`` (key -> value, as ``GGUFFile`` reads it)."""
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UnsupportedTokenizer(f"GGUF tokenizer model {kind!r} is not supported (only gpt2 byte-level BPE)")
+    if kind == "gpt2":
+        tok, spelled = _byte_level(metadata)
+    elif kind == "llama":
+        tok, spelled = _sentencepiece(metadata), None
+    else:
+        raise UnsupportedTokenizer(f"GGUF tokenizer model {kind!r} is not supported (only gpt2 byte-level BPE "
+                                   f"and llama sentencepiece BPE)")
+    _add_special_tokens(tok, metadata, spelled)
+    return tok
+
+
+def _byte_level(metadata: Mapping[str, Any]) -> tuple[Tokenizer, set[str]]:
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    types: list[int] = metadata.get("tokenizer.ggml.token_type", [])
     spell = byte_alphabet()
     alphabet = set(spell.values())
     vocab = {(t if set(t) <= alphabet else "".join(spell[b] for b in t.encode())): i for i, t in enumerate(tokens)}
@@ -73,11 +91,51 @@ def build_tokenizer(metadata: Mapping[str, Any]) -> Tokenizer:
         ])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    # A CONTROL token spelled outside the byte alphabet is a mislabel in the file: it already
+    return tok, alphabet
+
+
+def _sentencepiece(metadata: Mapping[str, Any]) -> Tokenizer:
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in metadata:
+        merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+    else:
+        merges = merges_from_scores(tokens, metadata["tokenizer.ggml.scores"], vocab)
+    tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True))
+    # transformers prepends the space whatever tokenizer.ggml.add_space_prefix says; so does this.
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+def merges_from_scores(tokens: list[str], scores: list[float], vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+    """SentencePiece BPE keeps a score per piece instead of a merge list. Every way to cut a
+    piece into two pieces of the vocabulary is a merge, ranked by the piece's score (highest
+    first), then by longer left and longer right parts; ties keep vocabulary order (the order of
+    the whole piece, then of its parts' ids) — the order ``transformers`` derives."""
+    found: list[tuple[float, str, str]] = []
+    for piece, score in dict(zip(tokens, scores, strict=True)).items():
+        cuts = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+        cuts.sort(key=lambda cut: (vocab[cut[0]], vocab[cut[1]]))
+        found.extend((score, left, right) for left, right in cuts)
+    found.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)  # stable: ties keep their order
+    return [(left, right) for _, left, right in found]
+
+
+def _add_special_tokens(tok: Tokenizer, metadata: Mapping[str, Any], spelled: set[str] | None) -> None:
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    types: list[int] = metadata.get("tokenizer.ggml.token_type", [])
+    named = [int(metadata[f"tokenizer.ggml.{n}_token_id"]) for n in _NAMED_SPECIAL
+             if f"tokenizer.ggml.{n}_token_id" in metadata]
+    special = [tokens[i] for i in named if 0 <= i < len(tokens)]
+    special += [t for t, k in zip(tokens, types, strict=False) if k == CONTROL]
+    # A special token spelled outside the byte alphabet is a mislabel in the file: it already
     # sits in the vocabulary re-spelled, and adding it as written would grow the vocabulary
     # past the model's embedding rows.
-    control = [t for t, k in zip(tokens, types, strict=False) if k == CONTROL and set(t) <= alphabet]
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    if spelled is not None:
+        special = [t for t in special if set(t) <= spelled]
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(special)])
+    vocab = tok.get_vocab(with_added_tokens=False)
     user = [t for t, k in zip(tokens, types, strict=False) if k == USER_DEFINED and t in vocab]
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
-    return tok
