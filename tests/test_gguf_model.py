@@ -1,0 +1,102 @@
+"""A GGUF file unlike SmolLM2's — untied output, sentencepiece vocabulary, several tensor types per
+layer, q/k permuted as llama.cpp's converter permutes them — loads to exactly the parameters
+``transformers`` loads from it, and the worker announces its BOS/EOS as transformers uses them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter, quants
+from test_gguf import _sentencepiece_file
+
+from protocol.config import WorkerConfig
+from worker.engine import Worker
+from worker.gguf_file import GGUFFile
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 4, 4, 2
+HEAD_DIM = HIDDEN // HEADS
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.F16, Q.BF16, Q.F32]
+
+
+def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows: each head's two rotary halves interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_model(path: Path, tokenizer: dict[str, list]) -> Path:
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokenizer["tokenizer.ggml.tokens"])
+    writer.add_token_scores(tokenizer["tokenizer.ggml.scores"])
+    writer.add_token_types(tokenizer["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    vocab = len(tokenizer["tokenizer.ggml.tokens"])
+    kinds = iter(TYPES * 8)
+
+    def add(name: str, rows: int, cols: int, qtype: Q | None = None, permute_heads: int = 0) -> None:
+        w = (rng.normal(size=(rows, cols)) * 0.1).astype(np.float32)
+        if permute_heads:
+            w = _llama_cpp_permute(w, permute_heads)
+        qtype = qtype or next(kinds)
+        if qtype == Q.F32:
+            writer.add_tensor(name, w)
+        elif qtype == Q.F16:
+            writer.add_tensor(name, w.astype(np.float16))
+        else:
+            writer.add_tensor(name, quants.quantize(w, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", vocab, HIDDEN, Q.Q8_0)
+    add("output.weight", vocab, HIDDEN, Q.Q4_1)
+    writer.add_tensor("output_norm.weight", (1 + rng.normal(size=HIDDEN) * 0.1).astype(np.float32))
+    for i in range(LAYERS):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + rng.normal(size=HIDDEN) * 0.1).astype(np.float32))
+        add(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN, permute_heads=HEADS)
+        add(f"blk.{i}.attn_k.weight", KV_HEADS * HEAD_DIM, HIDDEN, permute_heads=KV_HEADS)
+        add(f"blk.{i}.attn_v.weight", KV_HEADS * HEAD_DIM, HIDDEN)
+        add(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN)
+        add(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
+        add(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
+        add(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("gguf-model")
+    tokenizer = GGUFFile(_sentencepiece_file(d / "tokenizer-only.gguf")).metadata
+    return _write_model(d / "model.gguf", tokenizer)
+
+
+def test_parameters_equal_transformers_loading_the_same_file(model_file: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(str(model_file.parent), gguf_file=model_file.name,
+                                                  dtype=torch.float32).state_dict()
+    worker = Worker(WorkerConfig(model=str(model_file), num_kv_blocks=8))
+    ours = dict(worker.runner.model.named_parameters())
+    assert set(ours) == set(theirs)
+    for name, p in ours.items():
+        assert torch.equal(p, theirs[name]), name
+    assert ours["lm_head.weight"].data_ptr() != ours["model.embed_tokens.weight"].data_ptr()  # untied
+    info = worker.info
+    assert (info.bos_token_id, info.eos_token_ids, info.add_bos_token) == (1, [2], True)
+    assert info.chat_template is None and info.vocab_size == len(GGUFFile(model_file).metadata["tokenizer.ggml.tokens"])
