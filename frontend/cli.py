@@ -142,15 +142,15 @@ def main(argv: list[str] | None = None) -> None:
             _check_default_model(args.model)
             from frontend.serve import serve
 
-            serve(
+            sys.exit(serve(
                 build_config(FrontendConfig, args, address="ipc://unset"),
                 build_config(SchedulerConfig, args, address="ipc://unset"),
                 build_config(WorkerConfig, args, address="ipc://unset"),
-            )
+            ))
         elif args.command == "frontend":
             from frontend.serve import run_frontend
 
-            run_frontend(build_config(FrontendConfig, args))
+            sys.exit(run_frontend(build_config(FrontendConfig, args)))
         elif args.command == "scheduler":
             _exec_component("scheduler", build_config(SchedulerConfig, args))
         elif args.command == "worker":

@@ -18,7 +18,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Sequence
 
 import uvicorn
 from starlette.applications import Starlette
@@ -46,39 +47,82 @@ def _uvicorn_config(app: Starlette, config: FrontendConfig) -> uvicorn.Config:
     )
 
 
-def _announce_when_ready(app: Starlette, config: FrontendConfig, extra: Callable[[], None] | None = None) -> None:
-    """Print the URL once the engine is ready (wrapping the app's lifespan)."""
-    state = app.state.sluice
-    inner = app.router.lifespan_context
+STARTUP_POLL_S = 0.25
+NamedChild = tuple[str, "subprocess.Popen[bytes]"]
+CHILD_EXIT_GRACE_S = 2.0  # a child that failed to load has usually told the scheduler why
 
-    @contextlib.asynccontextmanager
-    async def lifespan(a: Starlette) -> AsyncIterator[None]:
-        async with inner(a):
-            async def announce() -> None:
-                await state.client.ready.wait()
-                print(f"Sluice is serving {state.model_name} at http://{config.host}:{config.port}", flush=True)
 
-            task = asyncio.create_task(announce())
-            try:
-                yield
-            finally:
-                task.cancel()
+class _Startup:
+    """Watches the engine come up: prints the URL when it is ready, or — when it never will be
+    (the worker failed to load, a child process exited) — one line saying why, and stops the
+    server with status 1. A failure after start-up keeps serving /health (503) instead."""
 
-    app.router.lifespan_context = lifespan
+    def __init__(self, app: Starlette, config: FrontendConfig, children: Sequence[NamedChild]) -> None:
+        self.app = app
+        self.config = config
+        self.children = children
+        self.server: uvicorn.Server | None = None
+        self.exit_code = 0
+
+    def install(self) -> None:
+        inner = self.app.router.lifespan_context
+
+        @contextlib.asynccontextmanager
+        async def lifespan(a: Starlette) -> AsyncIterator[None]:
+            async with inner(a):
+                task = asyncio.create_task(self._watch())
+                try:
+                    yield
+                finally:
+                    task.cancel()
+
+        self.app.router.lifespan_context = lifespan
+
+    async def _watch(self) -> None:
+        state = self.app.state.sluice
+        client = state.client
+        exited_at: float | None = None
+        while not client.ready.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(client.ready.wait(), STARTUP_POLL_S)
+                break
+            if client.engine_error is not None:
+                self._fail(client.engine_error)
+                return
+            dead = [(name, c) for name, c in self.children if c.poll() is not None]
+            if dead:
+                now = time.monotonic()
+                exited_at = exited_at or now
+                if now - exited_at >= CHILD_EXIT_GRACE_S:
+                    name, child = dead[0]
+                    self._fail(f"the {name} process exited with status {child.returncode} "
+                               "before the engine was ready")
+                    return
+        print(f"Sluice is serving {state.model_name} at http://{self.config.host}:{self.config.port}", flush=True)
+
+    def _fail(self, message: str) -> None:
+        print(f"sluice: error: {message}", file=sys.stderr, flush=True)
+        self.exit_code = 1
+        if self.server is not None:
+            self.server.should_exit = True
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def run_frontend(config: FrontendConfig) -> None:
+def run_frontend(config: FrontendConfig, children: Sequence[NamedChild] = ()) -> int:
+    """Serve HTTP until a signal (0) or an engine that fails to start (1); returns the status."""
     # uvicorn handles SIGINT/SIGTERM itself, then restores these handlers and re-raises the
     # signal; with the defaults that would kill the process before ``serve`` stops its children.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     app = build_app(config)
-    _announce_when_ready(app, config)
-    uvicorn.Server(_uvicorn_config(app, config)).run()
+    startup = _Startup(app, config, children)
+    startup.install()
+    startup.server = uvicorn.Server(_uvicorn_config(app, config))
+    startup.server.run()
+    return startup.exit_code
 
 
 def _die_with_parent() -> None:
@@ -110,19 +154,20 @@ def _stop(children: list[subprocess.Popen[bytes]]) -> None:
             child.wait()
 
 
-def serve(frontend: FrontendConfig, scheduler: SchedulerConfig, worker: WorkerConfig) -> None:
-    """``sluice serve``: one machine, ipc:// sockets in a private temp dir removed at exit."""
+def serve(frontend: FrontendConfig, scheduler: SchedulerConfig, worker: WorkerConfig) -> int:
+    """``sluice serve``: one machine, ipc:// sockets in a private temp dir removed at exit.
+    Returns the exit status (1 when the engine failed to start)."""
     sock_dir = tempfile.mkdtemp(prefix="sluice-")
     address = f"ipc://{sock_dir}/engine"
     frontend = dataclasses.replace(frontend, address=address)
     scheduler = dataclasses.replace(scheduler, address=address)
     worker = dataclasses.replace(worker, address=address, served_model_name=frontend.served_model_name)
-    children: list[subprocess.Popen[bytes]] = []
+    children: list[NamedChild] = []
     try:
-        children.append(_spawn("scheduler", scheduler))
+        children.append(("scheduler", _spawn("scheduler", scheduler)))
         for rank in range(worker.tensor_parallel_size):
-            children.append(_spawn("worker", dataclasses.replace(worker, rank=rank)))
-        run_frontend(frontend)
+            children.append((f"worker {rank}", _spawn("worker", dataclasses.replace(worker, rank=rank))))
+        return run_frontend(frontend, children)
     finally:
-        _stop(children)
+        _stop([child for _, child in children])
         shutil.rmtree(sock_dir, ignore_errors=True)

@@ -79,3 +79,24 @@ def test_a_crashed_worker_is_reported_and_streams_end_with_an_error(tmp_path: Pa
         assert r.status_code == 503 and r.json()["error"]["message"]
     finally:
         server.stop()
+
+
+def test_a_model_that_cannot_load_ends_serve_with_one_line_and_status_1(tmp_path: Path) -> None:
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    server = SluiceServer("--model", str(model), log_dir=tmp_path)
+    try:
+        status = server.proc.wait(timeout=120)
+        log = server.log()
+        assert status == 1, log
+        errors = [line for line in log.splitlines() if line.startswith("sluice: error:")]
+        assert len(errors) == 1, log
+        assert str(model / "config.json") in errors[0] and "unsupported architecture" in errors[0]
+        assert "Traceback" not in log, "a model that cannot load is a user's mistake: no traceback"
+        deadline = time.monotonic() + 5
+        while _session_pids(server.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _session_pids(server.proc.pid), "scheduler and worker stopped too"
+    finally:
+        server.stop()

@@ -6,8 +6,8 @@ PUSH for results, owned by the sender thread; a second PUSH owned by the heartbe
 sender thread, which encodes and sends them while the next step computes. Between steps the main
 thread reads its inbox without blocking: ``CancelRows`` applies at once, a next plan waits its
 turn. Any failure to load or to run a plan is reported as one ``WorkerFailed`` line, logged with
-its traceback, and ends the process with status 1; ``Shutdown``, SIGTERM and SIGINT end it with
-status 0.
+its traceback (or in one line for a model that cannot load), and ends the process with status 1;
+``Shutdown``, SIGTERM and SIGINT end it with status 0.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import zmq
 
-from protocol.config import WorkerConfig
+from protocol.config import ConfigError, WorkerConfig
 from protocol.messages import (
     CancelRows,
     Shutdown,
@@ -37,6 +37,7 @@ from protocol.messages import (
 )
 from protocol.transport import Endpoints, make_socket, scheduler_worker_codec, worker_codec
 from worker.engine import Worker
+from worker.model_config import ModelLoadError
 
 __all__ = ["Worker", "run"]
 
@@ -112,7 +113,10 @@ class WorkerProcess:
         self.backlog: deque[WorkerCommand] = deque()  # commands read mid-plan, run after it
 
     def fail(self, what: str, e: BaseException) -> int:
-        log.exception("%s", what)
+        if isinstance(e, ModelLoadError | ConfigError):  # a user's mistake, said in one line: no traceback
+            log.error("%s: %s", what, _one_line(e))
+        else:
+            log.exception("%s", what)
         self.sender.send(WorkerFailed(self.config.rank, f"{what}: {_one_line(e)}"))
         return 1
 
