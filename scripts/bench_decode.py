@@ -9,14 +9,19 @@ generated). Decode throughput counts the tokens streamed between the moment ever
 its first token and the end; the worker's idle fraction over that same window comes from its
 busy-time counter (``/admin/stats``). The ceiling is the bare forward loop in this process: the
 worker's runner driven directly, same model, same batch, same thread count as the server's
-worker, decoding 8 steps per plan (best of three runs). Then, with ``--ttft-batch`` streams decoding steadily,
-``--probes`` short requests arrive one by one and their time to first token is measured.
+worker, decoding 8 steps per plan. (Async scheduling overlaps multi-step windows only, so n=1 is
+the plain synchronous single-step loop.) Every server stays up the whole run and
+each cell is measured once per round, the rounds interleaved; a figure is the median of
+``--rounds``. Then, with ``--ttft-batch`` streams decoding steadily, ``--probes`` short requests
+arrive one by one and their time to first token is measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -115,38 +120,46 @@ async def ttft_probes(url: str, batch: int, prompt_tokens: int, output_tokens: i
     return ttfts
 
 
-def bare_decode(model: str, batch: int, prompt_tokens: int, output_tokens: int, steps: int = 8) -> float:
-    """Decode tokens/s of the worker's runner driven directly: prompts prefilled in one plan
-    (not timed), then plans of ``steps`` decode steps until every sequence is done."""
-    import torch
+class BareLoop:
+    """The ceiling: the worker's runner driven directly in this process (same model, same single
+    torch thread as the server's worker), prompts prefilled in one plan (not timed), then plans
+    of ``steps`` decode steps until every sequence is done. One worker, sized for the biggest
+    batch, serves every run."""
 
-    from protocol.config import WorkerConfig
-    from protocol.messages import NewRequest, SamplingParams, StepPlan
-    from worker.engine import Worker
-    from worker.process import configure_cpu_threads
+    def __init__(self, model: str, biggest: int, prompt_tokens: int, output_tokens: int, steps: int = 8) -> None:
+        import torch
 
-    block_size = 16
-    per_seq = -(-(prompt_tokens + output_tokens + steps) // block_size)
-    worker = Worker(WorkerConfig(model=model, num_kv_blocks=batch * per_seq + 1, block_size=block_size,
-                                 log_level="warning"))
-    configure_cpu_threads(worker.device)
-    worker.warm_up()
-    runner = worker.runner
-    params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
-    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
-    news = [NewRequest(i, _prompt(i, prompt_tokens), prompt_tokens, params) for i in range(batch)]
-    for _ in runner.execute(StepPlan(1, news, list(range(batch)), [prompt_tokens] * batch, tables)):
-        pass
-    produced, plan_id = 0, 1
-    start = time.perf_counter()
-    while live := sorted(runner.seqs):
-        plan_id += 1
-        plan = StepPlan(plan_id, [], live, [1] * len(live), [[] for _ in live], num_steps=steps)
-        produced += sum(len(out.token_ids) for out in runner.execute(plan))
-    elapsed = time.perf_counter() - start
-    print(f"  (bare loop, batch {batch}: {torch.get_num_threads()} torch thread(s), as the server's worker)",
-          file=sys.stderr)
-    return produced / elapsed
+        from protocol.config import WorkerConfig
+        from worker.engine import Worker
+        from worker.process import configure_cpu_threads
+
+        self.block_size, self.steps = 16, steps
+        self.prompt_tokens, self.output_tokens = prompt_tokens, output_tokens
+        self.per_seq = -(-(prompt_tokens + output_tokens + steps) // self.block_size)
+        self.worker = Worker(WorkerConfig(model=model, num_kv_blocks=biggest * self.per_seq + 1,
+                                          block_size=self.block_size, log_level="warning"))
+        configure_cpu_threads(self.worker.device)
+        self.worker.warm_up()
+        self.plan_ids = itertools.count(1)
+        print(f"  (bare loop: {torch.get_num_threads()} torch thread(s), as the server's worker)", file=sys.stderr)
+
+    def decode(self, batch: int) -> float:
+        from protocol.messages import NewRequest, SamplingParams, StepPlan
+
+        runner = self.worker.runner
+        params = SamplingParams(max_tokens=self.output_tokens, temperature=0.0, ignore_eos=True)
+        tables = [list(range(1 + i * self.per_seq, 1 + (i + 1) * self.per_seq)) for i in range(batch)]
+        news = [NewRequest(i, _prompt(i, self.prompt_tokens), self.prompt_tokens, params) for i in range(batch)]
+        prefill = StepPlan(next(self.plan_ids), news, list(range(batch)), [self.prompt_tokens] * batch, tables)
+        for _ in runner.execute(prefill):
+            pass
+        produced = 0
+        start = time.perf_counter()
+        while live := sorted(runner.seqs):
+            plan = StepPlan(next(self.plan_ids), [], live, [1] * len(live), [[] for _ in live],
+                            num_steps=self.steps)
+            produced += sum(len(out.token_ids) for out in runner.execute(plan))
+        return produced / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -156,6 +169,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, nargs="+", default=[1, 8], help="--num-scheduler-steps values")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=5, help="each cell's figure is the median of this many")
     p.add_argument("--ttft-batch", type=int, default=64)
     p.add_argument("--probes", type=int, default=20)
     args = p.parse_args()
@@ -164,35 +178,55 @@ def main() -> None:
     ttft_output = 512  # long enough to still be decoding while every probe arrives
     longest = args.prompt_tokens + max(args.output_tokens, ttft_output) + 8
     blocks = (biggest + args.probes + 8) * (-(-longest // 16) + 1)
-    served: dict[tuple[int, int], DecodeFigures] = {}
-    ttft: dict[int, list[float]] = {}
-    for steps in args.steps:
-        flags = ["--num-scheduler-steps", str(steps), "--max-num-seqs", str(max(256, biggest)),
-                 "--num-kv-blocks", str(blocks), "--admin-token", ADMIN_TOKEN]
-        with serving(None, args.model, flags) as url:
+    servers = {f"n={n}": ["--num-scheduler-steps", str(n)] for n in args.steps}
+    served: dict[tuple[str, int], list[DecodeFigures]] = {(name, b): [] for name in servers for b in args.batches}
+    bare: dict[int, list[float]] = {b: [] for b in args.batches}
+    ttft: dict[str, list[float]] = {}
+    with contextlib.ExitStack() as stack:
+        # Every server stays up through the whole run, so that the cells of a round are measured
+        # one right after another: this machine's speed drifts by tens of percent within minutes,
+        # and a ratio of figures taken minutes apart would measure the drift.
+        urls = {name: stack.enter_context(serving(None, args.model, [
+                    *flags, "--max-num-seqs", str(max(256, biggest)), "--num-kv-blocks", str(blocks),
+                    "--admin-token", ADMIN_TOKEN]))
+                for name, flags in servers.items()}
+        loop = BareLoop(args.model, biggest, args.prompt_tokens, args.output_tokens)
+        for r in range(args.rounds):
             for batch in args.batches:
-                served[steps, batch] = asyncio.run(decode_load(url, batch, args.prompt_tokens, args.output_tokens))
-                f = served[steps, batch]
-                print(f"served n={steps} batch {batch}: {f.tok_per_s:,.0f} tok/s, idle {f.idle:.1%}", file=sys.stderr)
-            ttft[steps] = asyncio.run(ttft_probes(url, args.ttft_batch, args.prompt_tokens, ttft_output,
-                                                  args.probes))
-    # The ceiling: the best of three bare runs (this machine's noise is a few percent either way).
-    bare = {b: max(bare_decode(args.model, b, args.prompt_tokens, args.output_tokens) for _ in range(3))
-            for b in args.batches}
+                for name, url in urls.items():
+                    f = asyncio.run(decode_load(url, batch, args.prompt_tokens, args.output_tokens))
+                    served[name, batch].append(f)
+                    print(f"round {r + 1}: served {name} batch {batch}: {f.tok_per_s:,.0f} tok/s, "
+                          f"idle {f.idle:.1%}", file=sys.stderr)
+                bare[batch].append(loop.decode(batch))
+                print(f"round {r + 1}: bare batch {batch}: {bare[batch][-1]:,.0f} tok/s", file=sys.stderr)
+        for name, url in urls.items():
+            if args.probes:
+                ttft[name] = asyncio.run(ttft_probes(url, args.ttft_batch, args.prompt_tokens, ttft_output,
+                                                     args.probes))
 
-    lo, hi = min(args.steps), max(args.steps)
+    def tok_s(name: str, b: int) -> float:
+        return statistics.median(f.tok_per_s for f in served[name, b])
+
+    def idle(name: str, b: int) -> float:
+        return statistics.median(f.idle for f in served[name, b])
+
+    lo, hi = f"n={min(args.steps)}", f"n={max(args.steps)}"
+    ratios = [(f"{hi}/{lo}", lo)]
     print(f"\nDecode throughput, {args.model}, {args.prompt_tokens} prompt / {args.output_tokens} output tokens "
-          f"per request (output tokens/s while every stream decodes; idle = worker idle fraction)")
-    head = f"{'batch':>6} |" + "".join(f" {'n=' + str(s):>9} {'idle':>6} |" for s in args.steps)
-    print(head + f" {'bare':>9} | n={hi}/n={lo} | n={hi}/bare")
+          f"per request: output tokens/s while every stream decodes, and the worker's idle fraction; "
+          f"median of {args.rounds} interleaved rounds")
+    print(f"{'batch':>6} |" + "".join(f" {name:>11} {'idle':>6} |" for name in servers)
+          + f" {'bare':>7} |" + "".join(f" {label:>12} |" for label, _ in ratios) + f" {hi + '/bare':>7}")
     for b in args.batches:
-        row = f"{b:>6} |" + "".join(f" {served[s, b].tok_per_s:>9,.0f} {served[s, b].idle:>6.1%} |"
-                                    for s in args.steps)
-        print(row + f" {bare[b]:>9,.0f} | {served[hi, b].tok_per_s / served[lo, b].tok_per_s:>7.2f} | "
-              f"{served[hi, b].tok_per_s / bare[b]:>6.2f}")
-    print(f"\nTTFT of {args.probes} requests arriving during steady decoding of {args.ttft_batch} streams:")
-    for s in args.steps:
-        print(f"  n={s}: p50 {1000 * statistics.median(ttft[s]):.0f} ms, p99 {1000 * _pct(ttft[s], 0.99):.0f} ms")
+        bare_b = statistics.median(bare[b])
+        print(f"{b:>6} |" + "".join(f" {tok_s(name, b):>11,.0f} {idle(name, b):>6.1%} |" for name in servers)
+              + f" {bare_b:>7,.0f} |" + "".join(f" {tok_s(hi, b) / tok_s(base, b):>12.2f} |" for _, base in ratios)
+              + f" {tok_s(hi, b) / bare_b:>7.2f}")
+    if ttft:
+        print(f"\nTTFT of {args.probes} requests arriving during steady decoding of {args.ttft_batch} streams:")
+        for name, values in ttft.items():
+            print(f"  {name}: p50 {1000 * statistics.median(values):.0f} ms, p99 {1000 * _pct(values, 0.99):.0f} ms")
 
 
 if __name__ == "__main__":
