@@ -211,18 +211,20 @@ def main() -> None:
     def idle(name: str, b: int) -> float:
         return statistics.median(f.idle for f in served[name, b])
 
+    def ratio(name: str, b: int, base: list[float]) -> float:
+        """Median of the per-round ratios: the two figures of a round were taken seconds apart."""
+        return statistics.median(f.tok_per_s / x for f, x in zip(served[name, b], base, strict=True))
+
     lo, hi = f"n={min(args.steps)}", f"n={max(args.steps)}"
-    ratios = [(f"{hi}/{lo}", lo)]
     print(f"\nDecode throughput, {args.model}, {args.prompt_tokens} prompt / {args.output_tokens} output tokens "
           f"per request: output tokens/s while every stream decodes, and the worker's idle fraction; "
-          f"median of {args.rounds} interleaved rounds")
-    print(f"{'batch':>6} |" + "".join(f" {name:>11} {'idle':>6} |" for name in servers)
-          + f" {'bare':>7} |" + "".join(f" {label:>12} |" for label, _ in ratios) + f" {hi + '/bare':>7}")
+          f"medians of {args.rounds} interleaved rounds (ratios: median of the rounds' ratios)")
+    print(f"{'batch':>6} |" + "".join(f" {name:>9} {'idle':>6} |" for name in servers)
+          + f" {'bare':>7} | {hi + '/' + lo:>9} | {hi + '/bare':>8}")
     for b in args.batches:
-        bare_b = statistics.median(bare[b])
-        print(f"{b:>6} |" + "".join(f" {tok_s(name, b):>11,.0f} {idle(name, b):>6.1%} |" for name in servers)
-              + f" {bare_b:>7,.0f} |" + "".join(f" {tok_s(hi, b) / tok_s(base, b):>12.2f} |" for _, base in ratios)
-              + f" {tok_s(hi, b) / bare_b:>7.2f}")
+        print(f"{b:>6} |" + "".join(f" {tok_s(name, b):>9,.0f} {idle(name, b):>6.1%} |" for name in servers)
+              + f" {statistics.median(bare[b]):>7,.0f} |"
+              + f" {ratio(hi, b, [f.tok_per_s for f in served[lo, b]]):>9.2f} | {ratio(hi, b, bare[b]):>8.2f}")
     if ttft:
         print(f"\nTTFT of {args.probes} requests arriving during steady decoding of {args.ttft_batch} streams:")
         for name, values in ttft.items():
