@@ -1,4 +1,4 @@
-"""Small random Hugging Face checkpoints that tests build and save themselves."""
+"""Small random Hugging Face checkpoints (and GGUF files) that tests build and save themselves."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import GGUFWriter
 
 from worker.tiny import build_byte_level_tokenizer
 
@@ -95,3 +96,11 @@ def save_mistral(path: Path) -> Path:
 
     config = MistralConfig(**SMALL, sliding_window=16)
     return _save_hf(path, config, MistralForCausalLM, {"bos_token": "<s>", "eos_token": "</s>"})
+
+
+def write_gguf(writer: GGUFWriter) -> None:
+    """Write out everything added to ``writer`` (header, metadata, tensors) and close the file."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

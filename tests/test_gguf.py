@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from checkpoints import write_gguf
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
 
@@ -112,10 +113,7 @@ def _tokenizer_variant(path: Path, smollm2: Path) -> Path:
     writer.add_token_types(types)
     writer.add_token_merges(meta["tokenizer.ggml.merges"])
     writer.add_eos_token_id(2)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(writer)
     return path
 
 
@@ -157,10 +155,7 @@ def _sentencepiece_file(path: Path) -> Path:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(writer)
     return path
 
 
@@ -206,10 +201,7 @@ def _write(path: Path, arch: str = "llama", extra_tensor: str | None = None) -> 
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     if extra_tensor:
         writer.add_tensor(extra_tensor, np.zeros((3, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(writer)
     return path
 
 

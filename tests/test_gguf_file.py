@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from checkpoints import write_gguf
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, quants
 
@@ -42,10 +43,7 @@ def _write_everything(path: Path) -> Path:
     writer.add_tensor("q8_0", quants.quantize(values, Q.Q8_0), raw_dtype=Q.Q8_0)
     writer.add_tensor("q4_0", quants.quantize(values[:1], Q.Q4_0), raw_dtype=Q.Q4_0)
     writer.add_tensor("vector", values[0, :3].copy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(writer)
     return path
 
 
@@ -85,10 +83,7 @@ def test_truncated_and_foreign_files_are_refused(tmp_path: Path) -> None:
 def test_unknown_value_type_is_named(tmp_path: Path) -> None:
     writer = GGUFWriter(str(tmp_path / "x.gguf"), "llama")
     writer.add_key_value("t.odd", 1, GGUFValueType.UINT32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(writer)
     raw = bytearray((tmp_path / "x.gguf").read_bytes())
     at = raw.index(b"t.odd") + len(b"t.odd")
     raw[at : at + 4] = (99).to_bytes(4, "little")  # the value's type

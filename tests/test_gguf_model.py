@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from checkpoints import write_gguf
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
 from test_gguf import _sentencepiece_file
@@ -72,10 +73,7 @@ def _write_model(path: Path, tokenizer: dict[str, list]) -> Path:
         add(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
         add(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
         add(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(writer)
     return path
 
 
