@@ -111,11 +111,24 @@ def _logit_bias(bias: dict[str, float], vocab_size: int) -> list[tuple[int, floa
     """OpenAI's ``{"token id": bias}`` as (id, bias) pairs; keys must be in-vocabulary ids."""
     pairs = []
     for key, value in bias.items():
-        if not key.strip().isdigit() or int(key) >= vocab_size:
-            raise bad_request(f"logit_bias key {key!r} is not a token id of this model (vocab size {vocab_size})",
+        token = _plain_token_id(key)
+        if token is None or token >= vocab_size:
+            shown = key if len(key) <= 40 else key[:40] + "..."
+            raise bad_request(f"logit_bias key {shown!r} is not a token id of this model (vocab size {vocab_size})",
                               "logit_bias")
-        pairs.append((int(key), float(value)))
+        pairs.append((token, float(value)))
     return pairs
+
+
+def _plain_token_id(key: str) -> int | None:
+    """``key`` as a token id when it is nothing but ASCII digits, else None. ``str.isdigit`` alone
+    also accepts "²" (which ``int`` refuses) and other scripts' digits (which ``int`` reads), and
+    ``int`` also accepts " 7", "+7" and "1_0"; the length bound keeps ``int`` clear of its
+    4300-digit limit (no vocabulary is near 10**18)."""
+    if not (key.isascii() and key.isdigit()):
+        return None
+    digits = key.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 18 else None
 
 
 def _check_priority(state: AppState, request: Request, priority: int) -> None:

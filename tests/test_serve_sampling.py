@@ -50,9 +50,10 @@ def test_min_p_and_seed(server: SluiceServer) -> None:
 def test_seeded_requests_ignore_what_else_is_in_the_batch(server: SluiceServer) -> None:
     """Each seeded request alone, then all of them together with unseeded noise in the same
     batches: the same tokens (penalised ones too, whose sampling reads their own history)."""
-    seeded = [{"temperature": 1.0, "seed": 11, "top_p": 0.9},
-              {"temperature": 0.8, "seed": 12, "top_k": 20, "repetition_penalty": 1.3, "frequency_penalty": 0.5},
-              {"temperature": 1.2, "seed": 13, "min_p": 0.05, "logit_bias": {"77": 5}}]
+    seeded: list[dict[str, object]] = [
+        {"temperature": 1.0, "seed": 11, "top_p": 0.9},
+        {"temperature": 0.8, "seed": 12, "top_k": 20, "repetition_penalty": 1.3, "frequency_penalty": 0.5},
+        {"temperature": 1.2, "seed": 13, "min_p": 0.05, "logit_bias": {"77": 5}}]
     alone = [_ids(server.url, **body) for body in seeded]
 
     async def together() -> list[list[int]]:
@@ -78,3 +79,14 @@ def test_bad_sampling_values_are_400s_naming_the_field(server: SluiceServer, fie
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", field: value}, timeout=30)
     assert r.status_code == 400
     assert r.json()["error"]["param"].startswith(field)
+
+
+def test_logit_bias_keys_that_are_not_plain_token_ids_are_400s(server: SluiceServer) -> None:
+    """ "²" passes ``str.isdigit`` but not ``int``: it once gave a 500. Every key that is not
+    ASCII digits naming an in-vocabulary id is a 400 naming ``logit_bias``; the server goes on."""
+    for key in ["²", "\u0661", "-1", "", " 7", "+7", "1_0", "99999999999999999999999", "9" * 5000]:
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "logit_bias": {key: 1}}, timeout=30)
+        assert r.status_code == 400, (key[:30], r.status_code, r.text[:200])
+        error = r.json()["error"]
+        assert error["param"] == "logit_bias" and error["type"] == "invalid_request_error", (key[:30], error)
+    assert _ids(server.url, max_tokens=2, logit_bias={"077": 100}) == [77, 77]
