@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 import time
 
-from protocol.messages import AddRequest, FinishReason, SamplingParams
+from protocol.messages import AddRequest, SamplingParams
+from protocol.stop import stop_reason
 
 
 class Status(enum.Enum):
@@ -73,16 +74,9 @@ class Request:
         self.num_computed += n
 
     def check_stop(self, eos_token_ids: tuple[int, ...], max_model_len: int) -> str | None:
-        """The finish reason the last token triggers, if any. The worker applies the same rules."""
-        p = self.sampling
-        token = self.token_ids[-1]
-        if token in p.stop_token_ids:
-            return FinishReason.STOP
-        if not p.ignore_eos and token in eos_token_ids and self.num_outputs >= p.min_tokens:
-            return FinishReason.STOP
-        if self.num_outputs >= p.max_tokens or len(self.token_ids) >= max_model_len:
-            return FinishReason.LENGTH
-        return None
+        """The finish reason the last token triggers, if any: ``protocol.stop``'s rule, the worker's too."""
+        return stop_reason(self.token_ids[-1], self.num_outputs, len(self.token_ids), self.sampling,
+                           eos_token_ids, max_model_len)
 
     def update_block_hashes(self, block_size: int) -> list[int]:
         """Hashes of every full block of tokens; a block's hash chains its parent's, so equal

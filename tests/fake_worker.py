@@ -1,10 +1,11 @@
 """A stand-in for the worker's plan semantics, for scheduler unit tests (no torch).
 
 It keeps each request's tokens and computed count exactly as ``worker.runner`` does, and samples
-``token_for(rid, output_index)``; stop rules are the worker's. Its "KV cache" stores, per slot,
-the token id written there, and swaps and copies move those: every computation first checks
-that the context it would attend to holds exactly the request's tokens, so prefix sharing,
-copy-on-write, swap and preemption bookkeeping are verified by content, not by counts.
+``token_for(rid, output_index)``; it stops requests by the worker's rule (``protocol/stop.py``).
+Its "KV cache" stores, per slot, the token id written there, and swaps and copies move those:
+every computation first checks that the context it would attend to holds exactly the request's
+tokens, so prefix sharing, copy-on-write, swap and preemption bookkeeping are verified by
+content, not by counts.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 from collections.abc import Callable
 
 from protocol.messages import SamplingParams, StepPlan, StepTokens
+from protocol.stop import stop_reason
 
 
 @dataclasses.dataclass
@@ -59,15 +61,14 @@ class FakeWorker:
                     dst.pop(b * bs + off, None)
 
     def _stopped(self, s: _Seq) -> bool:
-        p, t, n_out = s.sampling, s.tokens[-1], len(s.tokens) - s.num_prompt
-        if t in p.stop_token_ids:
-            return True
-        if not p.ignore_eos and t == self.eos and n_out >= p.min_tokens:
-            return True
-        return n_out >= p.max_tokens or len(s.tokens) >= self.max_model_len
+        return stop_reason(s.tokens[-1], len(s.tokens) - s.num_prompt, len(s.tokens), s.sampling,
+                           (self.eos,), self.max_model_len) is not None
 
-    def run(self, plan: StepPlan, cancel_after: dict[int, int] | None = None) -> list[StepTokens]:
-        """``cancel_after[rid] = k``: a ``CancelRows`` for rid reached the worker after step k."""
+    def run(self, plan: StepPlan, cancel_after: dict[int, int] | None = None,
+            forget: frozenset[int] = frozenset()) -> list[StepTokens]:
+        """``cancel_after[rid] = k``: a ``CancelRows`` for rid reached the worker after step k
+        (k = -1: before the plan started; a speculative plan then skips the row, as the worker
+        does). ``forget``: those cancels were aborts, so the rows' state goes once they stop."""
         cancel_after = cancel_after or {}
         for rid in plan.forget:
             self.seqs.pop(rid, None)
@@ -82,6 +83,8 @@ class FakeWorker:
                 continue  # stopped after the plan was made
             s = self.seqs[rid]
             s.blocks += blocks
+            if plan.speculative and cancel_after.get(rid, 0) < 0:
+                continue  # paused after the plan was made
             self._compute(rid, s, s.computed, n)
             s.computed += n
             if s.computed > len(s.tokens):
@@ -112,4 +115,6 @@ class FakeWorker:
             active = still
         if not out:
             out.append(StepTokens(plan.plan_id, 0, [], [], True))
+        for rid in forget:
+            self.seqs.pop(rid, None)
         return out

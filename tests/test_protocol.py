@@ -6,6 +6,7 @@ import pytest
 
 from protocol import messages as m
 from protocol.config import ConfigError, SchedulerConfig, WorkerConfig, from_json, to_json
+from protocol.stop import length_reached, stop_reason
 from protocol.transport import (
     Endpoints,
     frontend_codec,
@@ -40,7 +41,7 @@ LINKS = [
 
 
 @pytest.mark.parametrize(("codec_factory", "msgs"), LINKS)
-def test_messages_round_trip(codec_factory, msgs) -> None:  # type: ignore[no-untyped-def]
+def test_messages_round_trip(codec_factory, msgs) -> None:
     codec = codec_factory()
     for msg in msgs:
         assert codec.decode(codec.encode(msg)) == msg
@@ -66,3 +67,25 @@ def test_configs_validate_and_round_trip_json() -> None:
         SchedulerConfig(max_num_seqs=0)
     with pytest.raises(ConfigError, match="--dtype"):
         WorkerConfig(dtype="int3")
+
+
+def test_stop_rule_each_case_and_min_tokens_with_ignore_eos() -> None:
+    """(token, outputs, tokens) with EOS 2, stop id 9, max_tokens 5, max_model_len 20."""
+    def reason(token: int, n_out: int, n_tok: int | None = None, *, min_tokens: int = 0,
+               ignore_eos: bool = False) -> str | None:
+        p = m.SamplingParams(max_tokens=5, stop_token_ids=[9], min_tokens=min_tokens, ignore_eos=ignore_eos)
+        return stop_reason(token, n_out, n_tok if n_tok is not None else 10 + n_out, p, (2,), 20)
+
+    STOP, LENGTH = m.FinishReason.STOP, m.FinishReason.LENGTH
+    assert reason(7, 1) is None
+    assert reason(9, 1) == STOP and reason(9, 1, min_tokens=3, ignore_eos=True) == STOP  # stop ids ignore both
+    assert reason(2, 1) == STOP and reason(2, 1, ignore_eos=True) is None
+    assert reason(2, 2, min_tokens=3) is None and reason(2, 3, min_tokens=3) == STOP  # EOS counts once min_tokens
+    assert reason(2, 3, min_tokens=3, ignore_eos=True) is None
+    assert reason(2, 5, ignore_eos=True) == LENGTH and reason(2, 5, min_tokens=6) == LENGTH  # length still ends it
+    assert reason(7, 5) == LENGTH and reason(7, 4) is None
+    assert reason(7, 2, 20) == LENGTH and reason(7, 2, 19) is None  # max_model_len
+    assert reason(2, 5) == STOP and reason(9, 5) == STOP  # a stop beats length when both hold
+    assert stop_reason(2, 1, 11, m.SamplingParams(), frozenset({2, 3}), 20) == STOP  # any EOS collection
+    p = m.SamplingParams(max_tokens=5)
+    assert not length_reached(4, 19, p, 20) and length_reached(5, 6, p, 20) and length_reached(1, 20, p, 20)

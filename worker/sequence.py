@@ -1,8 +1,9 @@
 """The worker's record of one request: what it knows, what it has computed, where its KV lives.
 
 Created from a ``NewRequest`` (the prompt, or everything known after a preemption) and changed
-only through the methods here, following the scheduler's plans. The stop rules are the
-scheduler's own (``scheduler/request.py``): both sides must agree on when a request ends.
+only through the methods here, following the scheduler's plans. The stop rule is
+``protocol/stop.py``'s, which the scheduler applies too: both sides must agree on when a
+request ends.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from protocol.messages import NewRequest, SamplingParams
+from protocol.stop import length_reached, stop_reason
 
 
 class PlanError(RuntimeError):
@@ -57,7 +59,7 @@ class SequenceState:
     def surely_stops(self, max_model_len: int) -> bool:
         """Stops with its newest sampled token whatever that token is (max_tokens or the model
         length): decidable without waiting for in-flight ids."""
-        return self.num_sampled >= self.sampling.max_tokens or self.num_known >= max_model_len
+        return length_reached(self.num_sampled, self.num_known, self.sampling, max_model_len)
 
     def schedule(self, num_tokens: int, block_size: int) -> int:
         """Claim the next ``num_tokens`` tokens for computation; returns their first position."""
@@ -76,9 +78,5 @@ class SequenceState:
         token itself counts)."""
         self.num_in_flight = max(0, self.num_in_flight - 1)
         self.token_ids.append(token)
-        p = self.sampling
-        if token in p.stop_token_ids:
-            return True
-        if not p.ignore_eos and token in eos_token_ids and self.num_outputs >= p.min_tokens:
-            return True
-        return self.num_outputs >= p.max_tokens or len(self.token_ids) >= max_model_len
+        return stop_reason(token, self.num_outputs, len(self.token_ids), self.sampling,
+                           eos_token_ids, max_model_len) is not None
