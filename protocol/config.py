@@ -43,11 +43,19 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
     num_host_blocks: int = 0  # swap space, in blocks; 0 = same count as the device cache
+    # Seat caps per priority class: {P: N} = requests with priority >= P hold at most N seats.
+    max_num_seqs_per_priority: dict[int, int] = dataclasses.field(default_factory=dict)
     tensor_parallel_size: int = 1
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         _positive("--max-num-seqs", self.max_num_seqs)
+        # JSON (the config's way to a child process) has string keys only.
+        self.max_num_seqs_per_priority = {int(p): n for p, n in self.max_num_seqs_per_priority.items()}
+        for p, n in self.max_num_seqs_per_priority.items():
+            if not isinstance(n, int) or n < 1:
+                raise ConfigError(f"--max-num-seqs-per-priority: the seats for priority >= {p} must be a "
+                                  f"positive integer, got {n!r}")
         _positive("--max-num-batched-tokens", self.max_num_batched_tokens)
         _positive("--min-concurrent-prefills", self.min_concurrent_prefills)
         _positive("--num-scheduler-steps", self.num_scheduler_steps)
@@ -61,6 +69,25 @@ class SchedulerConfig:
             raise ConfigError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)}")
+
+
+    @staticmethod
+    def parse_priority_caps(text: str) -> dict[int, int]:
+        """``"5:32,10:4"`` -> ``{5: 32, 10: 4}`` (the ``--max-num-seqs-per-priority`` flag)."""
+        caps: dict[int, int] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            p, sep, n = item.partition(":")
+            try:
+                priority, seats = int(p), int(n)
+            except ValueError:
+                seats = 0
+            if not sep or seats < 1:
+                raise ConfigError(f"--max-num-seqs-per-priority takes PRIORITY:SEATS pairs such as 5:32 "
+                                  f"(requests with priority >= 5 hold at most 32 seats), got {item!r}")
+            if priority in caps:
+                raise ConfigError(f"--max-num-seqs-per-priority names priority {priority} twice")
+            caps[priority] = seats
+        return caps
 
 
 @dataclasses.dataclass

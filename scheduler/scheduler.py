@@ -72,6 +72,11 @@ class _Step:
     def has(self, req: Request) -> bool:
         return req.rid in self._rids
 
+    def tokens_of(self, req: Request) -> int:
+        if req.rid not in self._rids:
+            return 0
+        return next(row.num_tokens for row in self.rows if row.req is req)
+
     def drop(self, req: Request) -> None:
         if req.rid not in self._rids:
             return
@@ -102,6 +107,9 @@ class Scheduler:
         host_blocks = min(config.num_host_blocks or num_blocks, num_blocks)
         self.host_pool = BlockPool(host_blocks) if config.preemption_mode == "swap" else None
         self.queue = make_queue(config.scheduling_policy)
+        # fcfs ignores priorities: a waiting request preempts nobody there.
+        self.preempts_by_priority = config.priority_preemption and config.scheduling_policy != "fcfs"
+        self.seat_caps: dict[int, int] = dict(config.max_num_seqs_per_priority)  # min priority -> seats
         self.key = self.queue.key  # urgency order: smaller is more urgent
         self.running: list[Request] = []  # sorted by ``key``
         self.paused_requests: dict[int, Request] = {}
@@ -265,10 +273,7 @@ class Scheduler:
         prefills = [r for r in self.running if r.num_uncomputed > 1 and not step.has(r)]
         for req in decodes:
             self._continue(req, 1, step)
-        share = self._prefill_share(step.budget, len(prefills))
-        for req in prefills:
-            self._continue(req, min(req.num_uncomputed, share), step)
-        self._admit_waiting(step, share)
+        self._prefill(step, prefills, self._prefill_share(step.budget, len(prefills)))
         if not step.rows:
             return None
         return self._emit(step)
@@ -276,6 +281,14 @@ class Scheduler:
     def _less_urgent_than(self, req: Request) -> Callable[[Request], bool]:
         key = self.key(req)
         return lambda other: self.key(other) > key
+
+    @staticmethod
+    def _outranked_by(req: Request) -> Callable[[Request], bool]:
+        """Whom a waiting request may preempt: running requests of a strictly less urgent
+        priority class. Not arrival order: two requests of one class never displace each other
+        (under ``fair``, the queue's order among them is by service, which must not thrash)."""
+        priority = req.priority
+        return lambda other: other.priority > priority
 
     def _seats_full(self, step: _Step) -> bool:
         return len(step.rows) >= self.config.max_num_seqs
@@ -289,7 +302,7 @@ class Scheduler:
             return
         need = self._blocks_for(req.num_computed + n) - len(req.blocks)
         less_urgent = self._less_urgent_than(req)
-        if not self._make_room(need, step, req, lambda r: not step.has(r) and less_urgent(r)):
+        if not self._make_room(need, (), step, req, lambda r: not step.has(r) and less_urgent(r)):
             self._preempt(req, step)
             return
         req.blocks.extend(self.pool.allocate(max(0, need)))
@@ -304,19 +317,38 @@ class Scheduler:
             cap = min(cap, budget // max(1, min(k, candidates)))
         return max(1, cap)
 
-    def _admit_waiting(self, step: _Step, share: int) -> None:
-        while step.budget > 0 and not self._seats_full(step) and len(self.queue):
-            head = self.queue.peek()
+    def _prefill(self, step: _Step, prefills: list[Request], share: int) -> None:
+        """Running prompts mid-prefill and waiting requests, most urgent first: a long prompt
+        being prefilled in chunks does not hold off a more urgent arrival until it is done.
+
+        Admission is head-of-line (a later arrival never overtakes a request waiting for room),
+        except past a request its priority class's seat cap holds back: that one waits aside."""
+        capped: list[Request] = []
+        i, admitting = 0, True
+        while True:
+            head = self.queue.peek() if admitting else None
+            if i < len(prefills) and (head is None or self.key(prefills[i]) <= self.key(head)):
+                req = prefills[i]
+                i += 1
+                self._continue(req, min(req.num_uncomputed, share), step)
+                continue
             if head is None:
-                return
-            eligible = self._less_urgent_than(head) if self.config.priority_preemption else None
-            if not self._admit(head, step, share, eligible):
-                return  # head-of-line: later arrivals never overtake a request that waits for room
+                break
+            eligible = self._outranked_by(head) if self.preempts_by_priority else None
+            if self._admit(head, step, share, eligible):
+                continue
+            if self.seat_caps and self._class_full(head):
+                capped.append(self.queue.pop())  # it waits for its class; the rest may go on
+            else:
+                admitting = False
+        for req in capped:
+            self.queue.push(req)
 
     def _admit(self, req: Request, step: _Step, share: int,
                eligible: Callable[[Request], bool] | None) -> bool:
         """Move a waiting request to running with its first chunk. ``eligible`` says which running
-        requests it may preempt for blocks or a seat (None: none)."""
+        requests it may preempt for a seat, token budget or blocks (None: none). Nobody is
+        preempted unless the admission then surely succeeds."""
         hit: list[int] = []
         if req.is_swapped:
             cached = req.num_computed
@@ -326,23 +358,23 @@ class Scheduler:
         cow = not req.is_swapped and cached >= len(req.token_ids)  # all cached: compute the last token
         if cow:
             cached = len(req.token_ids) - 1
-        n = min(len(req.token_ids) - cached, step.budget, share)
+        victims = self._seat_victims(req, step, eligible)
+        if victims is None:
+            return False
+        budget = step.budget + sum(step.tokens_of(v) for v in victims)
+        n = min(len(req.token_ids) - cached, budget, share)
         if n <= 0:
             return False
+        # Prefix hits are taken, not allocated: blocks among them that are free now (or that a
+        # victim frees) do not count towards the free blocks the rest needs.
         keep = hit[:-1] if cow else hit
         need = self._blocks_for(cached + n) - len(keep)
-        need_free = need + self.pool.num_free_among(keep)
-        if self._seats_full(step):
+        if need > self._free_outside(keep) and (eligible is None or not self._could_free(need, keep, eligible)):
             return False
-        if len(self.running) >= self.config.max_num_seqs:
-            victim = next((r for r in reversed(self.running) if eligible and eligible(r)), None)
-            if victim is None:
-                return False
+        for victim in victims:
             self._preempt(victim, step)
-        if not self.pool.can_allocate(need_free):
-            if eligible is None or not self._could_free(need_free, eligible):
-                return False
-            self._make_room(need_free, step, req, eligible)
+        if not self._make_room(need, keep, step, req, eligible or (lambda r: False)):
+            raise AssertionError(f"request {req.request_id}: admission checked feasible, then short of blocks")
         self.queue.remove(req.rid)
         self.pool.take(keep)
         new = self.pool.allocate(need)
@@ -366,22 +398,73 @@ class Scheduler:
         step.add(req, n)
         return True
 
+    def _seat_victims(self, req: Request, step: _Step,
+                      eligible: Callable[[Request], bool] | None) -> list[Request] | None:
+        """The running requests ``req`` must preempt for a batch seat, a seat of its priority
+        class (``--max-num-seqs-per-priority``) and some token budget: least urgent first, the
+        fewest that do. ``[]`` if none is needed, None if no eligible set suffices."""
+        max_seqs = self.config.max_num_seqs
+        rows, running, budget = len(step.rows), len(self.running), step.budget
+        caps = {p: cap for p, cap in self.seat_caps.items() if req.priority >= p}
+        held = {p: sum(1 for r in self.running if r.priority >= p) for p in caps}
+
+        def short() -> bool:
+            return (rows >= max_seqs or running >= max_seqs or budget <= 0
+                    or any(held[p] >= cap for p, cap in caps.items()))
+
+        if not short():
+            return []
+        if eligible is None:
+            return None
+        victims: list[Request] = []
+        for r in reversed(self.running):
+            if not short():
+                break
+            if not eligible(r):
+                continue
+            in_step = step.has(r)
+            helps = (running >= max_seqs or (in_step and (rows >= max_seqs or budget <= 0))
+                     or any(held[p] >= cap and r.priority >= p for p, cap in caps.items()))
+            if not helps:
+                continue
+            victims.append(r)
+            running -= 1
+            if in_step:
+                rows -= 1
+                budget += step.tokens_of(r)
+            for p in caps:
+                held[p] -= r.priority >= p
+        return None if short() else victims
+
+    def _class_full(self, req: Request) -> bool:
+        """Does a seat cap of ``req``'s priority class hold it back?"""
+        for p, cap in self.seat_caps.items():
+            if req.priority >= p and sum(1 for r in self.running if r.priority >= p) >= cap:
+                return True
+        return False
+
     # ------------------------------------------------------------------ making room
 
-    def _could_free(self, need: int, eligible: Callable[[Request], bool]) -> bool:
+    def _free_outside(self, keep: list[int] | tuple[()]) -> int:
+        """Free blocks an allocation can use: those not among the prefix hits ``keep``."""
+        return self.pool.num_free - self.pool.num_free_among(keep) if keep else self.pool.num_free
+
+    def _could_free(self, need: int, keep: list[int], eligible: Callable[[Request], bool]) -> bool:
         """Would preempting every eligible running request (and reclaiming paused ones) free
-        ``need`` blocks? Checked first, so nobody is preempted for an admission that fails."""
-        freeable = self.pool.num_free
+        ``need`` blocks outside ``keep``? Checked first, so nobody is preempted for an admission
+        that fails."""
+        keep_set = set(keep)
+        freeable = self._free_outside(keep)
         for r in (*self.running, *self.paused_requests.values()):
             if r.status is Status.PAUSED or eligible(r):
-                freeable += sum(1 for b in r.blocks if self.pool.ref_count(b) == 1)
+                freeable += sum(1 for b in r.blocks if self.pool.ref_count(b) == 1 and b not in keep_set)
         return freeable >= need
 
-    def _make_room(self, need: int, step: _Step, beneficiary: Request,
+    def _make_room(self, need: int, keep: list[int] | tuple[()], step: _Step, beneficiary: Request,
                    eligible: Callable[[Request], bool]) -> bool:
-        """Free blocks until ``need`` can be allocated: paused requests first, then the least
-        urgent eligible running requests. False if that is not enough."""
-        while not self.pool.can_allocate(need):
+        """Free blocks until ``need`` can be allocated besides ``keep``: paused requests first,
+        then the least urgent eligible running requests. False if that is not enough."""
+        while need > self._free_outside(keep):
             paused = next((r for r in self.paused_requests.values() if r.blocks), None)
             if paused is not None:
                 self._release_paused(paused)
@@ -591,4 +674,5 @@ class Scheduler:
             "prefix_cache_hits": self.pool.hits,
             "prefix_cache_hit_rate": self.pool.hits / self.pool.queries if self.pool.queries else 0.0,
             "steps": self.num_steps_run,
-        }
+        } | ({"seats_by_priority": {str(p): sum(1 for r in self.running if r.priority >= p) for p in self.seat_caps}}
+             if self.seat_caps else {})

@@ -15,39 +15,53 @@ from scheduler.scheduler import Scheduler
 
 BS = 4
 
-def priority_inversion(sched: Scheduler, plan: StepPlan, budget: int, max_seqs: int) -> bool:
-    """After a step that left room, is the most urgent waiting request one that preempting less
-    urgent running requests would have let in? (Blocks counted without prefix hits: an upper
-    bound of what it needs, so a True here is a real inversion.)"""
+def priority_inversion(sched: Scheduler, plan: StepPlan, budget: int, max_seqs: int,
+                       waited: set[int] | None = None) -> bool:
+    """After a step, is the most urgent waiting request one that preempting the running requests
+    of less urgent priority classes would have let in? Seats: such a victim always frees one.
+    Token budget: the victims' rows give theirs back. Blocks: counted for the whole prompt and
+    without prefix hits (an upper bound of what it needs), so a True here is a real inversion."""
     head = sched.queue.peek()
-    if head is None or sum(plan.num_tokens) >= budget or len(plan.rids) >= max_seqs:
+    if head is None or (waited is not None and head.rid not in waited):
+        return False  # (a choice released by this very step was not there to be admitted)
+    outranked = [r for r in sched.running if r.priority > head.priority]
+    if not outranked:
         return False
-    less_urgent = [r for r in sched.running if sched.key(r) > sched.key(head)]
-    freeable = sched.pool.num_free + sum(1 for r in less_urgent for b in r.blocks if sched.pool.ref_count(b) == 1)
-    seat = len(sched.running) < max_seqs or bool(less_urgent)
-    return seat and freeable >= -(-len(head.token_ids) // BS)
+    kept_tokens = sum(n for rid, n in zip(plan.rids, plan.num_tokens, strict=True)
+                      if rid not in sched.requests or sched.requests[rid].priority <= head.priority)
+    if kept_tokens >= budget:
+        return False
+    freeable = sched.pool.num_free + sum(1 for r in outranked for b in r.blocks if sched.pool.ref_count(b) == 1)
+    return freeable >= -(-len(head.token_ids) // BS)
 
 
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(-2, 2)),
+        # One shared system prompt + a suffix of the request's own: prefix hits across priorities.
+        st.tuples(st.just("shared"), st.sampled_from([8, 16, 24]), st.integers(1, 24), st.integers(1, 8),
+                  st.integers(-2, 2)),
+        st.tuples(st.just("choices"), st.integers(1, 40), st.integers(1, 8), st.integers(-2, 2), st.integers(2, 3)),
         st.tuples(st.just("abort"), st.integers(0, 30)),
         st.tuples(st.just("pause"), st.integers(0, 30)),
         st.tuples(st.just("resume"), st.integers(0, 30)),
         st.tuples(st.just("priority"), st.integers(0, 30), st.integers(-2, 2), st.booleans()),
         st.tuples(st.just("reset_cache"),),
-        st.tuples(st.just("step"), st.integers(1, 3)),
+        # A step; ``speculative``: the next window is planned before this one's tokens arrive;
+        # ``cancel``: (row, abort or pause, the step of the window after which the worker sees it).
+        st.tuples(st.just("step"), st.integers(1, 3), st.booleans(),
+                  st.none() | st.tuples(st.integers(0, 5), st.sampled_from(["abort", "pause"]), st.integers(0, 2))),
     ),
     min_size=1,
     max_size=60,
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=ops,
     policy=st.sampled_from(["fcfs", "priority", "fair"]),
-    num_blocks=st.integers(12, 40),
+    num_blocks=st.integers(10, 40),
     budget=st.integers(8, 64),
     max_seqs=st.integers(1, 6),
     steps=st.sampled_from([1, 3, 8]),
@@ -55,17 +69,21 @@ ops = st.lists(
     mode=st.sampled_from(["recompute", "swap"]),
     priority_preemption=st.booleans(),
     host_blocks=st.sampled_from([0, 4]),
+    caps=st.sampled_from([{}, {}, {1: 1}, {0: 2}]),
 )
 def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, budget: int, max_seqs: int,
-                              steps: int, k: int, mode: str, priority_preemption: bool, host_blocks: int) -> None:
+                              steps: int, k: int, mode: str, priority_preemption: bool, host_blocks: int,
+                              caps: dict[int, int]) -> None:
     config = SchedulerConfig(scheduling_policy=policy, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                              num_scheduler_steps=steps, min_concurrent_prefills=k, preemption_mode=mode,
-                             priority_preemption=priority_preemption, num_host_blocks=host_blocks)
+                             priority_preemption=priority_preemption, num_host_blocks=host_blocks,
+                             max_num_seqs_per_priority=caps)
     sched = Scheduler(config, num_blocks, BS, 64, [2])
     worker = FakeWorker(BS, eos=2, max_model_len=64, token_for=lambda rid, i: 2 if (rid + i) % 9 == 0 else 50)
     accepted: set[int] = set()
     finished: dict[int, str] = {}
     next_rid = 0
+    cut_in_since_check = False
 
     def record(batch_finishes: list) -> None:
         for f in batch_finishes:
@@ -83,22 +101,67 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
         assert len(holders) + sched.pool.num_free == sched.pool.num_blocks
         for b, n in holders.items():
             assert sched.pool.ref_count(b) == n
+        for p, cap in caps.items():  # seat caps bind at admission (a priority change may exceed them)
+            assert sum(1 for r in sched.running if r.priority >= p) <= max(cap, len(sched.running))
 
-    def check_no_inversion(plan) -> None:  # type: ignore[no-untyped-def]
-        assert not priority_inversion(sched, plan, budget, max_seqs)
+    def add(tokens: list[int], max_tokens: int, priority: int, after: int | None = None) -> int:
+        nonlocal next_rid
+        rid, next_rid = next_rid, next_rid + 1
+        msg = AddRequest(rid, str(rid), tokens, SamplingParams(max_tokens=max_tokens), priority,
+                         f"user{rid % 2}", float(rid), after)
+        if sched.add(msg) is None:
+            accepted.add(rid)
+        return rid
+
+    def run_step(speculative: bool, cancel: tuple[int, str, int] | None) -> bool:
+        nonlocal cut_in_since_check
+        waited = {r.rid for r in sched.queue}
+        plan = sched.schedule()
+        if plan is None:
+            return False
+        assert sum(plan.num_tokens) <= budget
+        assert len(plan.rids) <= max_seqs
+        if priority_preemption and policy != "fcfs" and not caps and not cut_in_since_check:
+            assert not priority_inversion(sched, plan, budget, max_seqs, waited)
+        cut_in_since_check = False
+        ahead = sched.continue_plan() if speculative else None
+        cancel_after: dict[int, int] = {}
+        forget: frozenset[int] = frozenset()
+        if cancel is not None and plan.rids:
+            row, kind, at = cancel
+            rid = plan.rids[row % len(plan.rids)]
+            if kind == "abort":
+                f = sched.abort(rid)
+                if f is not None:
+                    record([f])
+                    forget = frozenset([rid])
+            else:
+                sched.pause(rid)
+            cancel_after[rid] = at
+        for out in worker.run(plan, cancel_after, forget):  # raises if a write falls outside the block table
+            record(sched.update(out).finished)
+        if ahead is not None:
+            for out in worker.run(ahead, {rid: -1 for rid in cancel_after}, forget):
+                record(sched.update(out).finished)
+        return True
 
     for op in ops:
         if op[0] == "add":
             _, prompt, max_tokens, priority = op
-            # Prompts share prefixes (three families), so the prefix cache is exercised too.
+            # Prompts share prefixes (three families), so the prefix cache is exercised across
+            # priorities under block pressure.
             family = next_rid % 3
-            tokens = [(family * 50 + j) % 90 + 3 for j in range(prompt)]
-            msg = AddRequest(next_rid, str(next_rid), tokens, SamplingParams(max_tokens=max_tokens),
-                             priority, f"user{next_rid % 2}", float(next_rid))
-            rejected = sched.add(msg)
-            if rejected is None:
-                accepted.add(next_rid)
-            next_rid += 1
+            add([(family * 50 + j) % 90 + 3 for j in range(prompt)], max_tokens, priority)
+        elif op[0] == "shared":
+            _, prefix, suffix, max_tokens, priority = op
+            add([j % 90 + 3 for j in range(prefix)] + [(next_rid * 13 + j) % 90 + 3 for j in range(suffix)],
+                max_tokens, priority)
+        elif op[0] == "choices":  # n > 1: siblings wait to share the first one's prompt blocks
+            _, prompt, max_tokens, priority, n = op
+            tokens = [(next_rid * 7 + j) % 90 + 3 for j in range(prompt)]
+            first = add(tokens, max_tokens, priority)
+            for _ in range(n - 1):
+                add(tokens, max_tokens, priority, after=first)
         elif op[0] == "abort":
             f = sched.abort(op[1])
             if f is not None:
@@ -109,19 +172,13 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
             sched.resume(op[1])
         elif op[0] == "priority":
             sched.set_priority(op[1], op[2], cut_in=op[3])
+            cut_in_since_check |= op[3]
         elif op[0] == "reset_cache":
             sched.reset_prefix_cache()
         else:
             for _ in range(op[1]):
-                plan = sched.schedule()
-                if plan is None:
+                if not run_step(op[2], op[3]):
                     break
-                assert sum(plan.num_tokens) <= budget
-                assert len(plan.rids) <= max_seqs
-                if priority_preemption:
-                    check_no_inversion(plan)
-                for out in worker.run(plan):  # raises if a write falls outside the block table
-                    record(sched.update(out).finished)
         check()
     # Drain: everything accepted ends exactly once and every block comes back.
     for rid in list(sched.paused_requests):
