@@ -4,7 +4,8 @@ Invariants:
 * every block id in ``range(num_blocks)`` is either free (ref count 0, in ``_free``) or held;
 * a request's block table owns one reference per block; blocks shared through the prefix cache
   have one reference per request holding them;
-* a full block whose KV has been computed may carry a hash (its tokens and its whole prefix);
+* a full block whose KV has been computed may carry a hash, the prefix-cache key of its tokens and
+  its whole prefix (``scheduler.request.block_keys``);
   ``_by_hash`` finds it — held or free — until it is reused for other tokens.
 
 The free list is an ``OrderedDict`` used as an O(1) doubly-linked list in LRU order: freed blocks
@@ -30,8 +31,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._refs = [0] * num_blocks
-        self._hash_of: list[int | None] = [None] * num_blocks
-        self._by_hash: dict[int, int] = {}
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._by_hash: dict[bytes, int] = {}
         self.queries = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # of which found
 
@@ -77,7 +78,7 @@ class BlockPool:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def match(self, hashes: list[int]) -> list[int]:
+    def match(self, hashes: list[bytes]) -> list[int]:
         """The cached blocks of the longest prefix of ``hashes`` (not yet taken)."""
         found: list[int] = []
         if not self.enable_caching:
@@ -99,7 +100,7 @@ class BlockPool:
                 del self._free[block]
             self._refs[block] += 1
 
-    def register(self, block: int, block_hash: int) -> None:
+    def register(self, block: int, block_hash: bytes) -> None:
         """``block`` now holds the computed KV of the full block ``block_hash`` names."""
         if self.enable_caching and block_hash not in self._by_hash and self._hash_of[block] is None:
             self._by_hash[block_hash] = block

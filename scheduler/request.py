@@ -3,10 +3,37 @@
 from __future__ import annotations
 
 import enum
+import hashlib
+import struct
 import time
 
 from protocol.messages import AddRequest, SamplingParams
 from protocol.stop import stop_reason
+
+# Prefix-cache keys. A block's key is ``sha256(parent key + its token ids as little-endian
+# int64s)``, the first block's parent key being ``ROOT_KEY``: a collision-resistant digest of the
+# whole prefix, so one tenant cannot make its blocks' keys equal another's and be served that KV
+# (keys were Python's ``hash()``: 64 bits, built from each id's ``hash()``, so colliding token
+# blocks can be made; vLLM's CVE-2025-25183). The encoding is fixed width, so different
+# (parent, block) pairs never give equal bytes. Per 16-token block on the dev VM (OpenSSL with
+# SHA-NI): sha256 0.75 us; blake2b (digest_size=16, keyed) 1.14 us, its constructor costs more;
+# CPython's own ``_sha256`` 1.14 us; packing block by block instead of all blocks at once
+# 0.84 us, with ``array('q')`` instead of ``struct`` 1.18 us. ``hash()`` of a tuple was 0.35 us.
+ROOT_KEY = b""
+_INT64_BYTES = 8
+
+
+def block_keys(parent: bytes, tokens: list[int], block_size: int) -> list[bytes]:
+    """Prefix-cache keys of the full blocks of ``tokens``, which follow a prefix keyed ``parent``:
+    each block's key is the parent key of the next."""
+    num_full = len(tokens) - len(tokens) % block_size
+    packed = struct.pack(f"<{num_full}q", *tokens[:num_full])
+    width, sha256 = block_size * _INT64_BYTES, hashlib.sha256  # a local: the loop is hot
+    keys = []
+    for start in range(0, len(packed), width):
+        parent = sha256(parent + packed[start : start + width]).digest()
+        keys.append(parent)
+    return keys
 
 
 class Status(enum.Enum):
@@ -45,7 +72,7 @@ class Request:
         self.on_worker = False
         self.worker_blocks = 0  # how many of ``blocks`` the worker's block table already has
         self.finish_reason: str | None = None
-        self.block_hashes: list[int] = []  # prefix-cache hash of each full block of token_ids
+        self.block_hashes: list[bytes] = []  # prefix-cache key of each full block of token_ids
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served at first admission
         self.host_blocks: list[int] = []  # swap preemption: where its KV waits in host memory
         self.cut_in = False  # scheduled at the next step, ahead of everything
@@ -78,14 +105,13 @@ class Request:
         return stop_reason(self.token_ids[-1], self.num_outputs, len(self.token_ids), self.sampling,
                            eos_token_ids, max_model_len)
 
-    def update_block_hashes(self, block_size: int) -> list[int]:
-        """Hashes of every full block of tokens; a block's hash chains its parent's, so equal
-        hashes mean equal prefixes (up to hash collisions)."""
+    def update_block_hashes(self, block_size: int) -> list[bytes]:
+        """Prefix-cache keys (``block_keys``) of every full block of tokens, computed once each;
+        a block's key chains its parent's, so equal keys mean equal prefixes."""
         hashes = self.block_hashes
-        while (len(hashes) + 1) * block_size <= len(self.token_ids):
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(self.token_ids[i * block_size : (i + 1) * block_size]))))
+        done = len(hashes) * block_size
+        if len(self.token_ids) - done >= block_size:
+            hashes.extend(block_keys(hashes[-1] if hashes else ROOT_KEY, self.token_ids[done:], block_size))
         return hashes
 
     @property

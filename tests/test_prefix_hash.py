@@ -1,0 +1,98 @@
+"""Prefix-cache keys: a collision-resistant digest chained over the parent block's key.
+
+They used to be Python's ``hash((parent, tuple(tokens)))``: 64 bits, and a function of each token
+id's ``hash()``, so different token blocks could be made to share a key and one tenant's prompt
+could be served another's cached KV (the class of vLLM's CVE-2025-25183)."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+from test_scheduler_core import make, run_to_end
+from test_scheduler_policies import add_tokens
+
+from protocol.messages import AddRequest, SamplingParams
+from scheduler.request import Request
+
+BS = 16
+
+
+def request(tokens: list[int]) -> Request:
+    return Request(AddRequest(0, "r", tokens, SamplingParams(), 0, "", 0.0))
+
+
+def keys(tokens: list[int]) -> list[bytes]:
+    return request(tokens).update_block_hashes(BS)
+
+
+def documented_key(parent: bytes, block: list[int]) -> bytes:
+    """sha256(parent key + the block's token ids as little-endian int64s); written out here
+    independently of the scheduler's packing."""
+    return hashlib.sha256(parent + b"".join(t.to_bytes(8, "little", signed=True) for t in block)).digest()
+
+
+def tokens_of(n: int, start: int) -> list[int]:
+    return [(start + 7 * j) % 30000 + 3 for j in range(n)]
+
+
+def test_a_block_key_is_the_sha256_of_its_parent_key_and_its_tokens() -> None:
+    tokens = tokens_of(3 * BS + 5, start=1)  # three full blocks and a partial one, which has no key
+    expected, parent = [], b""  # the first block's parent key is empty
+    for i in range(3):
+        parent = documented_key(parent, tokens[i * BS : (i + 1) * BS])
+        expected.append(parent)
+    assert keys(tokens) == expected
+
+
+def test_keys_grow_with_the_tokens_as_if_computed_at_once() -> None:
+    tokens = tokens_of(4 * BS, start=2)
+    req = request(tokens[: BS + 3])
+    assert len(req.update_block_hashes(BS)) == 1
+    for t in tokens[BS + 3 :]:
+        req.append_token(t)
+        req.update_block_hashes(BS)
+    assert req.block_hashes == keys(tokens)
+
+
+def test_equal_prefixes_give_equal_keys_and_a_block_after_another_parent_another_key() -> None:
+    shared, block = tokens_of(2 * BS, start=3), tokens_of(BS, start=900)
+    a = keys(shared + block + tokens_of(BS, start=4))
+    b = keys(shared + block + tokens_of(BS, start=5))
+    assert a[:3] == b[:3] and a[3] != b[3]
+    # The same tokens after a different first block: every later key differs.
+    c = keys(tokens_of(BS, start=6) + shared[BS:] + block)
+    assert c[0] != a[0] and c[1] != a[1] and c[2] != a[2]
+
+
+def old_key(parent: int | None, block: list[int]) -> int:
+    """The scheme this replaced."""
+    return hash((parent, tuple(block)))
+
+
+def colliding_blocks() -> tuple[list[int], list[int]]:
+    """Two different token blocks with the same old key: ``hash()`` of an int is reduced modulo
+    ``sys.hash_info.modulus``, so ids that differ by it hash alike, and a tuple's hash sees only
+    its items' hashes. (Such ids are outside any vocabulary and the frontend rejects them; an
+    in-vocabulary collision of the 64-bit old key takes a birthday search of about 2**32 blocks,
+    too slow for a test. This shows that the key itself was not collision resistant.)"""
+    block = tokens_of(BS, start=8)
+    return block, [block[0] + sys.hash_info.modulus, *block[1:]]
+
+
+def test_blocks_whose_old_keys_collide_get_different_keys() -> None:
+    a, b = colliding_blocks()
+    assert a != b and old_key(None, a) == old_key(None, b)
+    assert keys(a) != keys(b)
+
+
+def test_a_prompt_is_not_served_the_kv_of_a_prompt_whose_old_keys_collide() -> None:
+    # Under the old keys the second prompt was served the first one's first block: the fake
+    # worker, which checks every position's KV by content, found the other token's KV there.
+    a, b = colliding_blocks()
+    sched, worker = make(num_blocks=64, enable_prefix_caching=True)
+    add_tokens(sched, 0, a + tokens_of(BS, start=9), max_tokens=2)
+    assert run_to_end(sched, worker) == {0: "length"}
+    add_tokens(sched, 1, b + tokens_of(BS, start=9), max_tokens=2)
+    assert run_to_end(sched, worker) == {1: "length"}
+    assert sched.pool.hits == 0
