@@ -76,10 +76,25 @@ async def list_requests(request: Request) -> Response:
 async def get_request(request: Request) -> Response:
     state = require_admin(request)
     request_id, rid = _rid(state, request)
-    reply = await state.client.query("request", rid)
+    try:
+        reply = await state.client.query("request", rid)
+    except TimeoutError:
+        raise APIError(503, "the scheduler did not answer", code="engine_down") from None
     if not reply.found:
         raise APIError(404, f"no live request {request_id!r} (unknown or finished)", code="request_not_found")
     return _json(reply.data)
+
+
+async def _control(state: AppState, request_id: str, msg: SetPriority | PauseRequest | ResumeRequest) -> None:
+    """Send a control and return once the scheduler has applied it (a 200 means applied: the
+    next read and the next step see it)."""
+    try:
+        found = await state.client.control(msg)
+    except TimeoutError:
+        raise APIError(503, "the scheduler did not answer", code="engine_down") from None
+    if not found:
+        raise APIError(404, f"no live request {request_id!r} (unknown or finished)", param="request_id",
+                       code="request_not_found")
 
 
 async def abort_request(request: Request) -> Response:
@@ -96,23 +111,23 @@ async def set_priority(request: Request) -> Response:
         body = msgspec.json.decode(await request.body(), type=PriorityUpdate)
     except msgspec.DecodeError as e:
         raise from_decode_error(e) from None
-    await state.client.send_control(SetPriority(rid, body.priority, body.cut_in))
+    await _control(state, request_id, SetPriority(rid, body.priority, body.cut_in))
     return _json({"id": request_id, "action": "priority", "priority": body.priority, "cut_in": body.cut_in,
-                  "status": "accepted"})
+                  "status": "applied"})
 
 
 async def pause_request(request: Request) -> Response:
     state = require_admin(request)
     request_id, rid = _rid(state, request)
-    await state.client.send_control(PauseRequest(rid))
-    return _json({"id": request_id, "action": "pause", "status": "accepted"})
+    await _control(state, request_id, PauseRequest(rid))
+    return _json({"id": request_id, "action": "pause", "status": "applied"})
 
 
 async def resume_request(request: Request) -> Response:
     state = require_admin(request)
     request_id, rid = _rid(state, request)
-    await state.client.send_control(ResumeRequest(rid))
-    return _json({"id": request_id, "action": "resume", "status": "accepted"})
+    await _control(state, request_id, ResumeRequest(rid))
+    return _json({"id": request_id, "action": "resume", "status": "applied"})
 
 
 async def pause_server(request: Request) -> Response:

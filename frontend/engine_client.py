@@ -3,6 +3,11 @@
 One task owns the receiving socket: it decodes each ``SchedulerMessage`` and dispatches it by type.
 Tokens land in the ``RequestStream`` of their request; the HTTP handler awaiting that stream
 wakes once per batch of tokens, so a lagging client drains several tokens in one write.
+
+Each frontend incarnation has a random epoch: the high bits of every rid it issues and its
+routing id at the scheduler, which sends a request's tokens to its owner only. Pongs carry the
+scheduler's epoch: when it changes, the scheduler restarted and the live streams end with an
+error at once (the new scheduler never heard of them) instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from protocol.messages import (
+    RID_COUNTER_BITS,
     AbortRequest,
     AddRequest,
     EngineError,
@@ -28,20 +34,23 @@ from protocol.messages import (
     FrontendMessage,
     Logprob,
     ModelInfo,
+    PauseRequest,
     Ping,
     Pong,
     Query,
     QueryReply,
+    ResumeRequest,
+    SetPriority,
     TokenBatch,
+    new_epoch,
 )
-from protocol.transport import Endpoints, frontend_codec, make_socket
+from protocol.transport import Endpoints, frontend_codec, frontend_identity, make_socket
 
 log = logging.getLogger("sluice.frontend")
 
 PING_INTERVAL_S = 0.5
 # The scheduler answers pings within milliseconds when alive; this much silence means it is not.
 SCHEDULER_TIMEOUT_S = 5.0
-
 
 
 class RequestStream:
@@ -89,7 +98,9 @@ class EngineClient:
         self.rid_by_id: dict[str, int] = {}  # live requests' public ids, for the admin API
         self._id_by_rid: dict[int, str] = {}
         self._queries: dict[int, asyncio.Future[QueryReply]] = {}
-        self._rids = itertools.count(1)
+        self.epoch = new_epoch()
+        self._rids = itertools.count((self.epoch << RID_COUNTER_BITS) + 1)
+        self._scheduler_epoch = 0
         self._query_ids = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
@@ -111,8 +122,11 @@ class EngineClient:
 
     async def start(self) -> None:
         # zmq.asyncio sockets return awaitables, which pyzmq's stubs do not express.
-        self._push: Any = make_socket(self._ctx, zmq.PUSH, self._endpoints.frontend_to_scheduler, bind=False)
-        self._pull: Any = make_socket(self._ctx, zmq.PULL, self._endpoints.scheduler_to_frontend, bind=False)
+        identity = frontend_identity(self.epoch)
+        self._push: Any = make_socket(self._ctx, zmq.DEALER, self._endpoints.frontend_to_scheduler, bind=False,
+                                      identity=identity)
+        self._pull: Any = make_socket(self._ctx, zmq.DEALER, self._endpoints.scheduler_to_frontend, bind=False,
+                                      identity=identity)
         self._tasks = [
             asyncio.create_task(self._receive_loop(), name="engine-receive"),
             asyncio.create_task(self._ping_loop(), name="engine-ping"),
@@ -186,6 +200,19 @@ class EngineClient:
     async def send_control(self, msg: FrontendMessage) -> None:
         await self._send(msg)
 
+    async def control(self, msg: SetPriority | PauseRequest | ResumeRequest, timeout: float = 5.0) -> bool:
+        """Send a control and wait until the scheduler has applied it: True if the request was
+        live there. Raises ``TimeoutError`` if the scheduler does not answer."""
+        qid = next(self._query_ids)
+        msg.query_id = qid
+        fut: asyncio.Future[QueryReply] = asyncio.get_running_loop().create_future()
+        self._queries[qid] = fut
+        try:
+            await self._send(msg)
+            return (await asyncio.wait_for(fut, timeout)).found
+        finally:
+            self._queries.pop(qid, None)
+
     async def _send(self, msg: FrontendMessage) -> None:
         await self._push.send(self._codec.encode(msg), copy=False)
 
@@ -236,7 +263,14 @@ class EngineClient:
 
     def _on_pong(self, pong: Pong) -> None:
         self._last_pong = time.monotonic()
+        if self._scheduler_epoch and pong.scheduler_epoch != self._scheduler_epoch:
+            log.warning("the scheduler restarted: ending %d live requests it never heard of", len(self._streams))
+            self._fail_all("the scheduler restarted; the request was lost")
+        self._scheduler_epoch = pong.scheduler_epoch
         self.workers_alive = pong.workers_alive
+        if self.engine_error is not None and pong.ready and pong.workers_alive:
+            log.info("engine recovered (was: %s)", self.engine_error)
+            self.engine_error = None
         if pong.stats is not None:
             self.stats = pong.stats
 

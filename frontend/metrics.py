@@ -35,6 +35,10 @@ SCHEDULER_METRICS = {
     "prefix_cache_hits": ("sluice_prefix_cache_hits", "Prompt tokens served by the prefix cache", "counter"),
     "preemptions": ("sluice_num_preemptions", "Requests preempted (recompute or swap)", "counter"),
     "worker_busy_s_total": ("sluice_worker_busy_seconds", "Worker compute time", "counter"),
+    "internal_errors": ("sluice_internal_errors", "Scheduler bugs caught (a handler or the core raised; "
+                        "the request it concerned was ended with an error)", "counter"),
+    "malformed_frames": ("sluice_malformed_frames", "Frames on the scheduler's sockets that were not Sluice "
+                         "messages (dropped)", "counter"),
 }
 
 

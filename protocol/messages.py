@@ -9,9 +9,10 @@ Three links, each a tagged union decoded by one typed decoder:
 
 Every message is ``array_like`` (msgspec cannot mix the two encodings in one union, and the
 hot-path ones want it anyway): field order *is* the wire format, so new fields are only ever
-appended. Requests are named on the hot
-path by ``rid``, a small integer the frontend assigns; the string id users see travels once, in
-``AddRequest``.
+appended. Requests are named on the hot path by ``rid``, an integer the frontend assigns: its
+incarnation's random epoch in the high bits (``rid_epoch``), a counter in the low ones, so rids
+of two frontends, or of one frontend before and after a restart, never meet. The string id users
+see travels once, in ``AddRequest``.
 
 Structs here carry data, not user-input validation: the frontend's API layer validates what
 clients send before anything becomes one of these.
@@ -19,7 +20,18 @@ clients send before anything becomes one of these.
 
 from __future__ import annotations
 
+import secrets
+
 import msgspec
+
+RID_COUNTER_BITS = 32
+# 21 + 32 bits: rids stay exact in JSON readers that use doubles (2**53), such as browsers.
+EPOCH_BITS = 21
+
+
+def new_epoch() -> int:
+    """A random incarnation id (a frontend's rid prefix, a scheduler's identity): never 0."""
+    return secrets.randbits(EPOCH_BITS) or 1
 
 # --------------------------------------------------------------------------------------------
 # Shared value types
@@ -95,19 +107,25 @@ class AbortRequest(msgspec.Struct, tag=True, array_like=True):
 
 
 class SetPriority(msgspec.Struct, tag=True, array_like=True):
-    """Change a live request's priority from the next step; ``cut_in`` schedules it at once."""
+    """Change a live request's priority at once (the next read and the next plan see it);
+    ``cut_in`` schedules it at the next step. With ``query_id``, the scheduler answers with a
+    ``QueryReply`` saying whether the request was there to change (this goes for the pause and
+    resume messages too)."""
 
     rid: int
     priority: int
     cut_in: bool = False
+    query_id: int = 0  # 0: no answer wanted
 
 
 class PauseRequest(msgspec.Struct, tag=True, array_like=True):
     rid: int
+    query_id: int = 0
 
 
 class ResumeRequest(msgspec.Struct, tag=True, array_like=True):
     rid: int
+    query_id: int = 0
 
 
 class PauseAll(msgspec.Struct, tag=True, array_like=True):
@@ -194,12 +212,14 @@ class EngineReady(msgspec.Struct, tag=True, array_like=True):
 
 
 class Pong(msgspec.Struct, tag=True, array_like=True):
-    """Also carries the scheduler's stats snapshot, so metrics are never older than a ping."""
+    """Also carries the scheduler's stats snapshot, so metrics are never older than a ping, and
+    its epoch: a new one means a restarted scheduler, which knows none of the earlier requests."""
 
     sent_at: float
     workers_alive: bool
     ready: bool
     stats: dict[str, float | int | bool | None] | None = None
+    scheduler_epoch: int = 0
 
 
 class QueryReply(msgspec.Struct, tag=True, array_like=True):
@@ -277,7 +297,12 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-WorkerCommand = StepPlan | CancelRows | Shutdown
+class Announce(msgspec.Struct, tag=True, array_like=True):
+    """A scheduler that does not know this worker (it restarted, or declared the worker lost):
+    drop every request's state and send ``WorkerReady`` again."""
+
+
+WorkerCommand = StepPlan | CancelRows | Shutdown | Announce
 
 # --------------------------------------------------------------------------------------------
 # worker -> scheduler

@@ -55,6 +55,11 @@ class Codec(Generic[T]):
         return self._decoder.decode(data)
 
 
+def frontend_identity(epoch: int) -> bytes:
+    """A frontend's routing id on the scheduler's ROUTER sockets."""
+    return b"frontend-%08x" % epoch
+
+
 def frontend_codec() -> Codec[SchedulerMessage]:
     """What the frontend decodes: scheduler messages."""
     return Codec(SchedulerMessage)
@@ -72,13 +77,23 @@ def worker_codec() -> Codec[WorkerCommand]:
     return Codec(WorkerCommand)
 
 
-def make_socket(ctx: zmq.Context[Any], kind: int, address: str, *, bind: bool) -> zmq.Socket[Any]:
+def make_socket(ctx: zmq.Context[Any], kind: int, address: str, *, bind: bool,
+                identity: bytes | None = None) -> zmq.Socket[Any]:
     """A socket with the options every Sluice link wants: no linger at close (peers acknowledge
-    what matters instead), unbounded queues (back-pressure is the scheduler's job, not ZMQ's)."""
+    what matters instead), unbounded queues (back-pressure is the scheduler's job, not ZMQ's).
+
+    The frontend link is DEALER (each frontend, ``identity`` = its epoch) to ROUTER (the
+    scheduler) both ways: the scheduler learns who sent each message and answers that frontend
+    alone, and a send to a frontend that is gone fails at once (``ROUTER_MANDATORY``) instead of
+    queueing for nobody."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.ROUTING_ID, identity)
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if bind:
         sock.bind(address)
     else:

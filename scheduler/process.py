@@ -3,12 +3,19 @@
     while running:
         poll both inboxes (no wait if a plan could be sent now)
         dispatch every waiting message by type
-        check worker liveness
+        check worker and frontend liveness
         send the next plan if the worker is free
 
-The scheduler binds all four sockets; frontend and workers connect. It never sends to a frontend
-that has not pinged, nor to workers before they announced themselves, and sends without blocking,
-so an absent peer can never stall the loop.
+The scheduler binds all four sockets; frontends and workers connect. Frontends talk over ROUTER
+sockets: each request is owned by the frontend that sent it, and its tokens go to that frontend
+alone. A frontend silent for ``FRONTEND_TIMEOUT_S`` has its requests aborted (their blocks come
+back). A worker heard from but unknown (this scheduler restarted, or lost it) is asked to
+announce itself again. Sends never block, so an absent peer can never stall the loop.
+
+No message can take the process down: a handler that raises ends the request the message was
+about with an error (logged with its id), a frame that does not decode is logged and dropped, and
+a failure inside the scheduling core ends the live requests with an error and starts a clean
+core. Each is counted (``internal_errors``, ``malformed_frames`` in the stats and ``/metrics``).
 """
 
 from __future__ import annotations
@@ -21,12 +28,14 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+import msgspec
 import zmq
 
 from protocol.config import SchedulerConfig
 from protocol.messages import (
     AbortRequest,
     AddRequest,
+    Announce,
     CancelRows,
     EngineError,
     EngineReady,
@@ -49,6 +58,7 @@ from protocol.messages import (
     WorkerFailed,
     WorkerHeartbeat,
     WorkerReady,
+    new_epoch,
 )
 from protocol.transport import Endpoints, make_socket, scheduler_frontend_codec, scheduler_worker_codec
 from scheduler.scheduler import Scheduler
@@ -57,6 +67,10 @@ log = logging.getLogger("sluice.scheduler")
 
 IDLE_POLL_MS = 100
 WORKER_TIMEOUT_S = 5.0
+# Frontends ping every 0.5 s; this much silence means the frontend (and its clients) are gone.
+FRONTEND_TIMEOUT_S = 5.0
+ANNOUNCE_INTERVAL_S = 1.0  # how often an unknown worker is asked to announce itself
+MALFORMED_LOG_INTERVAL_S = 10.0
 
 
 class SchedulerProcess:
@@ -64,8 +78,9 @@ class SchedulerProcess:
         self.config = config
         ep = Endpoints.from_base(config.address)
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.from_frontend = make_socket(self.ctx, zmq.PULL, ep.frontend_to_scheduler, bind=True)
-        self.to_frontend = make_socket(self.ctx, zmq.PUSH, ep.scheduler_to_frontend, bind=True)
+        self.epoch = new_epoch()  # tells frontends that a scheduler restarted
+        self.from_frontend = make_socket(self.ctx, zmq.ROUTER, ep.frontend_to_scheduler, bind=True)
+        self.to_frontend = make_socket(self.ctx, zmq.ROUTER, ep.scheduler_to_frontend, bind=True)
         self.from_workers = make_socket(self.ctx, zmq.PULL, ep.worker_to_scheduler, bind=True)
         self.to_workers = make_socket(self.ctx, zmq.PUSH, ep.scheduler_to_worker, bind=True)
         self.poller = zmq.Poller()
@@ -77,13 +92,19 @@ class SchedulerProcess:
         self.model: ModelInfo | None = None
         self.ready_ranks: dict[int, ModelInfo] = {}
         self.last_seen: dict[int, float] = {}
-        self.frontend_seen = False
+        self.frontends: dict[bytes, float] = {}  # routing id -> when it was last heard from
+        self.owner: dict[int, bytes] = {}  # rid -> the frontend that sent it
+        self.sender: bytes | None = None  # the frontend whose message is being handled
+        self._announce_asked = 0.0
+        self.internal_errors = 0
+        self.malformed_frames = 0
+        self._malformed_logged = 0.0
         self.plans_in_flight: list[int] = []  # oldest first; a second one is speculative
         self.cut_short: set[int] = set()  # speculative plans called off
         self.failure: str | None = None
         self.stopping = False
-        # Priority changes and cache resets wait for the plan in flight to end: they only shape
-        # the next plan. Aborts and pauses act at once (see ``_cancel_in_flight``).
+        # Cache resets wait for the plan in flight to end. Everything else acts at once, in the
+        # order it arrived (aborts and pauses also reach the worker: ``_cancel_in_flight``).
         self.deferred: list[object] = []
         # Worker compute time, for the device-idle ratio: busy seconds over wall seconds since
         # the previous ping (1.0 = the device did nothing).
@@ -98,7 +119,7 @@ class SchedulerProcess:
             ResumeAll: self.on_resume_all,
             PauseRequest: self.on_pause,
             ResumeRequest: self.on_resume,
-            SetPriority: self.defer,
+            SetPriority: self.on_set_priority,
             ResetPrefixCache: self.defer,
             StepTokens: self.on_step_tokens,
             WorkerReady: self.on_worker_ready,
@@ -115,10 +136,11 @@ class SchedulerProcess:
                 timeout = 0 if self._can_send_plan() else IDLE_POLL_MS
                 ready = dict(self.poller.poll(timeout))
                 if self.from_workers in ready:
-                    self._drain(self.from_workers, self.worker_codec)
+                    self._drain(self.from_workers, self.worker_codec, routed=False)
                 if self.from_frontend in ready:
-                    self._drain(self.from_frontend, self.frontend_codec)
+                    self._drain(self.from_frontend, self.frontend_codec, routed=True)
                 self._check_workers()
+                self._check_frontends()
                 if not self.plans_in_flight and self.deferred:
                     self._apply_deferred()
                 if self._can_send_plan():
@@ -126,14 +148,50 @@ class SchedulerProcess:
         finally:
             self._close()
 
-    def _drain(self, sock: zmq.Socket[Any], codec: Any) -> None:
+    def _drain(self, sock: zmq.Socket[Any], codec: Any, routed: bool) -> None:
         while True:
             try:
-                frame = sock.recv(zmq.NOBLOCK, copy=False)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            msg = codec.decode(frame.buffer)
-            self.handlers[type(msg)](msg)
+            self.sender = frames[0].bytes if routed and len(frames) == 2 else None
+            try:
+                msg = codec.decode(frames[-1].buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self._malformed(e)
+                continue
+            if self.sender is not None:
+                self.frontends[self.sender] = time.monotonic()
+            try:
+                self.handlers[type(msg)](msg)
+            except Exception:
+                self._handler_failed(msg)
+
+    def _malformed(self, e: Exception) -> None:
+        self.malformed_frames += 1
+        now = time.monotonic()
+        if now - self._malformed_logged >= MALFORMED_LOG_INTERVAL_S:
+            self._malformed_logged = now
+            log.warning("dropped a frame that is not a Sluice message (%s); %d so far", e, self.malformed_frames)
+
+    def _handler_failed(self, msg: object) -> None:
+        """A handler raised: a bug. Say so loudly, count it, end the request it was about (the
+        client gets an error, never silence) and go on serving everyone else."""
+        self.internal_errors += 1
+        rid = getattr(msg, "rid", None)
+        log.exception("INTERNAL ERROR handling %s%s; the scheduler goes on (%d internal errors so far)",
+                      type(msg).__name__, f" for rid {rid}" if rid is not None else "", self.internal_errors)
+        if rid is None or self.core is None or rid not in self.core.requests:
+            return
+        try:
+            req = self.core.requests[rid]
+            plans = self.core.plans_with(rid)
+            self.core._detach(req)
+            finish = self.core._finish(req, FinishReason.ERROR, "internal scheduler error (logged); request ended")
+            self._cancel_in_flight(plans, [rid], forget=True)
+            self._to_owners(TokenBatch([], [], [finish]))
+        except Exception:
+            log.exception("INTERNAL ERROR ending rid %s after a failed handler", rid)
 
     def _can_send_plan(self) -> bool:
         return (self.core is not None and not self.plans_in_flight and self.failure is None
@@ -141,7 +199,11 @@ class SchedulerProcess:
 
     def _send_plan(self) -> None:
         assert self.core is not None
-        plan = self.core.schedule()
+        try:
+            plan = self.core.schedule()
+        except Exception:
+            self._core_failed()
+            return
         if plan is None:
             return
         self.plans_in_flight.append(plan.plan_id)
@@ -156,7 +218,11 @@ class SchedulerProcess:
         if (self.core is None or not self.config.async_scheduling or len(self.plans_in_flight) != 1
                 or self.deferred or self.failure is not None):
             return
-        plan = self.core.continue_plan()
+        try:
+            plan = self.core.continue_plan()
+        except Exception:
+            self._core_failed()
+            return
         if plan is not None:
             self.plans_in_flight.append(plan.plan_id)
             self._to_workers(plan)
@@ -173,15 +239,66 @@ class SchedulerProcess:
 
     # ------------------------------------------------------------------ sending
 
-    def _to_frontend(self, msg: object) -> None:
-        if not self.frontend_seen:
-            return
+    def _core_failed(self) -> None:
+        """The scheduling core raised mid-plan: its state cannot be trusted. End every live
+        request with an error and carry on with a clean core; the worker drops their state."""
+        self.internal_errors += 1
+        log.exception("INTERNAL ERROR in the scheduling core; ending every live request and starting a clean "
+                      "core (%d internal errors so far)", self.internal_errors)
+        core = self.core
+        assert core is not None and self.model is not None
+        finishes = []
+        for req in list(core.requests.values()):
+            with contextlib.suppress(Exception):
+                core._detach(req)
+            finishes.append(Finish(req.rid, FinishReason.ERROR, req.num_prompt_tokens, 0, req.num_outputs,
+                                   "internal scheduler error (logged); request ended"))
+        forget = [r.rid for r in core.requests.values() if r.on_worker] + core._forget
+        self.core = self._new_core(self.model)
+        self.core._forget = forget
+        self._to_owners(TokenBatch([], [], finishes))
+
+    def _send_to(self, frontend: bytes, msg: object) -> None:
         try:
-            self.to_frontend.send(self.frontend_codec.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            # The frontend's receiving socket connects in the background; a ping can arrive
-            # before it does. Pings repeat, so nothing is lost for long.
-            log.debug("frontend not connected; dropped a %s", type(msg).__name__)
+            self.to_frontend.send_multipart([frontend, self.frontend_codec.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            # Not connected (yet, or any more): a frontend's receiving socket connects in the
+            # background, so a ping can arrive before it does. Pings repeat; a frontend that is
+            # gone has its requests aborted once it has been silent for FRONTEND_TIMEOUT_S.
+            log.debug("frontend %r not connected; dropped a %s", frontend, type(msg).__name__)
+
+    def _reply(self, msg: object) -> None:
+        """Answer the frontend whose message is being handled."""
+        if self.sender is not None:
+            self._send_to(self.sender, msg)
+
+    def _to_all_frontends(self, msg: object) -> None:
+        for frontend in self.frontends:
+            self._send_to(frontend, msg)
+
+    def _to_owners(self, batch: TokenBatch) -> None:
+        """Tokens and finishes to the frontends that own them; a finished request is forgotten."""
+        owner = self.owner
+        if len(self.frontends) == 1:  # the usual deployment: no need to split the batch
+            for f in batch.finished:
+                owner.pop(f.rid, None)
+            self._send_to(next(iter(self.frontends)), batch)
+            return
+        parts: dict[bytes, TokenBatch] = {}
+        for i, rid in enumerate(batch.rids):
+            dest = owner.get(rid)
+            if dest is not None:
+                part = parts.setdefault(dest, TokenBatch([], [], [], [] if batch.logprobs is not None else None))
+                part.rids.append(rid)
+                part.token_ids.append(batch.token_ids[i])
+                if part.logprobs is not None and batch.logprobs is not None:
+                    part.logprobs.append(batch.logprobs[i])
+        for f in batch.finished:
+            dest = owner.pop(f.rid, None)
+            if dest is not None:
+                parts.setdefault(dest, TokenBatch([], [], [], [] if batch.logprobs is not None else None)).finished.append(f)
+        for dest, part in parts.items():
+            self._send_to(dest, part)
 
     def _to_workers(self, msg: object) -> None:
         data = self.worker_codec.encode(msg)
@@ -195,31 +312,55 @@ class SchedulerProcess:
     # ------------------------------------------------------------------ frontend messages
 
     def on_add(self, msg: AddRequest) -> None:
+        reason = None
         if self.core is None or self.failure is not None:
             reason = self.failure or "the model is not loaded yet"
-            self._to_frontend(TokenBatch([], [], [Finish(msg.rid, FinishReason.ERROR, 0, 0, 0, reason)]))
+        elif msg.rid in self.owner:
+            reason = f"duplicate request rid {msg.rid}"
+        if reason is not None:
+            self._reply(TokenBatch([], [], [Finish(msg.rid, FinishReason.ERROR, 0, 0, 0, reason)]))
             return
+        assert self.core is not None and self.sender is not None
+        self.owner[msg.rid] = self.sender
         rejected = self.core.add(msg)
         if rejected is not None:
-            self._to_frontend(TokenBatch([], [], [rejected]))
+            self._to_owners(TokenBatch([], [], [rejected]))
         else:
             self._cut_speculative()
 
     def on_abort(self, msg: AbortRequest) -> None:
         if self.core is not None:
-            plans = self.core.plans_with(msg.rid)
-            finish = self.core.abort(msg.rid)
-            if finish is not None:
-                self._to_frontend(TokenBatch([], [], [finish]))
-                self._cancel_in_flight(plans, [msg.rid], forget=True)
+            self._abort(msg.rid)
+
+    def _abort(self, rid: int) -> None:
+        assert self.core is not None
+        plans = self.core.plans_with(rid)
+        finish = self.core.abort(rid)
+        if finish is not None:
+            self._to_owners(TokenBatch([], [], [finish]))
+            self._cancel_in_flight(plans, [rid], forget=True)
+
+    def _acknowledge(self, query_id: int, rid: int) -> None:
+        """Controls asked to be answered: found = the request was live, the change applied."""
+        if query_id:
+            self._reply(QueryReply(query_id, self.core is not None and rid in self.core.requests))
 
     def on_pause(self, msg: PauseRequest) -> None:
         if self.core is not None and self.core.pause(msg.rid):
             self._cancel_in_flight(self.core.plans_with(msg.rid), [msg.rid], forget=False)
+        self._acknowledge(msg.query_id, msg.rid)
 
     def on_resume(self, msg: ResumeRequest) -> None:
         if self.core is not None:
             self.core.resume(msg.rid)
+        self._acknowledge(msg.query_id, msg.rid)
+
+    def on_set_priority(self, msg: SetPriority) -> None:
+        """Applied at once, so a read or a pause right after sees it; a queued speculative
+        window is called off, as the change may alter what runs next."""
+        if self.core is not None and self.core.set_priority(msg.rid, msg.priority, msg.cut_in):
+            self._cut_speculative()
+        self._acknowledge(msg.query_id, msg.rid)
 
     def _cancel_in_flight(self, plan_ids: list[int], rids: list[int], forget: bool) -> None:
         """Have the worker drop ``rids`` from ``plan_ids`` at its next step boundary, rather than
@@ -230,12 +371,11 @@ class SchedulerProcess:
             self._to_workers(CancelRows(plan_id, rids, forget))
 
     def on_ping(self, msg: Ping) -> None:
-        self.frontend_seen = True
         ready = self.model is not None and self.failure is None
-        self._to_frontend(Pong(msg.sent_at, self._workers_alive(), ready, self._stats()))
+        self._reply(Pong(msg.sent_at, self._workers_alive(), ready, self._stats(), self.epoch))
         if msg.need_model and ready:
             assert self.model is not None
-            self._to_frontend(EngineReady(self.model))
+            self._reply(EngineReady(self.model))
 
     def _stats(self) -> dict[str, float | int | bool | None] | None:
         if self.core is None:
@@ -251,23 +391,28 @@ class SchedulerProcess:
                 stats[k] = v
         stats["worker_busy_s_total"] = self.busy_total_s
         stats["device_idle_ratio"] = idle
+        stats["internal_errors"] = self.internal_errors
+        stats["malformed_frames"] = self.malformed_frames
         return stats
 
     def on_query(self, msg: Query) -> None:
         core = self.core
         if core is None:
-            self._to_frontend(QueryReply(msg.query_id, False))
+            self._reply(QueryReply(msg.query_id, False))
         elif msg.what == "stats":
             plan_in_flight = self.plans_in_flight[0] if self.plans_in_flight else None
             stats = core.stats() | {"workers_alive": self._workers_alive(), "plan_in_flight": plan_in_flight,
-                                    "worker_busy_s_total": self.busy_total_s}
-            self._to_frontend(QueryReply(msg.query_id, True, stats))
+                                    "worker_busy_s_total": self.busy_total_s, "frontends": len(self.frontends),
+                                    "internal_errors": self.internal_errors,
+                                    "malformed_frames": self.malformed_frames}
+            self._reply(QueryReply(msg.query_id, True, stats))
         elif msg.what == "requests":
-            items = [core.summary(r) for r in core.requests.values()]
-            self._to_frontend(QueryReply(msg.query_id, True, items))
+            # Only the asking frontend's requests: another frontend's ids mean nothing to it.
+            items = [core.summary(r) for r in core.requests.values() if self.owner.get(r.rid) == self.sender]
+            self._reply(QueryReply(msg.query_id, True, items))
         else:
             req = core.requests.get(msg.rid)
-            self._to_frontend(QueryReply(msg.query_id, req is not None, core.summary(req) if req else None))
+            self._reply(QueryReply(msg.query_id, req is not None, core.summary(req) if req else None))
 
     def on_pause_all(self, msg: PauseAll) -> None:
         if self.core is not None:
@@ -299,9 +444,7 @@ class SchedulerProcess:
         if core is None:
             return
         for msg in msgs:
-            if isinstance(msg, SetPriority):
-                core.set_priority(msg.rid, msg.priority, msg.cut_in)
-            elif isinstance(msg, ResetPrefixCache):
+            if isinstance(msg, ResetPrefixCache):
                 dropped = core.reset_prefix_cache()
                 log.info("prefix cache reset: %d cached blocks dropped", dropped)
 
@@ -312,17 +455,32 @@ class SchedulerProcess:
         self.ready_ranks[msg.rank] = msg.model
         if len(self.ready_ranks) < self.config.tensor_parallel_size:
             return
+        if self.core is not None and self.core.requests:
+            # A worker (re)announced itself with an empty state: what it held is gone.
+            finishes = self.core.finish_all(FinishReason.ERROR, f"worker {msg.rank} restarted")
+            self._to_owners(TokenBatch([], [], finishes))
         info = self.ready_ranks.get(0, msg.model)
         self.model = info
-        self.core = Scheduler(self.config, info.num_kv_blocks, info.block_size, info.max_model_len,
-                              info.eos_token_ids)
+        self.core = self._new_core(info)
         self.plans_in_flight = []
         self.cut_short.clear()
         self.failure = None
         log.info("workers ready: %s, %d KV blocks of %d tokens", info.name, info.num_kv_blocks, info.block_size)
 
+    def _new_core(self, info: ModelInfo) -> Scheduler:
+        return Scheduler(self.config, info.num_kv_blocks, info.block_size, info.max_model_len, info.eos_token_ids)
+
     def on_heartbeat(self, msg: WorkerHeartbeat) -> None:
-        self.last_seen[msg.rank] = time.monotonic()
+        now = time.monotonic()
+        self.last_seen[msg.rank] = now
+        if msg.rank not in self.ready_ranks and now - self._announce_asked >= ANNOUNCE_INTERVAL_S:
+            # A live worker this scheduler does not know: it restarted, or declared it lost.
+            self._announce_asked = now
+            log.info("worker %d is alive but unknown here: asking it to announce itself", msg.rank)
+            data = self.worker_codec.encode(Announce())
+            for _ in range(self.config.tensor_parallel_size):
+                with contextlib.suppress(zmq.Again):
+                    self.to_workers.send(data, zmq.NOBLOCK)
 
     def on_worker_failed(self, msg: WorkerFailed) -> None:
         self._fail(f"worker {msg.rank} failed: {msg.message}")
@@ -332,12 +490,15 @@ class SchedulerProcess:
         self.busy_total_s += msg.busy_s
         if self.core is None or msg.plan_id not in self.plans_in_flight:
             return
-        batch = self.core.update(msg)
+        try:
+            batch = self.core.update(msg)
+        finally:  # whatever happened to the tokens, the plan's bookkeeping must move on
+            if msg.last:
+                self.plans_in_flight.remove(msg.plan_id)
+                self.cut_short.discard(msg.plan_id)
         if batch.rids or batch.finished:
-            self._to_frontend(batch)
+            self._to_owners(batch)
         if msg.last:
-            self.plans_in_flight.remove(msg.plan_id)
-            self.cut_short.discard(msg.plan_id)
             self._send_continuation()
 
     # ------------------------------------------------------------------ failure
@@ -347,6 +508,21 @@ class SchedulerProcess:
             return False
         now = time.monotonic()
         return all(now - self.last_seen.get(r, 0.0) < WORKER_TIMEOUT_S for r in self.ready_ranks)
+
+    def _check_frontends(self) -> None:
+        """A frontend silent for FRONTEND_TIMEOUT_S is gone (crashed, restarted, cut off): its
+        requests have nobody to stream to, so they are aborted and their blocks freed."""
+        now = time.monotonic()
+        gone = [f for f, seen in self.frontends.items() if now - seen > FRONTEND_TIMEOUT_S]
+        for frontend in gone:
+            del self.frontends[frontend]
+            rids = [rid for rid, owner in self.owner.items() if owner == frontend]
+            for rid in rids:
+                self.owner.pop(rid, None)
+                if self.core is not None:
+                    self._abort(rid)
+            log.warning("frontend %s silent for %.0f s: %d of its requests aborted", frontend.decode(errors="replace"),
+                        FRONTEND_TIMEOUT_S, len(rids))
 
     def _check_workers(self) -> None:
         if self.failure is None and self.ready_ranks and not self._workers_alive():
@@ -363,8 +539,8 @@ class SchedulerProcess:
         if self.core is not None:
             finishes = self.core.finish_all(FinishReason.ERROR, reason)
             if finishes:
-                self._to_frontend(TokenBatch([], [], finishes))
-        self._to_frontend(EngineError(reason))
+                self._to_owners(TokenBatch([], [], finishes))
+        self._to_all_frontends(EngineError(reason))
 
 
 def run(config: SchedulerConfig) -> int:

@@ -101,6 +101,32 @@ def test_finished_request_is_404_and_live_one_is_listed(server: SluiceServer) ->
     assert httpx.post(f"{server.url}/admin/requests/{bg.request_id}/abort", headers=AUTH).status_code == 404
 
 
+def test_a_200_from_a_control_means_applied(server: SluiceServer) -> None:
+    # Issue 13, defect 7: a priority change answered 200 and a GET right after still showed the
+    # old priority; a pause right after a cut-in answered 200 and was undone by the cut-in.
+    bg = Background(server.url, LONG | {"max_tokens": 600})
+    base = f"{server.url}/admin/requests/{bg.request_id}"
+    for priority in (3, -2, 7):
+        assert httpx.post(f"{base}/priority", json={"priority": priority}, headers=AUTH).json()["status"] == "applied"
+        assert httpx.get(base, headers=AUTH).json()["priority"] == priority
+    assert httpx.post(f"{base}/priority", json={"priority": 0, "cut_in": True}, headers=AUTH).status_code == 200
+    assert httpx.post(f"{base}/pause", headers=AUTH).status_code == 200
+    assert httpx.get(base, headers=AUTH).json()["state"] == "paused"
+
+    def output() -> int:
+        return int(httpx.get(base, headers=AUTH).json()["output_tokens"])
+
+    wait_for(lambda: not httpx.get(base, headers=AUTH).json()["in_flight"])
+    frozen = output()
+    time.sleep(0.6)
+    assert output() == frozen and httpx.get(base, headers=AUTH).json()["state"] == "paused"
+    assert httpx.post(f"{base}/resume", headers=AUTH).json()["status"] == "applied"
+    bg.join()
+    assert bg.finish_reason == "length"
+    # The request is gone now: controls on it say so.
+    assert httpx.post(f"{base}/pause", headers=AUTH).status_code == 404
+
+
 def test_server_pause_stops_decoding_and_resume_continues(server: SluiceServer) -> None:
     bg = Background(server.url, LONG | {"max_tokens": 400})
     httpx.post(f"{server.url}/admin/pause", headers=AUTH)
@@ -157,7 +183,8 @@ def test_metrics_parse_and_counters_move(server: SluiceServer) -> None:
     assert after["sluice_prefix_cache_queries_total"] > before.get("sluice_prefix_cache_queries_total", 0)
     assert after["sluice_prefix_cache_hits_total"] > before.get("sluice_prefix_cache_hits_total", 0)
     for gauge in ("sluice_num_requests_running", "sluice_num_requests_waiting", "sluice_kv_cache_usage_ratio",
-                  "sluice_device_idle_ratio", "sluice_num_requests_paused", "sluice_num_preemptions_total"):
+                  "sluice_device_idle_ratio", "sluice_num_requests_paused", "sluice_num_preemptions_total",
+                  "sluice_internal_errors_total", "sluice_malformed_frames_total"):
         assert gauge in after
 
 

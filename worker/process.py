@@ -21,11 +21,13 @@ from collections import deque
 from types import FrameType
 from typing import Any
 
+import msgspec
 import torch
 import zmq
 
 from protocol.config import ConfigError, WorkerConfig
 from protocol.messages import (
+    Announce,
     CancelRows,
     Shutdown,
     StepPlan,
@@ -111,6 +113,7 @@ class WorkerProcess:
         self.inbox = make_socket(ctx, zmq.PULL, self.endpoints.scheduler_to_worker, bind=False)
         self.recv_codec = worker_codec()
         self.backlog: deque[WorkerCommand] = deque()  # commands read mid-plan, run after it
+        self.malformed_frames = 0
 
     def fail(self, what: str, e: BaseException) -> int:
         if isinstance(e, ModelLoadError | ConfigError):  # a user's mistake, said in one line: no traceback
@@ -121,8 +124,17 @@ class WorkerProcess:
         return 1
 
     def _read(self, flags: int = 0) -> WorkerCommand:
-        cmd: WorkerCommand = self.recv_codec.decode(self.inbox.recv(flags, copy=False).buffer)
-        return cmd
+        """The next command; frames that do not decode are logged and skipped, never fatal."""
+        while True:
+            frame = self.inbox.recv(flags, copy=False)
+            try:
+                cmd: WorkerCommand = self.recv_codec.decode(frame.buffer)
+                return cmd
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self.malformed_frames += 1
+                if self.malformed_frames == 1 or self.malformed_frames % 1000 == 0:
+                    log.warning("dropped a frame that is not a Sluice command (%s); %d so far", e,
+                                self.malformed_frames)
 
     def _poll_inbox(self, worker: Worker) -> None:
         """Between steps: apply cancels now, keep anything else for after the plan."""
@@ -145,6 +157,11 @@ class WorkerProcess:
                 return 0
             if isinstance(cmd, CancelRows):
                 worker.runner.cancel(cmd)
+            elif isinstance(cmd, Announce):
+                # A scheduler that does not know us (it restarted): its requests are all new.
+                dropped = worker.runner.reset()
+                log.info("announcing to a new scheduler (%d requests' state dropped)", dropped)
+                self.sender.send(WorkerReady(self.config.rank, worker.info))
             elif isinstance(cmd, StepPlan):
                 try:
                     for step in worker.runner.execute(cmd):

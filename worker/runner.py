@@ -82,6 +82,14 @@ class ModelRunner:
         self.cancelled: set[int] = set()  # its rows that stop at the next step
         self.cancels_ahead: dict[int, set[int]] = {}  # for plans received but not started
 
+    def reset(self) -> int:
+        """Forget every request (a new scheduler knows none of them); returns how many."""
+        dropped = len(self.seqs)
+        self.seqs.clear()
+        self.cancelled = set()
+        self.cancels_ahead.clear()
+        return dropped
+
     def cancel(self, msg: CancelRows) -> None:
         """Take rows out of the plan in progress from its next step; with ``forget``, also drop
         their state (an abort). A cancel for a plan already over only forgets."""

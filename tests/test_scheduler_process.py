@@ -1,0 +1,81 @@
+"""The scheduler process in-process, over its real ZeroMQ sockets: a failure while handling one
+message ends that message's request with an error, is counted, and the process serves on."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from protocol.config import SchedulerConfig
+from protocol.messages import (
+    AddRequest,
+    ModelInfo,
+    PauseAll,
+    Ping,
+    Pong,
+    SamplingParams,
+    SetPriority,
+    TokenBatch,
+    WorkerReady,
+)
+from protocol.transport import (
+    Endpoints,
+    frontend_codec,
+    frontend_identity,
+    make_socket,
+    scheduler_frontend_codec,
+)
+from scheduler.process import SchedulerProcess
+
+
+@pytest.fixture
+def scheduler(tmp_path: Path) -> Iterator[SchedulerProcess]:
+    proc = SchedulerProcess(SchedulerConfig(address=f"ipc://{tmp_path}/sched"))
+    proc.on_worker_ready(WorkerReady(0, ModelInfo("m", 512, 100, [2], None, "", None, False, 64, 16)))
+    thread = threading.Thread(target=proc.run, daemon=True)
+    thread.start()
+    try:
+        yield proc
+    finally:
+        proc.stopping = True
+        thread.join(10)
+
+
+def test_a_handler_that_raises_ends_its_request_and_the_process_goes_on(scheduler: SchedulerProcess,
+                                                                          tmp_path: Path) -> None:
+    assert scheduler.core is not None
+
+    def injected_bug(*args: Any, **kwargs: Any) -> bool:
+        raise RuntimeError("injected")
+
+    scheduler.core.set_priority = injected_bug  # type: ignore[method-assign]
+    ctx: zmq.Context[Any] = zmq.Context()
+    ep = Endpoints.from_base(f"ipc://{tmp_path}/sched")
+    identity = frontend_identity(7)
+    push = make_socket(ctx, zmq.DEALER, ep.frontend_to_scheduler, bind=False, identity=identity)
+    pull = make_socket(ctx, zmq.DEALER, ep.scheduler_to_frontend, bind=False, identity=identity)
+    pull.setsockopt(zmq.RCVTIMEO, 10_000)
+    send, decode = scheduler_frontend_codec().encode, frontend_codec().decode
+    try:
+        push.send(send(PauseAll()))  # keep the request queued: no worker is attached to run it
+        push.send(send(AddRequest(1, "r1", [5, 6, 7], SamplingParams(max_tokens=4))))
+        push.send(send(AddRequest(2, "r2", [5, 6, 8], SamplingParams(max_tokens=4))))
+        push.send(send(SetPriority(1, 0)))
+        ended = None
+        while ended is None:
+            msg = decode(pull.recv())
+            if isinstance(msg, TokenBatch) and msg.finished:
+                ended = msg.finished[0]
+        assert ended.rid == 1 and ended.reason == "error" and "internal" in ended.message
+        push.send(send(Ping(0.0)))
+        while not isinstance(msg := decode(pull.recv()), Pong):
+            pass
+        assert msg.stats is not None and msg.stats["internal_errors"] == 1
+        assert scheduler.core is not None and set(scheduler.core.requests) == {2}  # the other one is untouched
+    finally:
+        ctx.destroy(linger=0)
