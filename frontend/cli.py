@@ -35,6 +35,13 @@ def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) 
     p.add_argument(name, default=default, action=argparse.BooleanOptionalAction, help=help)
 
 
+def _priority_caps(text: str) -> dict[int, int]:
+    try:
+        return SchedulerConfig.parse_priority_caps(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
     """Add the flags that concern ``components`` (subset of frontend, scheduler, worker)."""
     fe, sc, wk = "frontend" in components, "scheduler" in components, "worker" in components
@@ -75,6 +82,9 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
         p.add_argument("--scheduling-policy", default="priority", choices=SCHEDULING_POLICIES)
         _bool_flag(p, "--priority-preemption", True,
                    "let a more urgent waiting request preempt less urgent running ones")
+        p.add_argument("--max-num-seqs-per-priority", type=_priority_caps, default={}, metavar="P:N[,P:N...]",
+                       help="seat caps per priority class: 5:32 = requests with priority >= 5 hold at most "
+                            "32 batch seats (a capped request waits; default: no caps)")
         p.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
         _bool_flag(p, "--enable-prefix-caching", True, "reuse KV blocks of identical prompt prefixes")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

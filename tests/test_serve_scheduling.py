@@ -176,3 +176,47 @@ def test_cut_in_runs_next_and_everyone_keeps_their_output(tmp_path_factory: pyte
         assert order == ["short", "long"]  # the cut-in finished first, though it came second
         assert got_long == want_long and got_short == want_short
         assert stats(server)["preemptions"] >= 1
+
+
+def test_urgent_request_takes_a_seat_and_batch_class_keeps_to_its_cap(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Two seats, priority >= 5 capped at one of them. Issue 13, defect 1: with every seat held by
+    # running decodes, a more urgent arrival waited for a whole long request to finish.
+    log_dir: Path = tmp_path_factory.mktemp("seats")
+    with running_server("--admin-token", ADMIN, "--max-num-seqs", "2", "--max-num-seqs-per-priority", "5:1",
+                        log_dir=log_dir) as server:
+        url = server.url
+
+        def state(request_id: str) -> dict:
+            return httpx.get(f"{url}/admin/requests/{request_id}", headers=AUTH).json()
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(timeout=300) as client:
+                long = {"prompt": PROMPTS[0], "max_tokens": 3000, "ignore_eos": True, "stream": True}
+                streams, ids = [], []
+                for priority in (5, 5, 3):  # batch, batch (capped: waits), then an interactive one
+                    r = await client.send(client.build_request(
+                        "POST", f"{url}/v1/completions", json=long | {"priority": priority}), stream=True)
+                    streams.append(r)
+                    ids.append(r.headers["X-Request-Id"])
+                    await asyncio.sleep(0.3)
+                batch, capped, interactive = ids
+                assert state(capped)["state"] == "waiting"  # its class's one seat is taken
+                assert state(interactive)["state"] == "running"
+                assert stats(server)["seats_by_priority"] == {"5": 1}
+                started = time.monotonic()
+                urgent = await generate(client, url, PROMPTS[1], max_tokens=8, priority=1)
+                assert urgent["usage"]["completion_tokens"] == 8
+                assert time.monotonic() - started < 30  # not after the 3000-token streams
+                assert state(batch)["preemptions"] >= 1  # the least urgent gave its seat
+                assert state(interactive)["preemptions"] == 0
+                for request_id in ids:
+                    httpx.post(f"{url}/admin/requests/{request_id}/abort", headers=AUTH)
+                for r in streams:
+                    await r.aread()
+                    await r.aclose()
+
+        asyncio.run(scenario())
+        time.sleep(0.5)
+        s = stats(server)
+        assert s["running"] == s["waiting"] == 0 and s["kv_blocks_used"] == 0
