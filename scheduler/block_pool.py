@@ -83,22 +83,25 @@ class BlockPool:
         found: list[int] = []
         if not self.enable_caching:
             return found
+        by_hash = self._by_hash
         for h in hashes:
-            block = self._by_hash.get(h)
+            block = by_hash.get(h)
             if block is None:
                 break
             found.append(block)
         return found
 
     def num_free_among(self, blocks: list[int]) -> int:
-        return sum(1 for b in blocks if self._refs[b] == 0)
+        refs = self._refs
+        return [refs[b] for b in blocks].count(0)
 
     def take(self, blocks: list[int]) -> None:
         """Add a reference to cached blocks (a prefix hit); free ones leave the free list."""
+        refs, free = self._refs, self._free
         for block in blocks:
-            if self._refs[block] == 0:
-                del self._free[block]
-            self._refs[block] += 1
+            if refs[block] == 0:
+                del free[block]
+            refs[block] += 1
 
     def register(self, block: int, block_hash: bytes) -> None:
         """``block`` now holds the computed KV of the full block ``block_hash`` names."""

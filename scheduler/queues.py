@@ -40,6 +40,8 @@ POLICIES: dict[str, Callable[[Request], OrderKey]] = {
 class WaitingQueue:
     """One heap ordered by the policy's key. ``charge`` is a no-op: only ``fair`` counts service."""
 
+    counts_service = False  # whether ``charge`` does anything: the scheduler skips it per row if not
+
     def __init__(self, policy: str) -> None:
         self.key = POLICIES[policy]
         # Entries carry a push sequence number; only the latest push of a rid is live.
@@ -95,6 +97,8 @@ class FairQueue:
     Service is the tokens computed for a user; a user that has been idle re-enters at the current
     minimum, so past idleness is not banked as credit against busy users.
     """
+
+    counts_service = True
 
     def __init__(self, policy: str = "fair") -> None:
         self.key = priority_key

@@ -24,10 +24,9 @@ _INT64_BYTES = 8
 
 
 def block_keys(parent: bytes, tokens: list[int], block_size: int) -> list[bytes]:
-    """Prefix-cache keys of the full blocks of ``tokens``, which follow a prefix keyed ``parent``:
-    each block's key is the parent key of the next."""
-    num_full = len(tokens) - len(tokens) % block_size
-    packed = struct.pack(f"<{num_full}q", *tokens[:num_full])
+    """Prefix-cache keys of the blocks of ``tokens`` (whole blocks), which follow a prefix keyed
+    ``parent``: each block's key is the parent key of the next."""
+    packed = struct.pack(f"<{len(tokens)}q", *tokens)
     width, sha256 = block_size * _INT64_BYTES, hashlib.sha256  # a local: the loop is hot
     keys = []
     for start in range(0, len(packed), width):
@@ -94,24 +93,24 @@ class Request:
         """The most tokens this request can ever hold (prompt + every output)."""
         return min(self.num_prompt_tokens + self.sampling.max_tokens, max_model_len)
 
-    def append_token(self, token: int) -> None:
-        self.token_ids.append(token)
-
     def advance(self, n: int) -> None:
         self.num_computed += n
 
-    def check_stop(self, eos_token_ids: tuple[int, ...], max_model_len: int) -> str | None:
-        """The finish reason the last token triggers, if any: ``protocol.stop``'s rule, the worker's too."""
-        return stop_reason(self.token_ids[-1], self.num_outputs, len(self.token_ids), self.sampling,
-                           eos_token_ids, max_model_len)
+    def add_output(self, token: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> str | None:
+        """Append a sampled token; the finish reason it triggers, if any: ``protocol.stop``'s
+        rule, the worker's too."""
+        tokens = self.token_ids
+        tokens.append(token)
+        return stop_reason(token, len(tokens) - self.num_prompt_tokens, len(tokens), self.sampling, eos_token_ids,
+                           max_model_len)
 
     def update_block_hashes(self, block_size: int) -> list[bytes]:
         """Prefix-cache keys (``block_keys``) of every full block of tokens, computed once each;
         a block's key chains its parent's, so equal keys mean equal prefixes."""
         hashes = self.block_hashes
-        done = len(hashes) * block_size
-        if len(self.token_ids) - done >= block_size:
-            hashes.extend(block_keys(hashes[-1] if hashes else ROOT_KEY, self.token_ids[done:], block_size))
+        start, end = len(hashes) * block_size, len(self.token_ids) // block_size * block_size
+        if end > start:
+            hashes.extend(block_keys(hashes[-1] if hashes else ROOT_KEY, self.token_ids[start:end], block_size))
         return hashes
 
     @property

@@ -49,46 +49,35 @@ from scheduler.request import Request, Status
 log = logging.getLogger("sluice.scheduler")
 
 
-@dataclasses.dataclass
-class _Row:
-    req: Request
-    num_tokens: int
-
-
-@dataclasses.dataclass
 class _Step:
-    budget: int
-    rows: list[_Row] = dataclasses.field(default_factory=list)
-    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    _rids: set[int] = dataclasses.field(default_factory=set)  # O(1) membership on the hot path
+    """One step's plan in the making: its rows, the token budget they leave, and the block moves
+    the worker makes before the forward pass. ``rows`` maps each row's request to the tokens it
+    computes, in the order scheduled: membership, a row's tokens and dropping a row are O(1)."""
+
+    __slots__ = ("budget", "copies", "rows", "swap_in", "swap_out")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.rows: dict[Request, int] = {}
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
+        self.copies: list[tuple[int, int]] = []
 
     def add(self, req: Request, num_tokens: int) -> None:
-        self.rows.append(_Row(req, num_tokens))
-        self._rids.add(req.rid)
+        self.rows[req] = num_tokens
         self.budget -= num_tokens
 
     def has(self, req: Request) -> bool:
-        return req.rid in self._rids
+        return req in self.rows
 
     def tokens_of(self, req: Request) -> int:
-        if req.rid not in self._rids:
-            return 0
-        return next(row.num_tokens for row in self.rows if row.req is req)
+        return self.rows.get(req, 0)
 
     def drop(self, req: Request) -> None:
-        if req.rid not in self._rids:
-            return
-        self._rids.discard(req.rid)
-        for i, row in enumerate(self.rows):
-            if row.req is req:
-                self.budget += row.num_tokens
-                del self.rows[i]
-                return
+        self.budget += self.rows.pop(req, 0)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _PlanInFlight:
     rids: list[int]
     num_steps: int
@@ -269,14 +258,28 @@ class Scheduler:
             req.cut_in = False
             if req.rid in self.queue:
                 self._admit(req, step, step.budget, self._less_urgent_than(req))
-        decodes = [r for r in self.running if r.num_uncomputed == 1 and not step.has(r)]
-        prefills = [r for r in self.running if r.num_uncomputed > 1 and not step.has(r)]
+        decodes, prefills = self._split_running(step)
         for req in decodes:
             self._continue(req, 1, step)
         self._prefill(step, prefills, self._prefill_share(step.budget, len(prefills)))
         if not step.rows:
             return None
         return self._emit(step)
+
+    def _split_running(self, step: _Step) -> tuple[list[Request], list[Request]]:
+        """The running requests not yet in ``step``, in urgency order: those with one token left
+        to compute (decodes) and those with more (prefills, or recomputes)."""
+        decodes, prefills = [], []
+        rows = step.rows
+        for req in self.running:
+            if req in rows:
+                continue
+            uncomputed = len(req.token_ids) - req.num_computed
+            if uncomputed == 1:
+                decodes.append(req)
+            elif uncomputed > 1:
+                prefills.append(req)
+        return decodes, prefills
 
     def _less_urgent_than(self, req: Request) -> Callable[[Request], bool]:
         key = self.key(req)
@@ -294,19 +297,28 @@ class Scheduler:
         return len(step.rows) >= self.config.max_num_seqs
 
     def _continue(self, req: Request, n: int, step: _Step) -> None:
-        """Schedule ``n`` more tokens of a running request, preempting to make room if needed."""
+        """Schedule ``n`` more tokens of a running request, preempting to make room if needed.
+        Most calls (a decode with room left in its last block) need no block: nothing else runs."""
         if req.status is not Status.RUNNING or self._seats_full(step):
             return
         n = min(n, step.budget)
         if n == 0:
             return
         need = self._blocks_for(req.num_computed + n) - len(req.blocks)
+        if need > 0 and not self._grow(req, need, step):
+            return
+        step.add(req, n)
+
+    def _grow(self, req: Request, need: int, step: _Step) -> bool:
+        """Give running ``req`` ``need`` more blocks, preempting less urgent running requests not
+        in this step if the pool is short. If even that is not enough, ``req`` is preempted
+        itself and False returned."""
         less_urgent = self._less_urgent_than(req)
         if not self._make_room(need, (), step, req, lambda r: not step.has(r) and less_urgent(r)):
             self._preempt(req, step)
-            return
-        req.blocks.extend(self.pool.allocate(max(0, need)))
-        step.add(req, n)
+            return False
+        req.blocks.extend(self.pool.allocate(need))
+        return True
 
     def _prefill_share(self, budget: int, num_running_prefills: int) -> int:
         """Most tokens one prompt may take this step (seed 000: split across k prompts)."""
@@ -369,11 +381,12 @@ class Scheduler:
         # victim frees) do not count towards the free blocks the rest needs.
         keep = hit[:-1] if cow else hit
         need = self._blocks_for(cached + n) - len(keep)
-        if need > self._free_outside(keep) and (eligible is None or not self._could_free(need, keep, eligible)):
+        short_of_blocks = need > self._free_outside(keep)  # preempting seat victims only adds room
+        if short_of_blocks and (eligible is None or not self._could_free(need, keep, eligible)):
             return False
         for victim in victims:
             self._preempt(victim, step)
-        if not self._make_room(need, keep, step, req, eligible or (lambda r: False)):
+        if short_of_blocks and not self._make_room(need, keep, step, req, eligible or (lambda r: False)):
             raise AssertionError(f"request {req.request_id}: admission checked feasible, then short of blocks")
         self.queue.remove(req.rid)
         self.pool.take(keep)
@@ -517,7 +530,7 @@ class Scheduler:
         steps = self.config.num_scheduler_steps
         if steps == 1 or self._cut_ins:
             return 1
-        if any(row.num_tokens != row.req.num_uncomputed for row in step.rows):
+        if any(n != req.num_uncomputed for req, n in step.rows.items()):
             return 1  # a prompt is still mid-prefill: come back after one step
         if len(self.queue) and step.budget <= 0 and not self._seats_full(step):
             return 1  # more prompts fit next step
@@ -526,44 +539,50 @@ class Scheduler:
     def _reserve_lookahead(self, step: _Step, steps: int) -> int:
         """Blocks for the tokens steps 2..n will compute; fall back to one step if they don't fit."""
         wants = []
-        for row in step.rows:
-            req = row.req
-            cover = min(req.num_computed + row.num_tokens + steps - 1, req.max_total_tokens(self.max_model_len))
+        for req, n in step.rows.items():
+            cover = min(req.num_computed + n + steps - 1, req.max_total_tokens(self.max_model_len))
             wants.append(max(0, self._blocks_for(cover) - len(req.blocks)))
         if not self.pool.can_allocate(sum(wants)):
             return 1
-        for row, want in zip(step.rows, wants, strict=True):
+        for req, want in zip(step.rows, wants, strict=True):
             if want:
-                row.req.blocks.extend(self.pool.allocate(want))
+                req.blocks.extend(self.pool.allocate(want))
         return steps
 
     def _emit(self, step: _Step) -> StepPlan:
         steps = self._num_steps(step)
         if steps > 1:
             steps = self._reserve_lookahead(step, steps)
-        new_requests, rids, num_tokens, new_blocks = [], [], [], []
+        rows = step.rows
+        rids = [req.rid for req in rows]
+        new_requests = [self._new_request(req) for req in rows if not req.on_worker]
+        new_blocks = []
         forget, self._forget = self._forget, []
-        for row in step.rows:
-            req = row.req
-            if not req.on_worker:
-                new_requests.append(NewRequest(req.rid, list(req.token_ids), req.num_prompt_tokens, req.sampling,
-                                               req.num_computed))
-                req.on_worker = True
-                req.worker_blocks = 0
-            rids.append(req.rid)
-            num_tokens.append(row.num_tokens)
+        caching, block_size = self.pool.enable_caching, self.block_size
+        held = self._held
+        counts_service = self.queue.counts_service
+        for req, n in rows.items():
             new_blocks.append(req.blocks[req.worker_blocks :])
             req.worker_blocks = len(req.blocks)
-            self._register_full_blocks(req, row.num_tokens)
-            req.advance(row.num_tokens)
-            if req.rid in self._held and req.num_computed >= req.num_prompt_tokens:
+            if caching and req.num_computed % block_size + n >= block_size:  # it fills a block
+                self._register_full_blocks(req, n)
+            req.advance(n)
+            if held and req.rid in held and req.num_computed >= req.num_prompt_tokens:
                 self._release_held(req)
-            self.queue.charge(req.user, row.num_tokens)
+            if counts_service:
+                self.queue.charge(req.user, n)
         self._next_plan_id += 1
         self.num_steps_run += steps
         self.in_flight[self._next_plan_id] = _PlanInFlight(rids, steps, speculative=False)
-        return StepPlan(self._next_plan_id, new_requests, rids, num_tokens, new_blocks, steps, forget,
+        return StepPlan(self._next_plan_id, new_requests, rids, list(rows.values()), new_blocks, steps, forget,
                         step.swap_out, step.swap_in, step.copies)
+
+    @staticmethod
+    def _new_request(req: Request) -> NewRequest:
+        """What the worker (re)builds ``req`` from: everything known so far."""
+        req.on_worker = True
+        req.worker_blocks = 0
+        return NewRequest(req.rid, list(req.token_ids), req.num_prompt_tokens, req.sampling, req.num_computed)
 
     def _register_full_blocks(self, req: Request, n: int) -> None:
         """Blocks this step fills completely become findable by later requests' prefixes."""
@@ -625,8 +644,9 @@ class Scheduler:
         computes_previous = out.step > 0 or (plan is not None and plan.speculative)
         rids, tokens, finished = [], [], []
         logprobs: list[Logprob] = []
+        requests = self.requests
         for i, (rid, token) in enumerate(zip(out.rids, out.token_ids, strict=True)):
-            req = self.requests.get(rid)
+            req = requests.get(rid)
             if req is None or not (req.status is Status.RUNNING
                                    or (req.status is Status.PAUSED and plan is not None and rid in plan.rids)):
                 continue  # finished or preempted while the plan ran: its tokens are void
@@ -634,11 +654,11 @@ class Scheduler:
                 self._register_full_blocks(req, 1)
                 req.advance(1)  # the worker computed the token it sampled last step
                 self.queue.charge(req.user, 1)
-            req.append_token(token)
             rids.append(rid)
             tokens.append(token)
-            logprobs.append(out.logprobs[i] if out.logprobs else None)
-            reason = req.check_stop(self.eos_token_ids, self.max_model_len)
+            if out.logprobs:
+                logprobs.append(out.logprobs[i])
+            reason = req.add_output(token, self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 self._detach(req)
                 finished.append(self._finish(req, reason))

@@ -50,7 +50,7 @@ def test_keys_grow_with_the_tokens_as_if_computed_at_once() -> None:
     req = request(tokens[: BS + 3])
     assert len(req.update_block_hashes(BS)) == 1
     for t in tokens[BS + 3 :]:
-        req.append_token(t)
+        req.add_output(t, (), 10**6)
         req.update_block_hashes(BS)
     assert req.block_hashes == keys(tokens)
 
