@@ -4,9 +4,11 @@ Invariants:
 * every block id in ``range(num_blocks)`` is either free (ref count 0, in ``_free``) or held;
 * a request's block table owns one reference per block; blocks shared through the prefix cache
   have one reference per request holding them;
-* a full block whose KV has been computed may carry a hash, the prefix-cache key of its tokens and
-  its whole prefix (``scheduler.request.block_keys``);
-  ``_by_hash`` finds it — held or free — until it is reused for other tokens.
+* a full block whose KV has been computed may be cached: ``_by_link`` finds it — held or free —
+  by its link (its parent's key and its tokens, see ``scheduler.request``) until it is reused for
+  other tokens, and ``_cached`` has its link and key. (A link is 32 + 8 x block size bytes:
+  160 at block size 16, kept for cached blocks only. Keying the lookup by the sha256 key instead
+  would need every prompt block hashed to find a hit.)
 
 The free list is an ``OrderedDict`` used as an O(1) doubly-linked list in LRU order: freed blocks
 go to the back and allocation takes from the front, so the block freed longest ago is evicted
@@ -31,8 +33,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._refs = [0] * num_blocks
-        self._hash_of: list[bytes | None] = [None] * num_blocks
-        self._by_hash: dict[bytes, int] = {}
+        self._by_link: dict[bytes, int] = {}
+        self._cached: dict[int, tuple[bytes, bytes]] = {}  # block -> (link, key)
         self.queries = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # of which found
 
@@ -47,7 +49,7 @@ class BlockPool:
     @property
     def num_cached_free(self) -> int:
         """Free blocks still holding a findable prefix."""
-        return sum(1 for b in self._free if self._hash_of[b] is not None)
+        return sum(1 for b in self._free if b in self._cached)
 
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
@@ -78,18 +80,12 @@ class BlockPool:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def match(self, hashes: list[bytes]) -> list[int]:
-        """The cached blocks of the longest prefix of ``hashes`` (not yet taken)."""
-        found: list[int] = []
+    def lookup(self, link: bytes) -> tuple[int, bytes] | None:
+        """The cached block ``link`` finds (held or free, not yet taken) and its key."""
         if not self.enable_caching:
-            return found
-        by_hash = self._by_hash
-        for h in hashes:
-            block = by_hash.get(h)
-            if block is None:
-                break
-            found.append(block)
-        return found
+            return None
+        block = self._by_link.get(link)
+        return None if block is None else (block, self._cached[block][1])
 
     def num_free_among(self, blocks: list[int]) -> int:
         refs = self._refs
@@ -103,28 +99,26 @@ class BlockPool:
                 del free[block]
             refs[block] += 1
 
-    def register(self, block: int, block_hash: bytes) -> None:
-        """``block`` now holds the computed KV of the full block ``block_hash`` names."""
-        if self.enable_caching and block_hash not in self._by_hash and self._hash_of[block] is None:
-            self._by_hash[block_hash] = block
-            self._hash_of[block] = block_hash
+    def register(self, block: int, link: bytes, key: bytes) -> None:
+        """``block`` now holds the computed KV of the full block with this link and key."""
+        if self.enable_caching and link not in self._by_link and block not in self._cached:
+            self._by_link[link] = block
+            self._cached[block] = (link, key)
 
     def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
         self.queries += queried_tokens
         self.hits += hit_tokens
 
     def reset_cache(self) -> int:
-        """Forget the hashes of every free block; returns how many were dropped."""
+        """Forget the cached prefixes of every free block; returns how many were dropped."""
         dropped = 0
         for block in self._free:
-            if self._hash_of[block] is not None:
+            if block in self._cached:
                 self._evict(block)
                 dropped += 1
         return dropped
 
     def _evict(self, block: int) -> None:
-        h = self._hash_of[block]
-        if h is not None:
-            self._hash_of[block] = None
-            if self._by_hash.get(h) == block:
-                del self._by_hash[h]
+        entry = self._cached.pop(block, None)
+        if entry is not None and self._by_link.get(entry[0]) == block:
+            del self._by_link[entry[0]]

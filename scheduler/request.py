@@ -3,36 +3,45 @@
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import struct
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from protocol.messages import AddRequest, SamplingParams
 from protocol.stop import stop_reason
 
-# Prefix-cache keys. A block's key is ``sha256(parent key + its token ids as little-endian
-# int64s)``, the first block's parent key being ``ROOT_KEY``: a collision-resistant digest of the
-# whole prefix, so one tenant cannot make its blocks' keys equal another's and be served that KV
-# (keys were Python's ``hash()``: 64 bits, built from each id's ``hash()``, so colliding token
-# blocks can be made; vLLM's CVE-2025-25183). The encoding is fixed width, so different
-# (parent, block) pairs never give equal bytes. Per 16-token block on the dev VM (OpenSSL with
-# SHA-NI): sha256 0.75 us; blake2b (digest_size=16, keyed) 1.14 us, its constructor costs more;
-# CPython's own ``_sha256`` 1.14 us; packing block by block instead of all blocks at once
-# 0.84 us, with ``array('q')`` instead of ``struct`` 1.18 us. ``hash()`` of a tuple was 0.35 us.
+if TYPE_CHECKING:
+    from scheduler.block_pool import BlockPool
+
+# Prefix caching. A full block's *link* is its parent block's key (``ROOT_KEY`` for the first
+# block) followed by its token ids as little-endian int64s; its *key* is the sha256 of its link: a
+# collision-resistant digest of the whole prefix, so one tenant cannot make its blocks' keys equal
+# another's and be served that KV (keys were Python's ``hash()``: 64 bits, built from each id's
+# ``hash()``, so colliding token blocks can be made; vLLM's CVE-2025-25183). Links are fixed width,
+# so different (parent, block) pairs never give equal bytes. The pool finds a cached block by its
+# link, compared byte for byte, and knows its key: a prefix hit costs a lookup, and only blocks
+# the cache did not have are hashed.
+#
+# Per 16-token block on the dev VM (OpenSSL with SHA-NI): sha256 0.75 us; blake2b (digest_size=16,
+# keyed) 1.14 us, its constructor costs more; CPython's own ``_sha256`` 1.14 us; packing block by
+# block instead of all blocks at once 0.84 us, with ``array('q')`` instead of ``struct`` 1.18 us.
+# ``hash()`` of a tuple was 0.35 us.
 ROOT_KEY = b""
 _INT64_BYTES = 8
 
 
-def block_keys(parent: bytes, tokens: list[int], block_size: int) -> list[bytes]:
-    """Prefix-cache keys of the blocks of ``tokens`` (whole blocks), which follow a prefix keyed
-    ``parent``: each block's key is the parent key of the next."""
-    packed = struct.pack(f"<{len(tokens)}q", *tokens)
-    width, sha256 = block_size * _INT64_BYTES, hashlib.sha256  # a local: the loop is hot
-    keys = []
-    for start in range(0, len(packed), width):
-        parent = sha256(parent + packed[start : start + width]).digest()
-        keys.append(parent)
-    return keys
+def _pack(tokens: list[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}q", *tokens)
+
+
+@functools.cache
+def _block_packer(block_size: int) -> Callable[..., bytes]:
+    """``_pack`` for one block, its format compiled once (building it per block costs more than
+    the packing)."""
+    return struct.Struct(f"<{block_size}q").pack
 
 
 class Status(enum.Enum):
@@ -49,7 +58,7 @@ class Request:
     ``num_computed`` tokens. ``on_worker`` says whether the worker holds its state."""
 
     __slots__ = (
-        "after", "arrival_time", "block_hashes", "blocks", "cut_in", "finish_reason", "host_blocks", "num_cached_tokens",
+        "after", "arrival_time", "block_keys", "blocks", "cut_in", "finish_reason", "host_blocks", "num_cached_tokens",
         "num_computed", "num_preemptions", "num_prompt_tokens", "on_worker", "priority", "request_id", "rid",
         "sampling", "scheduled_at", "status", "token_ids", "user", "worker_blocks",
     )  # fmt: skip
@@ -71,7 +80,7 @@ class Request:
         self.on_worker = False
         self.worker_blocks = 0  # how many of ``blocks`` the worker's block table already has
         self.finish_reason: str | None = None
-        self.block_hashes: list[bytes] = []  # prefix-cache key of each full block of token_ids
+        self.block_keys: list[bytes] = []  # prefix-cache keys of its first full blocks, as known so far
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served at first admission
         self.host_blocks: list[int] = []  # swap preemption: where its KV waits in host memory
         self.cut_in = False  # scheduled at the next step, ahead of everything
@@ -104,14 +113,38 @@ class Request:
         return stop_reason(token, len(tokens) - self.num_prompt_tokens, len(tokens), self.sampling, eos_token_ids,
                            max_model_len)
 
-    def update_block_hashes(self, block_size: int) -> list[bytes]:
-        """Prefix-cache keys (``block_keys``) of every full block of tokens, computed once each;
-        a block's key chains its parent's, so equal keys mean equal prefixes."""
-        hashes = self.block_hashes
-        start, end = len(hashes) * block_size, len(self.token_ids) // block_size * block_size
-        if end > start:
-            hashes.extend(block_keys(hashes[-1] if hashes else ROOT_KEY, self.token_ids[start:end], block_size))
-        return hashes
+    def cached_prefix(self, pool: BlockPool, block_size: int) -> list[int]:
+        """The pool's blocks holding the longest cached prefix of these tokens, found by their
+        links; their keys are the pool's, so no sha256 is computed here."""
+        keys, tokens, pack = self.block_keys, self.token_ids, _block_packer(block_size)
+        found: list[int] = []
+        for i in range(len(tokens) // block_size):
+            parent = keys[i - 1] if i else ROOT_KEY
+            hit = pool.lookup(parent + pack(*tokens[i * block_size : (i + 1) * block_size]))
+            if hit is None:
+                break
+            block, key = hit
+            if i == len(keys):
+                keys.append(key)
+            found.append(block)
+        return found
+
+    def block_links(self, first: int, last: int, block_size: int) -> list[bytes]:
+        """The links of full blocks ``first`` to ``last - 1``. Keys of blocks up to ``last - 1``
+        not known yet are computed, so ``block_keys`` then covers at least ``last`` blocks."""
+        keys = self.block_keys
+        start = min(first, len(keys))
+        packed = _pack(self.token_ids[start * block_size : last * block_size])
+        width, sha256 = block_size * _INT64_BYTES, hashlib.sha256  # a local: the loop is hot
+        links = []
+        for i in range(start, last):
+            offset = (i - start) * width
+            link = (keys[i - 1] if i else ROOT_KEY) + packed[offset : offset + width]
+            if i == len(keys):
+                keys.append(sha256(link).digest())
+            if i >= first:
+                links.append(link)
+        return links
 
     @property
     def is_swapped(self) -> bool:

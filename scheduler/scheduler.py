@@ -365,7 +365,7 @@ class Scheduler:
         if req.is_swapped:
             cached = req.num_computed
         else:
-            hit = self.pool.match(req.update_block_hashes(self.block_size)) if self.pool.enable_caching else []
+            hit = req.cached_prefix(self.pool, self.block_size) if self.pool.enable_caching else []
             cached = len(hit) * self.block_size
         cow = not req.is_swapped and cached >= len(req.token_ids)  # all cached: compute the last token
         if cow:
@@ -588,11 +588,13 @@ class Scheduler:
         """Blocks this step fills completely become findable by later requests' prefixes."""
         if not self.pool.enable_caching:
             return
-        first, last = req.num_computed // self.block_size, (req.num_computed + n) // self.block_size
+        block_size = self.block_size
+        first = req.num_computed // block_size
+        last = min(req.num_computed + n, len(req.token_ids)) // block_size
         if last > first:
-            hashes = req.update_block_hashes(self.block_size)
-            for i in range(first, min(last, len(hashes))):
-                self.pool.register(req.blocks[i], hashes[i])
+            links = req.block_links(first, last, block_size)
+            for i, link in enumerate(links, first):
+                self.pool.register(req.blocks[i], link, req.block_keys[i])
 
     def continue_plan(self) -> StepPlan | None:
         """Async scheduling: the next decode window of the plan in flight, made before its

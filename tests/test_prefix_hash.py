@@ -13,6 +13,7 @@ from test_scheduler_core import make, run_to_end
 from test_scheduler_policies import add_tokens
 
 from protocol.messages import AddRequest, SamplingParams
+from scheduler.block_pool import BlockPool
 from scheduler.request import Request
 
 BS = 16
@@ -23,13 +24,15 @@ def request(tokens: list[int]) -> Request:
 
 
 def keys(tokens: list[int]) -> list[bytes]:
-    return request(tokens).update_block_hashes(BS)
+    req = request(tokens)
+    req.block_links(0, len(tokens) // BS, BS)
+    return req.block_keys
 
 
-def documented_key(parent: bytes, block: list[int]) -> bytes:
-    """sha256(parent key + the block's token ids as little-endian int64s); written out here
-    independently of the scheduler's packing."""
-    return hashlib.sha256(parent + b"".join(t.to_bytes(8, "little", signed=True) for t in block)).digest()
+def documented_link(parent: bytes, block: list[int]) -> bytes:
+    """The parent block's key, then the block's token ids as little-endian int64s; written out
+    here independently of the scheduler's packing."""
+    return parent + b"".join(t.to_bytes(8, "little", signed=True) for t in block)
 
 
 def tokens_of(n: int, start: int) -> list[int]:
@@ -38,21 +41,25 @@ def tokens_of(n: int, start: int) -> list[int]:
 
 def test_a_block_key_is_the_sha256_of_its_parent_key_and_its_tokens() -> None:
     tokens = tokens_of(3 * BS + 5, start=1)  # three full blocks and a partial one, which has no key
-    expected, parent = [], b""  # the first block's parent key is empty
+    links, expected, parent = [], [], b""  # the first block's parent key is empty
     for i in range(3):
-        parent = documented_key(parent, tokens[i * BS : (i + 1) * BS])
+        links.append(documented_link(parent, tokens[i * BS : (i + 1) * BS]))
+        parent = hashlib.sha256(links[-1]).digest()
         expected.append(parent)
-    assert keys(tokens) == expected
+    req = request(tokens)
+    assert req.block_links(0, 3, BS) == links
+    assert req.block_keys == expected
+    assert req.block_links(1, 3, BS) == links[1:] and req.block_keys == expected  # computed once
 
 
 def test_keys_grow_with_the_tokens_as_if_computed_at_once() -> None:
     tokens = tokens_of(4 * BS, start=2)
     req = request(tokens[: BS + 3])
-    assert len(req.update_block_hashes(BS)) == 1
+    req.block_links(0, 1, BS)
     for t in tokens[BS + 3 :]:
         req.add_output(t, (), 10**6)
-        req.update_block_hashes(BS)
-    assert req.block_hashes == keys(tokens)
+        req.block_links(len(req.block_keys), len(req.token_ids) // BS, BS)
+    assert req.block_keys == keys(tokens)
 
 
 def test_equal_prefixes_give_equal_keys_and_a_block_after_another_parent_another_key() -> None:
@@ -63,6 +70,20 @@ def test_equal_prefixes_give_equal_keys_and_a_block_after_another_parent_another
     # The same tokens after a different first block: every later key differs.
     c = keys(tokens_of(BS, start=6) + shared[BS:] + block)
     assert c[0] != a[0] and c[1] != a[1] and c[2] != a[2]
+
+
+def test_a_prefix_hit_is_found_by_link_and_takes_its_key_from_the_pool() -> None:
+    pool = BlockPool(8, enable_caching=True)
+    a = tokens_of(3 * BS, start=10)
+    cached = request(a)
+    for i, link in enumerate(cached.block_links(0, 3, BS)):
+        pool.register(i, link, cached.block_keys[i])
+    # Shares a's first two blocks: they are found, and their keys learnt without hashing.
+    b = request(a[: 2 * BS] + tokens_of(BS, start=11))
+    assert b.cached_prefix(pool, BS) == [0, 1]
+    assert b.block_keys == cached.block_keys[:2]
+    # a's second block's tokens first: another parent, so no hit.
+    assert request(a[BS : 2 * BS]).cached_prefix(pool, BS) == []
 
 
 def old_key(parent: int | None, block: list[int]) -> int:
