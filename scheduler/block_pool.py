@@ -57,23 +57,26 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfBlocks(f"asked for {n} blocks, {len(self._free)} free")
+        free, refs, cached = self._free, self._refs, self._cached
         blocks = []
         for _ in range(n):
-            block, _ = self._free.popitem(last=False)
-            self._evict(block)
-            self._refs[block] = 1
+            block, _ = free.popitem(last=False)
+            if block in cached:
+                self._evict(block)
+            refs[block] = 1
             blocks.append(block)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
+        free, refs = self._free, self._refs
         # Freed in reverse so a sequence's tail blocks (the least shared) are evicted first.
         for block in reversed(blocks):
-            refs = self._refs[block] - 1
-            if refs < 0:
+            count = refs[block] - 1
+            if count < 0:
                 raise RuntimeError(f"block {block} freed more often than allocated")
-            self._refs[block] = refs
-            if refs == 0:
-                self._free[block] = None
+            refs[block] = count
+            if count == 0:
+                free[block] = None
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]

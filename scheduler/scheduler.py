@@ -259,8 +259,7 @@ class Scheduler:
             if req.rid in self.queue:
                 self._admit(req, step, step.budget, self._less_urgent_than(req))
         decodes, prefills = self._split_running(step)
-        for req in decodes:
-            self._continue(req, 1, step)
+        self._schedule_decodes(decodes, step)
         self._prefill(step, prefills, self._prefill_share(step.budget, len(prefills)))
         if not step.rows:
             return None
@@ -280,6 +279,20 @@ class Scheduler:
             elif uncomputed > 1:
                 prefills.append(req)
         return decodes, prefills
+
+    def _schedule_decodes(self, decodes: list[Request], step: _Step) -> None:
+        """One token for each request in ``decodes``, most urgent first. This loop runs for every
+        decoding request at every step, and most of them (a seat and budget left, room left in
+        the last block) need only their row: that case is ``_continue``'s, done inline."""
+        running, max_seqs, block_size = Status.RUNNING, self.config.max_num_seqs, self.block_size
+        rows = step.rows
+        for req in decodes:
+            if step.budget <= 0 or len(rows) >= max_seqs:
+                return  # nobody else gets a row either
+            if req.status is running and req.num_computed < len(req.blocks) * block_size:
+                step.add(req, 1)
+            else:
+                self._continue(req, 1, step)  # a new block, perhaps preempting; or not running
 
     def _less_urgent_than(self, req: Request) -> Callable[[Request], bool]:
         key = self.key(req)
@@ -434,7 +447,10 @@ class Scheduler:
             if not short():
                 break
             if not eligible(r):
-                continue
+                # Each ``eligible`` is "less urgent than" in an order ``running`` is sorted by
+                # (the priority class leads the key of every policy that preempts by class), so
+                # the eligible requests are a tail of ``running``: none is left before this one.
+                break
             in_step = step.has(r)
             helps = (running >= max_seqs or (in_step and (rows >= max_seqs or budget <= 0))
                      or any(held[p] >= cap and r.priority >= p for p, cap in caps.items()))
@@ -566,7 +582,7 @@ class Scheduler:
             req.worker_blocks = len(req.blocks)
             if caching and req.num_computed % block_size + n >= block_size:  # it fills a block
                 self._register_full_blocks(req, n)
-            req.advance(n)
+            req.num_computed += n
             if held and req.rid in held and req.num_computed >= req.num_prompt_tokens:
                 self._release_held(req)
             if counts_service:
@@ -646,10 +662,11 @@ class Scheduler:
         computes_previous = out.step > 0 or (plan is not None and plan.speculative)
         rids, tokens, finished = [], [], []
         logprobs: list[Logprob] = []
-        requests = self.requests
+        requests, running = self.requests, Status.RUNNING  # (an Enum member lookup is slow on 3.11)
+        eos_token_ids, max_model_len, out_logprobs = self.eos_token_ids, self.max_model_len, out.logprobs
         for i, (rid, token) in enumerate(zip(out.rids, out.token_ids, strict=True)):
             req = requests.get(rid)
-            if req is None or not (req.status is Status.RUNNING
+            if req is None or not (req.status is running
                                    or (req.status is Status.PAUSED and plan is not None and rid in plan.rids)):
                 continue  # finished or preempted while the plan ran: its tokens are void
             if computes_previous:
@@ -658,9 +675,9 @@ class Scheduler:
                 self.queue.charge(req.user, 1)
             rids.append(rid)
             tokens.append(token)
-            if out.logprobs:
-                logprobs.append(out.logprobs[i])
-            reason = req.add_output(token, self.eos_token_ids, self.max_model_len)
+            if out_logprobs:
+                logprobs.append(out_logprobs[i])
+            reason = req.add_output(token, eos_token_ids, max_model_len)
             if reason is not None:
                 self._detach(req)
                 finished.append(self._finish(req, reason))
@@ -668,7 +685,7 @@ class Scheduler:
             plan.steps_seen = out.step + 1
             if out.last:
                 del self.in_flight[out.plan_id]
-        return TokenBatch(rids, tokens, finished, logprobs if out.logprobs else None)
+        return TokenBatch(rids, tokens, finished, logprobs if out_logprobs else None)
 
     # ------------------------------------------------------------------ helpers
 
