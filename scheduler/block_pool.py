@@ -4,9 +4,9 @@ Invariants:
 * every block id in ``range(num_blocks)`` is either free (ref count 0, in ``_free``) or held;
 * a request's block table owns one reference per block; blocks shared through the prefix cache
   have one reference per request holding them;
-* a full block whose KV has been computed may be cached: ``_by_link`` finds it — held or free —
-  by its link (its parent's key and its tokens, see ``scheduler.request``) until it is reused for
-  other tokens, and ``_cached`` has its link and key. (A link is 32 + 8 x block size bytes:
+* a full block whose KV has been computed may be cached: ``_by_link`` finds it and its key — held
+  or free — by its link (its parent's key and its tokens, see ``scheduler.request``) until it is
+  reused for other tokens; ``_cached`` has its link. (A link is 32 + 8 x block size bytes:
   160 at block size 16, kept for cached blocks only. Keying the lookup by the sha256 key instead
   would need every prompt block hashed to find a hit.)
 
@@ -33,8 +33,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._refs = [0] * num_blocks
-        self._by_link: dict[bytes, int] = {}
-        self._cached: dict[int, tuple[bytes, bytes]] = {}  # block -> (link, key)
+        self._by_link: dict[bytes, tuple[int, bytes]] = {}  # link -> (block, key)
+        self._cached: dict[int, bytes] = {}  # block -> link
         self.queries = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # of which found
 
@@ -84,11 +84,9 @@ class BlockPool:
     # ------------------------------------------------------------------ prefix cache
 
     def lookup(self, link: bytes) -> tuple[int, bytes] | None:
-        """The cached block ``link`` finds (held or free, not yet taken) and its key."""
-        if not self.enable_caching:
-            return None
-        block = self._by_link.get(link)
-        return None if block is None else (block, self._cached[block][1])
+        """The cached block ``link`` finds (held or free, not yet taken) and its key. (Nothing
+        is found without caching: nothing is registered.)"""
+        return self._by_link.get(link)
 
     def num_free_among(self, blocks: list[int]) -> int:
         refs = self._refs
@@ -105,8 +103,8 @@ class BlockPool:
     def register(self, block: int, link: bytes, key: bytes) -> None:
         """``block`` now holds the computed KV of the full block with this link and key."""
         if self.enable_caching and link not in self._by_link and block not in self._cached:
-            self._by_link[link] = block
-            self._cached[block] = (link, key)
+            self._by_link[link] = (block, key)
+            self._cached[block] = link
 
     def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
         self.queries += queried_tokens
@@ -122,6 +120,6 @@ class BlockPool:
         return dropped
 
     def _evict(self, block: int) -> None:
-        entry = self._cached.pop(block, None)
-        if entry is not None and self._by_link.get(entry[0]) == block:
-            del self._by_link[entry[0]]
+        link = self._cached.pop(block, None)
+        if link is not None and self._by_link[link][0] == block:
+            del self._by_link[link]

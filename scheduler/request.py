@@ -118,15 +118,15 @@ class Request:
         links; their keys are the pool's, so no sha256 is computed here."""
         keys, tokens, pack = self.block_keys, self.token_ids, _block_packer(block_size)
         found: list[int] = []
-        for i in range(len(tokens) // block_size):
-            parent = keys[i - 1] if i else ROOT_KEY
-            hit = pool.lookup(parent + pack(*tokens[i * block_size : (i + 1) * block_size]))
+        parent = ROOT_KEY
+        for start in range(0, len(tokens) - block_size + 1, block_size):
+            hit = pool.lookup(parent + pack(*tokens[start : start + block_size]))
             if hit is None:
                 break
-            block, key = hit
-            if i == len(keys):
-                keys.append(key)
+            block, parent = hit
             found.append(block)
+            if len(found) > len(keys):
+                keys.append(parent)
         return found
 
     def block_links(self, first: int, last: int, block_size: int) -> list[bytes]:
