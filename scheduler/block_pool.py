@@ -26,6 +26,8 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockPool:
+    __slots__ = ("_by_link", "_cached", "_free", "_refs", "enable_caching", "hits", "num_blocks", "queries")
+
     def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")

@@ -40,6 +40,7 @@ POLICIES: dict[str, Callable[[Request], OrderKey]] = {
 class WaitingQueue:
     """One heap ordered by the policy's key. ``charge`` is a no-op: only ``fair`` counts service."""
 
+    __slots__ = ("_heap", "_live", "_pushes", "key")
     counts_service = False  # whether ``charge`` does anything: the scheduler skips it per row if not
 
     def __init__(self, policy: str) -> None:
@@ -98,6 +99,7 @@ class FairQueue:
     minimum, so past idleness is not banked as credit against busy users.
     """
 
+    __slots__ = ("_queues", "_service", "_where", "key")
     counts_service = True
 
     def __init__(self, policy: str = "fair") -> None:

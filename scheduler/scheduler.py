@@ -42,6 +42,7 @@ from protocol.messages import (
     StepTokens,
     TokenBatch,
 )
+from protocol.stop import length_reached
 from scheduler.block_pool import BlockPool
 from scheduler.queues import make_queue
 from scheduler.request import Request, Status
@@ -635,8 +636,8 @@ class Scheduler:
             if req is None or req.status is not Status.RUNNING:
                 continue
             known = len(req.token_ids) + ahead
-            if req.num_outputs + ahead >= req.sampling.max_tokens or known >= self.max_model_len:
-                continue
+            if length_reached(req.num_outputs + ahead, known, req.sampling, self.max_model_len):
+                continue  # the current window's last token surely ends it
             cover = min(known - 1 + steps, req.max_total_tokens(self.max_model_len))
             rows.append(req)
             wants.append(max(0, self._blocks_for(cover) - len(req.blocks)))
