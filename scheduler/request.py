@@ -108,9 +108,9 @@ class Request:
     def add_output(self, token: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> str | None:
         """Append a sampled token; the finish reason it triggers, if any: ``protocol.stop``'s
         rule, the worker's too."""
-        tokens = self.token_ids
-        tokens.append(token)
-        return stop_reason(token, len(tokens) - self.num_prompt_tokens, len(tokens), self.sampling, eos_token_ids,
+        self.token_ids.append(token)
+        num_tokens = len(self.token_ids)
+        return stop_reason(token, num_tokens - self.num_prompt_tokens, num_tokens, self.sampling, eos_token_ids,
                            max_model_len)
 
     def cached_prefix(self, pool: BlockPool, block_size: int) -> list[int]:

@@ -327,10 +327,11 @@ class Scheduler:
         """Give running ``req`` ``need`` more blocks, preempting less urgent running requests not
         in this step if the pool is short. If even that is not enough, ``req`` is preempted
         itself and False returned."""
-        less_urgent = self._less_urgent_than(req)
-        if not self._make_room(need, (), step, req, lambda r: not step.has(r) and less_urgent(r)):
-            self._preempt(req, step)
-            return False
+        if need > self.pool.num_free:  # short: only now is it worth building the victim filter
+            less_urgent = self._less_urgent_than(req)
+            if not self._make_room(need, (), step, req, lambda r: not step.has(r) and less_urgent(r)):
+                self._preempt(req, step)
+                return False
         req.blocks.extend(self.pool.allocate(need))
         return True
 
