@@ -33,15 +33,11 @@ ROOT_KEY = b""
 _INT64_BYTES = 8
 
 
-def _pack(tokens: list[int]) -> bytes:
-    return struct.pack(f"<{len(tokens)}q", *tokens)
-
-
 @functools.cache
-def _block_packer(block_size: int) -> Callable[..., bytes]:
-    """``_pack`` for one block, its format compiled once (building it per block costs more than
-    the packing)."""
-    return struct.Struct(f"<{block_size}q").pack
+def _packer(num_tokens: int) -> Callable[..., bytes]:
+    """Packs ``num_tokens`` token ids, its format compiled once (compiling it each time costs
+    more than packing a block). Only whole blocks are packed: a few hundred lengths at most."""
+    return struct.Struct(f"<{num_tokens}q").pack
 
 
 class Status(enum.Enum):
@@ -116,7 +112,7 @@ class Request:
     def cached_prefix(self, pool: BlockPool, block_size: int) -> list[int]:
         """The pool's blocks holding the longest cached prefix of these tokens, found by their
         links; their keys are the pool's, so no sha256 is computed here."""
-        keys, tokens, pack = self.block_keys, self.token_ids, _block_packer(block_size)
+        keys, tokens, pack = self.block_keys, self.token_ids, _packer(block_size)
         found: list[int] = []
         parent = ROOT_KEY
         for start in range(0, len(tokens) - block_size + 1, block_size):
@@ -134,7 +130,8 @@ class Request:
         not known yet are computed, so ``block_keys`` then covers at least ``last`` blocks."""
         keys = self.block_keys
         start = min(first, len(keys))
-        packed = _pack(self.token_ids[start * block_size : last * block_size])
+        tokens = self.token_ids[start * block_size : last * block_size]
+        packed = _packer(len(tokens))(*tokens)
         width, sha256 = block_size * _INT64_BYTES, hashlib.sha256  # a local: the loop is hot
         links = []
         for i in range(start, last):

@@ -311,8 +311,8 @@ class Scheduler:
         return len(step.rows) >= self.config.max_num_seqs
 
     def _continue(self, req: Request, n: int, step: _Step) -> None:
-        """Schedule ``n`` more tokens of a running request, preempting to make room if needed.
-        Most calls (a decode with room left in its last block) need no block: nothing else runs."""
+        """Schedule ``n`` more tokens of a running request, preempting to make room if it needs
+        blocks the pool does not have."""
         if req.status is not Status.RUNNING or self._seats_full(step):
             return
         n = min(n, step.budget)
