@@ -55,7 +55,7 @@ class _Step:
     the worker makes before the forward pass. ``rows`` maps each row's request to the tokens it
     computes, in the order scheduled: membership, a row's tokens and dropping a row are O(1)."""
 
-    __slots__ = ("budget", "copies", "rows", "swap_in", "swap_out")
+    __slots__ = ("budget", "copies", "copy_sources", "rows", "swap_in", "swap_out")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -63,6 +63,9 @@ class _Step:
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
         self.copies: list[tuple[int, int]] = []
+        # Copy-on-write sources held for the step: the worker copies after its swap-ins, so a
+        # source another admission could allocate (as a swap-in target) must stay taken.
+        self.copy_sources: list[int] = []
 
     def add(self, req: Request, num_tokens: int) -> None:
         self.rows[req] = num_tokens
@@ -393,21 +396,23 @@ class Scheduler:
         if n <= 0:
             return False
         # Prefix hits are taken, not allocated: blocks among them that are free now (or that a
-        # victim frees) do not count towards the free blocks the rest needs.
+        # victim frees) do not count towards the free blocks the rest needs. A fully cached
+        # prompt keeps all but its last hit, whose block is copied (so held for the step too).
         keep = hit[:-1] if cow else hit
         need = self._blocks_for(cached + n) - len(keep)
-        short_of_blocks = need > self._free_outside(keep)  # preempting seat victims only adds room
-        if short_of_blocks and (eligible is None or not self._could_free(need, keep, eligible)):
+        short_of_blocks = need > self._free_outside(hit)  # preempting seat victims only adds room
+        if short_of_blocks and (eligible is None or not self._could_free(need, hit, eligible)):
             return False
         for victim in victims:
             self._preempt(victim, step)
-        if short_of_blocks and not self._make_room(need, keep, step, req, eligible or (lambda r: False)):
+        if short_of_blocks and not self._make_room(need, hit, step, req, eligible or (lambda r: False)):
             raise AssertionError(f"request {req.request_id}: admission checked feasible, then short of blocks")
         self.queue.remove(req.rid)
-        self.pool.take(keep)
+        self.pool.take(hit)
         new = self.pool.allocate(need)
         if cow:
             step.copies.append((hit[-1], new[0]))
+            step.copy_sources.append(hit[-1])
         if req.is_swapped:
             assert self.host_pool is not None
             step.swap_in.extend(zip(req.host_blocks, new, strict=False))
@@ -519,6 +524,9 @@ class Scheduler:
         swappable = not step.has(req) and req.num_computed > 0
         self.running.remove(req)
         step.drop(req)
+        if step.copies:  # a copy into its blocks must not land in their next owner's
+            mine = set(req.blocks)
+            step.copies = [(src, dst) for src, dst in step.copies if dst not in mine]
         if req.on_worker:
             self._forget.append(req.rid)
         host = self.host_pool
@@ -589,6 +597,7 @@ class Scheduler:
                 self._release_held(req)
             if counts_service:
                 self.queue.charge(req.user, n)
+        self.pool.free(step.copy_sources)  # the copies are in the plan: later plans run after them
         self._next_plan_id += 1
         self.num_steps_run += steps
         self.in_flight[self._next_plan_id] = _PlanInFlight(rids, steps, speculative=False)

@@ -39,7 +39,7 @@ ops = st.lists(
     st.one_of(
         st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(-2, 2)),
         # One shared system prompt + a suffix of the request's own: prefix hits across priorities.
-        st.tuples(st.just("shared"), st.sampled_from([8, 16, 24]), st.integers(1, 24), st.integers(1, 8),
+        st.tuples(st.just("shared"), st.sampled_from([8, 16, 24]), st.integers(0, 24), st.integers(1, 8),
                   st.integers(-2, 2)),
         st.tuples(st.just("choices"), st.integers(1, 40), st.integers(1, 8), st.integers(-2, 2), st.integers(2, 3)),
         st.tuples(st.just("abort"), st.integers(0, 30)),
