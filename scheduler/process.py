@@ -184,12 +184,11 @@ class SchedulerProcess:
         if rid is None or self.core is None or rid not in self.core.requests:
             return
         try:
-            req = self.core.requests[rid]
             plans = self.core.plans_with(rid)
-            self.core._detach(req)
-            finish = self.core._finish(req, FinishReason.ERROR, "internal scheduler error (logged); request ended")
+            finish = self.core.abort(rid, FinishReason.ERROR, "internal scheduler error (logged); request ended")
             self._cancel_in_flight(plans, [rid], forget=True)
-            self._to_owners(TokenBatch([], [], [finish]))
+            if finish is not None:
+                self._to_owners(TokenBatch([], [], [finish]))
         except Exception:
             log.exception("INTERNAL ERROR ending rid %s after a failed handler", rid)
 
@@ -247,15 +246,13 @@ class SchedulerProcess:
                       "core (%d internal errors so far)", self.internal_errors)
         core = self.core
         assert core is not None and self.model is not None
-        finishes = []
-        for req in list(core.requests.values()):
-            with contextlib.suppress(Exception):
-                core._detach(req)
-            finishes.append(Finish(req.rid, FinishReason.ERROR, req.num_prompt_tokens, 0, req.num_outputs,
-                                   "internal scheduler error (logged); request ended"))
-        forget = [r.rid for r in core.requests.values() if r.on_worker] + core._forget
-        self.core = self._new_core(self.model)
-        self.core._forget = forget
+        message = "internal scheduler error (logged); request ended"
+        # Built from the request table alone: the core's other structures may be what broke.
+        finishes = [Finish(r.rid, FinishReason.ERROR, r.num_prompt_tokens, 0, r.num_outputs, message)
+                    for r in core.requests.values()]
+        forget = core.rids_on_worker()
+        self.core = self._new_core(self.model, first_plan_id=core.last_plan_id)
+        self.core.forget_on_worker(forget)
         self._to_owners(TokenBatch([], [], finishes))
 
     def _send_to(self, frontend: bytes, msg: object) -> None:
@@ -467,8 +464,9 @@ class SchedulerProcess:
         self.failure = None
         log.info("workers ready: %s, %d KV blocks of %d tokens", info.name, info.num_kv_blocks, info.block_size)
 
-    def _new_core(self, info: ModelInfo) -> Scheduler:
-        return Scheduler(self.config, info.num_kv_blocks, info.block_size, info.max_model_len, info.eos_token_ids)
+    def _new_core(self, info: ModelInfo, first_plan_id: int = 0) -> Scheduler:
+        return Scheduler(self.config, info.num_kv_blocks, info.block_size, info.max_model_len, info.eos_token_ids,
+                         first_plan_id)
 
     def on_heartbeat(self, msg: WorkerHeartbeat) -> None:
         now = time.monotonic()

@@ -91,7 +91,7 @@ class _PlanInFlight:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int,
-                 eos_token_ids: list[int]) -> None:
+                 eos_token_ids: list[int], first_plan_id: int = 0) -> None:
         self.config = config
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -115,7 +115,7 @@ class Scheduler:
         # with their rows. Those rows' tokens count even if they were paused meanwhile: the
         # worker stops them at its next step boundary, not at once.
         self.in_flight: dict[int, _PlanInFlight] = {}
-        self._next_plan_id = 0
+        self._next_plan_id = first_plan_id  # a core replacing another goes on from its plan ids
         self.paused = False
         self.num_preemptions = 0
         self.num_swaps = 0
@@ -151,12 +151,26 @@ class Scheduler:
         for held in self._held.pop(req.rid, []):
             self.queue.push(held)
 
-    def abort(self, rid: int) -> Finish | None:
+    def abort(self, rid: int, reason: str = FinishReason.ABORT, message: str = "") -> Finish | None:
+        """End a live request now (a client or an operator aborted it; ``reason`` ERROR: the
+        engine could not go on with it); None if it is not live."""
         req = self.requests.get(rid)
         if req is None:
             return None
         self._detach(req)
-        return self._finish(req, FinishReason.ABORT)
+        return self._finish(req, reason, message)
+
+    @property
+    def last_plan_id(self) -> int:
+        return self._next_plan_id
+
+    def rids_on_worker(self) -> list[int]:
+        """Requests whose state the worker holds or has yet to be told to drop."""
+        return [r.rid for r in self.requests.values() if r.on_worker] + self._forget
+
+    def forget_on_worker(self, rids: list[int]) -> None:
+        """Have the next plan tell the worker to drop these requests' state."""
+        self._forget.extend(rids)
 
     def _detach(self, req: Request) -> None:
         """Take ``req`` out of whichever collection holds it."""

@@ -20,6 +20,7 @@ from protocol.messages import (
     Pong,
     SamplingParams,
     SetPriority,
+    StepPlan,
     TokenBatch,
     WorkerReady,
 )
@@ -29,6 +30,7 @@ from protocol.transport import (
     frontend_identity,
     make_socket,
     scheduler_frontend_codec,
+    worker_codec,
 )
 from scheduler.process import SchedulerProcess
 
@@ -77,5 +79,37 @@ def test_a_handler_that_raises_ends_its_request_and_the_process_goes_on(schedule
             pass
         assert msg.stats is not None and msg.stats["internal_errors"] == 1
         assert scheduler.core is not None and set(scheduler.core.requests) == {2}  # the other one is untouched
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_failure_inside_the_core_ends_live_requests_and_a_clean_core_goes_on(scheduler: SchedulerProcess,
+                                                                                 tmp_path: Path) -> None:
+    assert scheduler.core is not None
+
+    def injected_bug() -> None:
+        raise RuntimeError("injected")
+
+    scheduler.core.schedule = injected_bug  # type: ignore[method-assign,assignment]
+    ctx: zmq.Context[Any] = zmq.Context()
+    ep = Endpoints.from_base(f"ipc://{tmp_path}/sched")
+    identity = frontend_identity(9)
+    push = make_socket(ctx, zmq.DEALER, ep.frontend_to_scheduler, bind=False, identity=identity)
+    pull = make_socket(ctx, zmq.DEALER, ep.scheduler_to_frontend, bind=False, identity=identity)
+    worker_inbox = make_socket(ctx, zmq.PULL, ep.scheduler_to_worker, bind=False)  # stands in for a worker
+    for sock in (pull, worker_inbox):
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    send, decode = scheduler_frontend_codec().encode, frontend_codec().decode
+    try:
+        push.send(send(Ping(0.0)))  # registers this frontend's return route first
+        while not isinstance(decode(pull.recv()), Pong):
+            pass
+        push.send(send(AddRequest(1, "r1", [5, 6, 7], SamplingParams(max_tokens=4))))
+        while not isinstance(msg := decode(pull.recv()), TokenBatch) or not msg.finished:
+            pass
+        assert msg.finished[0].rid == 1 and msg.finished[0].reason == "error"
+        push.send(send(AddRequest(2, "r2", [5, 6, 8], SamplingParams(max_tokens=4))))
+        plan = worker_codec().decode(worker_inbox.recv())
+        assert isinstance(plan, StepPlan) and plan.rids == [2]
     finally:
         ctx.destroy(linger=0)
