@@ -27,7 +27,11 @@ async def health(request: Request) -> Response:
     state: AppState = request.app.state.sluice
     if state.client.healthy:
         return JSONResponse({"status": "ok"})
-    reason = state.client.engine_error or "scheduler or worker not answering"
+    client = state.client
+    if not client.scheduler_alive:
+        reason = "the scheduler is not answering"
+    else:
+        reason = client.engine_error or client.unhealthy_reason or "no worker is ready"
     return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
 
 

@@ -86,6 +86,9 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        help="seat caps per priority class: 5:32 = requests with priority >= 5 hold at most "
                             "32 batch seats (a capped request waits; default: no caps)")
         p.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
+        p.add_argument("--max-worker-restarts", type=int, default=3,
+                       help="worker losses survived: each time, live requests are recomputed on the restarted "
+                            "worker and their streams continue; past this, they end with an error")
         _bool_flag(p, "--enable-prefix-caching", True, "reuse KV blocks of identical prompt prefixes")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 

@@ -109,6 +109,7 @@ class EngineClient:
         self.workers_alive = False
         self.stats: dict[str, Any] | None = None  # the scheduler's latest snapshot (from Pong)
         self.engine_error: str | None = None
+        self.unhealthy_reason = ""  # the scheduler's word on why workers are not serving
         self._last_pong = 0.0
         self._handlers: dict[type, Callable[[Any], None]] = {
             TokenBatch: self._on_tokens,
@@ -144,8 +145,11 @@ class EngineClient:
 
     @property
     def healthy(self) -> bool:
-        scheduler_alive = time.monotonic() - self._last_pong < SCHEDULER_TIMEOUT_S
-        return scheduler_alive and self.workers_alive and self.engine_error is None
+        return self.scheduler_alive and self.workers_alive and self.engine_error is None
+
+    @property
+    def scheduler_alive(self) -> bool:
+        return time.monotonic() - self._last_pong < SCHEDULER_TIMEOUT_S
 
     @property
     def num_live(self) -> int:
@@ -228,14 +232,16 @@ class EngineClient:
                 log.exception("failed to handle %s from the scheduler", type(msg).__name__)
 
     async def _ping_loop(self) -> None:
-        was_healthy = False
+        was_alive = False
         while True:
             await self._send(Ping(time.time(), need_model=self.model is None))
             await asyncio.sleep(PING_INTERVAL_S)
-            healthy = self.healthy
-            if was_healthy and not healthy and self.engine_error is None:
+            # Only a silent scheduler ends the streams here: while a lost worker is restarted,
+            # the scheduler keeps their requests and recomputes them.
+            alive = self.scheduler_alive
+            if was_alive and not alive and self.engine_error is None:
                 self._fail_all("the scheduler stopped answering")
-            was_healthy = healthy
+            was_alive = alive
 
     def _on_tokens(self, batch: TokenBatch) -> None:
         streams = self._streams
@@ -268,6 +274,7 @@ class EngineClient:
             self._fail_all("the scheduler restarted; the request was lost")
         self._scheduler_epoch = pong.scheduler_epoch
         self.workers_alive = pong.workers_alive
+        self.unhealthy_reason = pong.unhealthy_reason
         if self.engine_error is not None and pong.ready and pong.workers_alive:
             log.info("engine recovered (was: %s)", self.engine_error)
             self.engine_error = None

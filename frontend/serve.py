@@ -1,5 +1,10 @@
 """Running the frontend under uvicorn, and ``sluice serve``: scheduler and worker as children.
 
+Once the engine is ready, a child that exits is started again after a backoff (0.5 s, doubling
+to 8 s): a worker up to ``--max-worker-restarts`` times (the scheduler recomputes its live
+requests on the new one, so their streams continue), the scheduler up to
+``SCHEDULER_RESTARTS`` times (frontend and worker find the new one by themselves).
+
 Shutdown order on Ctrl-C / SIGTERM: uvicorn stops accepting and closes streams (at most
 ``GRACEFUL_S``), then the children get SIGTERM, then SIGKILL after ``CHILD_STOP_S`` — all well
 inside the 5 s SPEC allows. Children also get SIGTERM from the kernel if this process dies
@@ -48,8 +53,28 @@ def _uvicorn_config(app: Starlette, config: FrontendConfig) -> uvicorn.Config:
 
 
 STARTUP_POLL_S = 0.25
-NamedChild = tuple[str, "subprocess.Popen[bytes]"]
 CHILD_EXIT_GRACE_S = 2.0  # a child that failed to load has usually told the scheduler why
+SCHEDULER_RESTARTS = 10
+SUPERVISE_POLL_S = 0.1
+
+
+@dataclasses.dataclass
+class Child:
+    """A component process of ``sluice serve``, and what it takes to start it again."""
+
+    name: str
+    module: str
+    config: object
+    max_restarts: int
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    given_up: bool = False
+
+    def start(self) -> None:
+        self.proc = _spawn(self.module, self.config)
+
+    def exited(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
 
 
 class _Startup:
@@ -57,7 +82,7 @@ class _Startup:
     (the worker failed to load, a child process exited) — one line saying why, and stops the
     server with status 1. A failure after start-up keeps serving /health (503) instead."""
 
-    def __init__(self, app: Starlette, config: FrontendConfig, children: Sequence[NamedChild]) -> None:
+    def __init__(self, app: Starlette, config: FrontendConfig, children: Sequence[Child]) -> None:
         self.app = app
         self.config = config
         self.children = children
@@ -89,16 +114,36 @@ class _Startup:
             if client.engine_error is not None:
                 self._fail(client.engine_error)
                 return
-            dead = [(name, c) for name, c in self.children if c.poll() is not None]
+            dead = [c for c in self.children if c.exited() is not None]
             if dead:
                 now = time.monotonic()
                 exited_at = exited_at or now
                 if now - exited_at >= CHILD_EXIT_GRACE_S:
-                    name, child = dead[0]
-                    self._fail(f"the {name} process exited with status {child.returncode} "
+                    self._fail(f"the {dead[0].name} process exited with status {dead[0].exited()} "
                                "before the engine was ready")
                     return
         print(f"Sluice is serving {state.model_name} at http://{self.config.host}:{self.config.port}", flush=True)
+        await self._supervise()
+
+    async def _supervise(self) -> None:
+        """Start again a child that exits after start-up, with backoff, within its budget."""
+        while True:
+            await asyncio.sleep(SUPERVISE_POLL_S)
+            for child in self.children:
+                status = child.exited()
+                if status is None or child.given_up:
+                    continue
+                if child.restarts >= child.max_restarts:
+                    child.given_up = True
+                    log.error("the %s process exited with status %s; not starting it again (%d restarts used)",
+                              child.name, status, child.restarts)
+                    continue
+                delay = min(8.0, 0.5 * 2**child.restarts)
+                child.restarts += 1
+                log.warning("the %s process exited with status %s; starting it again in %.1f s (restart %d of %d)",
+                            child.name, status, delay, child.restarts, child.max_restarts)
+                await asyncio.sleep(delay)
+                child.start()
 
     def _fail(self, message: str) -> None:
         print(f"sluice: error: {message}", file=sys.stderr, flush=True)
@@ -111,7 +156,7 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def run_frontend(config: FrontendConfig, children: Sequence[NamedChild] = ()) -> int:
+def run_frontend(config: FrontendConfig, children: Sequence[Child] = ()) -> int:
     """Serve HTTP until a signal (0) or an engine that fails to start (1); returns the status."""
     # uvicorn handles SIGINT/SIGTERM itself, then restores these handlers and re-raises the
     # signal; with the defaults that would kill the process before ``serve`` stops its children.
@@ -141,11 +186,12 @@ def _spawn(module: str, config: object) -> subprocess.Popen[bytes]:
     )
 
 
-def _stop(children: list[subprocess.Popen[bytes]]) -> None:
+def _stop(children: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Stop the children in order (the scheduler first: it tells the workers to shut down, so
+    none of them is mistaken for a lost worker on the way out)."""
     for child in children:
         if child.poll() is None:
             child.terminate()
-    for child in children:
         try:
             child.wait(timeout=CHILD_STOP_S)
         except subprocess.TimeoutExpired:
@@ -162,12 +208,13 @@ def serve(frontend: FrontendConfig, scheduler: SchedulerConfig, worker: WorkerCo
     frontend = dataclasses.replace(frontend, address=address)
     scheduler = dataclasses.replace(scheduler, address=address)
     worker = dataclasses.replace(worker, address=address, served_model_name=frontend.served_model_name)
-    children: list[NamedChild] = []
+    children = [Child("scheduler", "scheduler", scheduler, SCHEDULER_RESTARTS)]
+    children += [Child(f"worker {rank}", "worker", dataclasses.replace(worker, rank=rank), scheduler.max_worker_restarts)
+                 for rank in range(worker.tensor_parallel_size)]
     try:
-        children.append(("scheduler", _spawn("scheduler", scheduler)))
-        for rank in range(worker.tensor_parallel_size):
-            children.append((f"worker {rank}", _spawn("worker", dataclasses.replace(worker, rank=rank))))
+        for child in children:
+            child.start()
         return run_frontend(frontend, children)
     finally:
-        _stop([child for _, child in children])
+        _stop([child.proc for child in children if child.proc is not None])
         shutil.rmtree(sock_dir, ignore_errors=True)

@@ -45,6 +45,9 @@ class SchedulerConfig:
     num_host_blocks: int = 0  # swap space, in blocks; 0 = same count as the device cache
     # Seat caps per priority class: {P: N} = requests with priority >= P hold at most N seats.
     max_num_seqs_per_priority: dict[int, int] = dataclasses.field(default_factory=dict)
+    # Worker losses survived (live requests recomputed on the restarted worker); past this many,
+    # requests end with an error. ``sluice serve`` restarts its worker as often.
+    max_worker_restarts: int = 3
     tensor_parallel_size: int = 1
     log_level: str = "info"
 
@@ -58,6 +61,8 @@ class SchedulerConfig:
                                   f"positive integer, got {n!r}")
         _positive("--max-num-batched-tokens", self.max_num_batched_tokens)
         _positive("--min-concurrent-prefills", self.min_concurrent_prefills)
+        if self.max_worker_restarts < 0:
+            raise ConfigError("--max-worker-restarts must be >= 0")
         _positive("--num-scheduler-steps", self.num_scheduler_steps)
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
         if self.tensor_parallel_size > 1:

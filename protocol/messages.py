@@ -220,6 +220,7 @@ class Pong(msgspec.Struct, tag=True, array_like=True):
     ready: bool
     stats: dict[str, float | int | bool | None] | None = None
     scheduler_epoch: int = 0
+    unhealthy_reason: str = ""  # why workers are not serving (a failure, a worker being restarted)
 
 
 class QueryReply(msgspec.Struct, tag=True, array_like=True):

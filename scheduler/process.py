@@ -30,6 +30,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from protocol.config import SchedulerConfig
 from protocol.messages import (
@@ -71,6 +72,8 @@ WORKER_TIMEOUT_S = 5.0
 FRONTEND_TIMEOUT_S = 5.0
 ANNOUNCE_INTERVAL_S = 1.0  # how often an unknown worker is asked to announce itself
 MALFORMED_LOG_INTERVAL_S = 10.0
+# How long live requests wait for a lost worker to come back before they end with an error.
+WORKER_RESTART_WAIT_S = 60.0
 
 
 class SchedulerProcess:
@@ -83,9 +86,13 @@ class SchedulerProcess:
         self.to_frontend = make_socket(self.ctx, zmq.ROUTER, ep.scheduler_to_frontend, bind=True)
         self.from_workers = make_socket(self.ctx, zmq.PULL, ep.worker_to_scheduler, bind=True)
         self.to_workers = make_socket(self.ctx, zmq.PUSH, ep.scheduler_to_worker, bind=True)
+        # A worker process that dies drops its connection at once: this is how its loss is
+        # noticed within milliseconds (heartbeats only catch a worker that hangs).
+        self.worker_links = self.to_workers.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.poller = zmq.Poller()
         self.poller.register(self.from_frontend, zmq.POLLIN)
         self.poller.register(self.from_workers, zmq.POLLIN)
+        self.poller.register(self.worker_links, zmq.POLLIN)
         self.frontend_codec = scheduler_frontend_codec()
         self.worker_codec = scheduler_worker_codec()
         self.core: Scheduler | None = None
@@ -102,6 +109,10 @@ class SchedulerProcess:
         self.plans_in_flight: list[int] = []  # oldest first; a second one is speculative
         self.cut_short: set[int] = set()  # speculative plans called off
         self.failure: str | None = None
+        # A worker was lost and its requests wait to be recomputed on the next one (the reason).
+        self.outage: str | None = None
+        self._outage_since = 0.0
+        self.worker_losses = 0
         self.stopping = False
         # Cache resets wait for the plan in flight to end. Everything else acts at once, in the
         # order it arrived (aborts and pauses also reach the worker: ``_cancel_in_flight``).
@@ -139,6 +150,8 @@ class SchedulerProcess:
                     self._drain(self.from_workers, self.worker_codec, routed=False)
                 if self.from_frontend in ready:
                     self._drain(self.from_frontend, self.frontend_codec, routed=True)
+                if self.worker_links in ready:
+                    self._on_worker_link_event()
                 self._check_workers()
                 self._check_frontends()
                 if not self.plans_in_flight and self.deferred:
@@ -194,7 +207,7 @@ class SchedulerProcess:
 
     def _can_send_plan(self) -> bool:
         return (self.core is not None and not self.plans_in_flight and self.failure is None
-                and self.core.has_work)
+                and self.outage is None and self.core.has_work)
 
     def _send_plan(self) -> None:
         assert self.core is not None
@@ -231,7 +244,8 @@ class SchedulerProcess:
         for _ in self.ready_ranks:
             with contextlib.suppress(zmq.Again):  # a worker already gone needs no goodbye
                 self.to_workers.send(shutdown, zmq.NOBLOCK)
-        for sock in (self.from_frontend, self.to_frontend, self.from_workers, self.to_workers):
+        self.to_workers.disable_monitor()
+        for sock in (self.worker_links, self.from_frontend, self.to_frontend, self.from_workers, self.to_workers):
             sock.close(linger=0)
         self.ctx.term()
         log.info("scheduler stopped")
@@ -369,7 +383,8 @@ class SchedulerProcess:
 
     def on_ping(self, msg: Ping) -> None:
         ready = self.model is not None and self.failure is None
-        self._reply(Pong(msg.sent_at, self._workers_alive(), ready, self._stats(), self.epoch))
+        self._reply(Pong(msg.sent_at, self._workers_alive(), ready, self._stats(), self.epoch,
+                         self.failure or self.outage or ""))
         if msg.need_model and ready:
             assert self.model is not None
             self._reply(EngineReady(self.model))
@@ -452,17 +467,26 @@ class SchedulerProcess:
         self.ready_ranks[msg.rank] = msg.model
         if len(self.ready_ranks) < self.config.tensor_parallel_size:
             return
-        if self.core is not None and self.core.requests:
-            # A worker (re)announced itself with an empty state: what it held is gone.
-            finishes = self.core.finish_all(FinishReason.ERROR, f"worker {msg.rank} restarted")
-            self._to_owners(TokenBatch([], [], finishes))
         info = self.ready_ranks.get(0, msg.model)
+        core = self.core
+        if core is not None and core.requests and (info.num_kv_blocks, info.block_size) == (
+                core.pool.num_blocks, core.block_size):
+            # A worker came back (or announced itself again) with an empty state: every live
+            # request is recomputed from its prompt and the tokens it has streamed.
+            if self.outage is None:
+                core.recompute_all()
+            log.info("workers ready again: %s; %d live requests resume (recomputed)", info.name, len(core.requests))
+        else:
+            if core is not None and core.requests:
+                finishes = core.finish_all(FinishReason.ERROR, "the worker came back with a different KV cache")
+                self._to_owners(TokenBatch([], [], finishes))
+            self.core = self._new_core(info)
+            log.info("workers ready: %s, %d KV blocks of %d tokens", info.name, info.num_kv_blocks, info.block_size)
         self.model = info
-        self.core = self._new_core(info)
         self.plans_in_flight = []
         self.cut_short.clear()
         self.failure = None
-        log.info("workers ready: %s, %d KV blocks of %d tokens", info.name, info.num_kv_blocks, info.block_size)
+        self.outage = None
 
     def _new_core(self, info: ModelInfo, first_plan_id: int = 0) -> Scheduler:
         return Scheduler(self.config, info.num_kv_blocks, info.block_size, info.max_model_len, info.eos_token_ids,
@@ -481,7 +505,38 @@ class SchedulerProcess:
                     self.to_workers.send(data, zmq.NOBLOCK)
 
     def on_worker_failed(self, msg: WorkerFailed) -> None:
-        self._fail(f"worker {msg.rank} failed: {msg.message}")
+        reason = f"worker {msg.rank} failed: {msg.message}"
+        if msg.rank in self.ready_ranks:
+            self._worker_lost(reason)
+        else:
+            self._fail(reason)  # it never came up: nothing to wait for
+
+    def _on_worker_link_event(self) -> None:
+        while self.worker_links.poll(0):
+            event = recv_monitor_message(self.worker_links)
+            if event["event"] == zmq.EVENT_DISCONNECTED and self.ready_ranks:
+                self._worker_lost("the worker's connection dropped (its process exited or was killed)")
+
+    def _worker_lost(self, reason: str) -> None:
+        """A ready worker is gone with every KV block it held. Live requests wait in line to be
+        recomputed on the next worker that announces itself (``sluice serve`` restarts it; a
+        container restart policy does the same for separately run components) — up to
+        ``--max-worker-restarts`` losses, and ``WORKER_RESTART_WAIT_S`` each."""
+        if self.outage is not None or self.failure is not None or self.core is None:
+            return
+        self.worker_losses += 1
+        limit = self.config.max_worker_restarts
+        if self.worker_losses > limit:
+            self._fail(f"{reason}; lost {self.worker_losses} times, more than --max-worker-restarts {limit}")
+            return
+        self.ready_ranks.clear()
+        self.plans_in_flight = []
+        self.cut_short.clear()
+        live = self.core.recompute_all()
+        self.outage = f"worker lost ({reason}); waiting for it to restart"
+        self._outage_since = time.monotonic()
+        log.error("worker lost: %s. %d live requests will be recomputed once a worker is back (loss %d of at "
+                  "most %d)", reason, live, self.worker_losses, limit)
 
     def on_step_tokens(self, msg: StepTokens) -> None:
         self.last_seen[0] = time.monotonic()
@@ -524,7 +579,10 @@ class SchedulerProcess:
 
     def _check_workers(self) -> None:
         if self.failure is None and self.ready_ranks and not self._workers_alive():
-            self._fail(f"a worker sent nothing for {WORKER_TIMEOUT_S:.0f} s")
+            self._worker_lost(f"a worker sent nothing for {WORKER_TIMEOUT_S:.0f} s")
+        if self.outage is not None and time.monotonic() - self._outage_since > WORKER_RESTART_WAIT_S:
+            outage, self.outage = self.outage, None
+            self._fail(f"{outage}; no worker came back within {WORKER_RESTART_WAIT_S:.0f} s")
 
     def _fail(self, reason: str) -> None:
         if self.failure is not None:

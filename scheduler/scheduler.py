@@ -204,6 +204,36 @@ class Scheduler:
             finishes.append(self._finish(req, reason, message))
         return finishes
 
+    def recompute_all(self) -> int:
+        """The worker was lost with every KV block and swapped-out copy it held: each live
+        request goes back in line (keeping its arrival time) to be recomputed from its prompt
+        and the tokens it has already produced, so its stream simply continues. Paused requests
+        stay paused. Returns how many requests were live."""
+        for req in self.requests.values():
+            paused = req.status is Status.PAUSED
+            if req.status is Status.RUNNING:
+                self.running.remove(req)
+            elif req.rid in self.queue:
+                self.queue.remove(req.rid)
+            if self.host_pool is not None and req.host_blocks:
+                self.host_pool.free(req.host_blocks)
+                req.host_blocks = []
+            if req.blocks or req.num_computed or req.on_worker:
+                self.pool.free(req.reset_for_recompute())
+            if paused:
+                req.status = Status.PAUSED
+            elif not self._is_held(req):
+                req.status = Status.PREEMPTED if req.num_outputs else Status.WAITING
+                self.queue.push(req)
+        self.pool.reset_cache()  # the blocks' contents died with the worker
+        self._cut_ins.clear()
+        self._forget.clear()  # the new worker holds no state to drop
+        self.in_flight.clear()
+        return len(self.requests)
+
+    def _is_held(self, req: Request) -> bool:
+        return req.after is not None and req in self._held.get(req.after, ())
+
     @property
     def has_work(self) -> bool:
         return not self.paused and bool(self.running or len(self.queue))

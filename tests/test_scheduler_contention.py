@@ -80,3 +80,24 @@ def test_per_priority_caps_parse_and_validate() -> None:
             assert "--max-num-seqs-per-priority" in str(e)
         else:
             raise AssertionError(f"{bad!r} accepted")
+
+
+def test_a_lost_worker_s_requests_are_recomputed_on_a_fresh_one_with_the_same_outputs() -> None:
+    # Swap mode and a paused request too: everything the worker held (device and host KV) is
+    # gone; the fake worker checks every KV read by content, so a request the scheduler thinks
+    # is computed but is not would fail here.
+    sched, worker = make(num_blocks=12, num_scheduler_steps=3, preemption_mode="swap", max_num_batched_tokens=32)
+    for rid in range(4):
+        add(sched, rid, 20 + rid, max_tokens=12, priority=rid % 2)
+    for _ in range(4):
+        step(sched, worker)
+    sched.pause(3)
+    step(sched, worker)
+    before = set(sched.requests)
+    assert sched.recompute_all() == len(before)
+    assert sched.pool.num_free == 12 and not sched.running and sched.requests[3].status is Status.PAUSED
+    fresh = type(worker)(BS, eos=2, max_model_len=8192)  # the restarted worker knows nothing
+    sched.resume(3)
+    finished = run_to_end(sched, fresh)
+    assert set(finished) == set(before) and set(finished.values()) == {"length"}
+    assert sched.pool.num_free == 12

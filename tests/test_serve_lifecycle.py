@@ -56,7 +56,8 @@ def test_serve_prints_url_and_stops_all_processes_on_sigterm(tmp_path: Path) -> 
 
 
 def test_a_crashed_worker_is_reported_and_streams_end_with_an_error(tmp_path: Path) -> None:
-    server = SluiceServer("--num-kv-blocks", "256", log_dir=tmp_path)
+    # No restarts allowed: the crash ends the engine (with restarts, see test_serve_worker_crash).
+    server = SluiceServer("--num-kv-blocks", "256", "--max-worker-restarts", "0", log_dir=tmp_path)
     try:
         server.wait_ready()
         worker_pid = next(pid for pid in _session_pids(server.proc.pid)

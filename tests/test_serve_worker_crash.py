@@ -1,0 +1,133 @@
+"""A worker killed under ``sluice serve``: noticed at once, restarted, and every live request
+recomputed from its prompt and the tokens already streamed, so streams simply continue with the
+text an undisturbed run gives. Past ``--max-worker-restarts``, streams end with an error chunk."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sluice_server import SluiceServer, running_server
+
+AUTH = {"Authorization": "Bearer t"}
+SHORT = [1, *((5 * j) % 250 + 3 for j in range(20))]
+LONG_PROMPT = [1, *((11 * j + 7) % 250 + 3 for j in range(700))]
+
+
+def worker_pid(server: SluiceServer) -> int:
+    """The worker child of ``sluice serve`` (a direct child running ``-m worker``)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == server.proc.pid and b"worker" in cmdline:
+            return int(entry.name)
+    raise AssertionError("no worker process found")
+
+
+class Stream:
+    """A greedy streaming completion read in a thread: its text, token count and any error."""
+
+    def __init__(self, url: str, prompt: list[int], max_tokens: int) -> None:
+        self.text, self.tokens, self.errors, self.finish_reason = "", 0, [], None
+        self._thread = threading.Thread(target=self._run, args=(url, prompt, max_tokens), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, prompt: list[int], max_tokens: int) -> None:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=180) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    self.errors.append(data["error"]["message"])
+                    continue
+                choice = data["choices"][0]
+                self.text += choice["text"]
+                self.tokens += 1 if choice["text"] or choice.get("finish_reason") is None else 0
+                self.finish_reason = choice.get("finish_reason") or self.finish_reason
+
+    def join(self) -> None:
+        self._thread.join(180)
+        assert not self._thread.is_alive()
+
+
+def complete(url: str, prompt: list[int], max_tokens: int) -> str:
+    r = httpx.post(f"{url}/v1/completions", timeout=180,
+                   json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["text"])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
+    # A small token budget: the long prompt takes several steps to prefill.
+    with running_server("--admin-token", "t", "--max-num-batched-tokens", "64",
+                        log_dir=tmp_path_factory.mktemp("crash")) as s:
+        yield s
+
+
+def wait_until(predicate, timeout: float) -> float:  # type: ignore[no-untyped-def]
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(0.02)
+    raise AssertionError(f"not within {timeout} s")
+
+
+def test_killed_worker_is_restarted_and_streams_continue_with_the_undisturbed_text(server: SluiceServer) -> None:
+    url = server.url
+    want_decode = complete(url, SHORT, 1500)
+    want_prefill = complete(url, LONG_PROMPT, 16)
+    httpx.post(f"{url}/admin/prefix-cache/reset", headers=AUTH)  # the prompts are prefilled afresh
+    decoding = Stream(url, SHORT, 1500)
+    wait_until(lambda: decoding.tokens >= 20, 60)
+    prefilling = Stream(url, LONG_PROMPT, 16)  # 700 tokens at 64 a step: killed mid-prefill
+
+    def live() -> list[dict]:
+        return list(httpx.get(f"{url}/admin/requests", headers=AUTH).json()["data"])
+
+    def mid_prefill() -> bool:
+        return any(0 < r["computed_tokens"] < r["prompt_tokens"] for r in live())
+
+    wait_until(mid_prefill, 30)
+    os.kill(worker_pid(server), signal.SIGKILL)
+    assert len(live()) == 2  # one decoding, one mid-prefill, both lost with the worker
+    noticed = wait_until(lambda: httpx.get(f"{url}/health").status_code == 503, 5)
+    health = httpx.get(f"{url}/health").json()
+    assert noticed < 1.0, f"/health turned 503 only after {noticed:.2f} s"
+    assert "worker lost" in health["reason"], health
+    decoding.join()
+    prefilling.join()
+    assert decoding.errors == [] and prefilling.errors == []
+    assert decoding.finish_reason == prefilling.finish_reason == "length"
+    assert decoding.text == want_decode
+    assert prefilling.text == want_prefill
+    assert httpx.get(f"{url}/health").status_code == 200
+    stats = httpx.get(f"{url}/admin/stats", headers=AUTH).json()
+    assert stats["running"] == stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_past_the_restart_limit_streams_end_with_an_error_naming_the_cause(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    with running_server("--max-worker-restarts", "0", log_dir=tmp_path_factory.mktemp("nolimit")) as server:
+        stream = Stream(server.url, SHORT, 2000)
+        wait_until(lambda: stream.tokens >= 5, 60)
+        os.kill(worker_pid(server), signal.SIGKILL)
+        stream.join()
+        assert stream.errors and "max-worker-restarts 0" in stream.errors[-1], stream.errors
+        reason = httpx.get(f"{server.url}/health").json()["reason"]
+        assert "max-worker-restarts" in reason
