@@ -38,6 +38,8 @@ async def health(request: Request) -> Response:
 async def ready(request: Request) -> Response:
     """Readiness: the model is loaded and warmed up, and the engine is healthy."""
     state: AppState = request.app.state.sluice
+    if state.draining:
+        return JSONResponse({"status": "shutting down"}, status_code=503)
     if state.client.model is not None and state.client.healthy:
         return JSONResponse({"status": "ready", "model": state.model_name})
     return JSONResponse({"status": "loading" if state.client.model is None else "unhealthy"}, status_code=503)

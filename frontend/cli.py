@@ -52,6 +52,9 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        help="bearer token of the admin API (default: env SLUICE_ADMIN_TOKEN; none = off)")
         p.add_argument("--max-queued-requests", type=int, default=4096,
                        help="beyond this many queued requests, new ones get 503 with Retry-After")
+        p.add_argument("--shutdown-grace", type=float, default=10.0,
+                       help="on SIGTERM/Ctrl-C, seconds requests in flight get to finish before they are "
+                            "aborted (a second signal stops at once)")
     if fe or wk:
         p.add_argument("--served-model-name", default=None, help="the model name clients send")
     if wk:

@@ -184,6 +184,11 @@ class EngineClient:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
+    async def abort_all(self) -> None:
+        """Abort every live request (shutting down): each ends with a ``Finish(abort)``."""
+        for rid in list(self._streams):
+            await self._send(AbortRequest(rid))
+
     def release(self, rid: int) -> None:
         """Forget a stream whose handler is done with it (finished, or the client went away)."""
         self._streams.pop(rid, None)

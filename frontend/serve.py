@@ -5,9 +5,9 @@ to 8 s): a worker up to ``--max-worker-restarts`` times (the scheduler recompute
 requests on the new one, so their streams continue), the scheduler up to
 ``SCHEDULER_RESTARTS`` times (frontend and worker find the new one by themselves).
 
-Shutdown order on Ctrl-C / SIGTERM: uvicorn stops accepting and closes streams (at most
-``GRACEFUL_S``), then the children get SIGTERM, then SIGKILL after ``CHILD_STOP_S`` — all well
-inside the 5 s SPEC allows. Children also get SIGTERM from the kernel if this process dies
+Shutdown order on Ctrl-C / SIGTERM: the frontend drains (``frontend/shutdown.py``: no new
+requests, those in flight finish within ``--shutdown-grace`` or end with ``abort``), uvicorn
+stops, then the children get SIGTERM (the scheduler first), then SIGKILL after ``CHILD_STOP_S``. Children also get SIGTERM from the kernel if this process dies
 without cleaning up (PR_SET_PDEATHSIG on Linux), so no orphan keeps a model in memory.
 """
 
@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -30,6 +31,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from frontend.app import build_app
+from frontend.shutdown import GracefulServer
 from protocol.config import FrontendConfig, SchedulerConfig, WorkerConfig, to_json
 
 log = logging.getLogger("sluice.serve")
@@ -165,7 +167,7 @@ def run_frontend(config: FrontendConfig, children: Sequence[Child] = ()) -> int:
     app = build_app(config)
     startup = _Startup(app, config, children)
     startup.install()
-    startup.server = uvicorn.Server(_uvicorn_config(app, config))
+    startup.server = GracefulServer(_uvicorn_config(app, config), app.state.sluice, config.shutdown_grace)
     startup.server.run()
     return startup.exit_code
 
@@ -183,6 +185,9 @@ def _spawn(module: str, config: object) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", module, "--config", to_json(config)],
         preexec_fn=preexec,
+        # Ctrl-C reaches the whole process group: the children leave it to this process, which
+        # drains the requests in flight first and then stops them (SIGTERM).
+        env=dict(os.environ, SLUICE_SUPERVISED="1"),
     )
 
 

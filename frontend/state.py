@@ -21,6 +21,7 @@ class AppState:
         self.client = client
         self.started = int(time.time())
         self._tokenizer: ModelTokenizer | None = None
+        self.draining = False  # shutting down: no new requests
         self.metrics = Metrics(lambda: client.stats, lambda: self.model_name)
 
     @property
@@ -30,7 +31,9 @@ class AppState:
         return self.client.model.name if self.client.model else ""
 
     def require_model(self) -> ModelInfo:
-        """The model, or 503 while it loads / when the engine is down."""
+        """The model, or 503 while it loads / when the engine is down / while shutting down."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         if self.client.engine_error is not None:
             raise APIError(503, f"the engine failed: {self.client.engine_error}", code="engine_error")
         model = self.client.model

@@ -134,12 +134,15 @@ class FrontendConfig:
     served_model_name: str | None = None
     admin_token: str | None = None
     max_queued_requests: int = 4096
+    shutdown_grace: float = 10.0  # seconds in-flight requests get to finish on SIGTERM
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         _positive("--max-queued-requests", self.max_queued_requests)
+        if self.shutdown_grace < 0:
+            raise ConfigError("--shutdown-grace must be >= 0 seconds")
 
 
 def to_json(config: object) -> str:

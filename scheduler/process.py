@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -607,6 +608,9 @@ def run(config: SchedulerConfig) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    if os.environ.get("SLUICE_SUPERVISED"):
+        # Under ``sluice serve``, Ctrl-C is the parent's to handle: it drains, then stops us.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         process.run()
     finally:

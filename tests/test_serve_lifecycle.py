@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -101,3 +102,46 @@ def test_a_model_that_cannot_load_ends_serve_with_one_line_and_status_1(tmp_path
         assert not _session_pids(server.proc.pid), "scheduler and worker stopped too"
     finally:
         server.stop()
+
+
+def test_sigterm_drains_requests_in_flight_then_aborts_the_rest_with_done(tmp_path: Path) -> None:
+    before = set(glob.glob("/tmp/sluice-*"))
+    server = SluiceServer("--shutdown-grace", "2", log_dir=tmp_path)
+    try:
+        server.wait_ready()
+        results: dict[str, list[str]] = {}
+
+        def stream(name: str, max_tokens: int) -> None:
+            body = {"prompt": "x", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+                results[name] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+        threads = [threading.Thread(target=stream, args=("short", 40)),
+                   threading.Thread(target=stream, args=("long", 8000))]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        # Admission stops at once, while the server still answers.
+        assert httpx.get(f"{server.url}/ready").status_code == 503
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        for t in threads:
+            t.join(30)
+        assert server.proc.wait(timeout=20) == 0, server.log()
+        assert time.monotonic() - started < 2 + 6
+        short, long = results["short"], results["long"]
+        assert short[-1] == "data: [DONE]" and '"finish_reason":"length"' in short[-2].replace(" ", "")
+        # The long one ran out of grace: ended with abort and [DONE], not cut mid-way.
+        assert long[-1] == "data: [DONE]" and '"finish_reason":"abort"' in long[-2].replace(" ", ""), long[-3:]
+        deadline = time.monotonic() + 2
+        while _session_pids(server.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _session_pids(server.proc.pid), "no orphan processes"
+        assert set(glob.glob("/tmp/sluice-*")) <= before, "socket directory removed"
+    finally:
+        server.stop()
+        for pid in _session_pids(server.proc.pid):
+            os.kill(pid, signal.SIGKILL)

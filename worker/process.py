@@ -179,6 +179,9 @@ class WorkerProcess:
 def run(config: WorkerConfig) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
+    if os.environ.get("SLUICE_SUPERVISED"):
+        # Under ``sluice serve``, Ctrl-C is the parent's to handle: it drains, then stops us.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx: zmq.Context[Any] = zmq.Context()
     proc = WorkerProcess(config, ctx)
     stop = threading.Event()
