@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -51,6 +52,7 @@ log = logging.getLogger("sluice.frontend")
 PING_INTERVAL_S = 0.5
 # The scheduler answers pings within milliseconds when alive; this much silence means it is not.
 SCHEDULER_TIMEOUT_S = 5.0
+WAITING_LOG_INTERVAL_S = 5.0
 
 
 class RequestStream:
@@ -110,6 +112,7 @@ class EngineClient:
         self.stats: dict[str, Any] | None = None  # the scheduler's latest snapshot (from Pong)
         self.engine_error: str | None = None
         self.unhealthy_reason = ""  # the scheduler's word on why workers are not serving
+        self.malformed_frames = 0
         self._last_pong = 0.0
         self._handlers: dict[type, Callable[[Any], None]] = {
             TokenBatch: self._on_tokens,
@@ -230,7 +233,14 @@ class EngineClient:
     async def _receive_loop(self) -> None:
         while True:
             frame = await self._pull.recv(copy=False)
-            msg = self._codec.decode(frame.buffer)
+            try:
+                msg = self._codec.decode(frame.buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self.malformed_frames += 1
+                if self.malformed_frames == 1 or self.malformed_frames % 1000 == 0:
+                    log.warning("dropped a frame that is not a Sluice message (%s); %d so far", e,
+                                self.malformed_frames)
+                continue
             try:
                 self._handlers[type(msg)](msg)
             except Exception:
@@ -238,9 +248,16 @@ class EngineClient:
 
     async def _ping_loop(self) -> None:
         was_alive = False
+        started = last_said = time.monotonic()
         while True:
             await self._send(Ping(time.time(), need_model=self.model is None))
             await asyncio.sleep(PING_INTERVAL_S)
+            now = time.monotonic()
+            if not self.scheduler_alive and now - last_said >= WAITING_LOG_INTERVAL_S:
+                # A wrong or unreachable address must not look like a quiet server.
+                last_said = now
+                log.warning("waiting for the scheduler at %s: no answer for %.0f s", self._endpoints.frontend_to_scheduler,
+                            now - max(started, self._last_pong))
             # Only a silent scheduler ends the streams here: while a lost worker is restarted,
             # the scheduler keeps their requests and recomputes them.
             alive = self.scheduler_alive

@@ -176,3 +176,22 @@ def test_bad_frames_on_the_scheduler_socket_are_dropped(components: Components) 
         ctx.destroy(linger=0)
     assert c.procs["scheduler"].poll() is None
     assert complete(url, "still here")[1] == 24
+
+
+def test_components_wait_for_the_scheduler_saying_so_and_recover_from_a_new_worker(components: Components) -> None:
+    c = components
+    url = c.frontend("frontend")
+    c.start("worker", "worker", "--model", "tiny", "--num-kv-blocks", "64")
+
+    def said_waiting(name: str) -> bool:
+        return "waiting for the scheduler at" in (c.tmp_path / f"{name}.log").read_text(errors="replace")
+
+    wait_for(lambda: said_waiting("frontend") and said_waiting("worker"), 60, "both say what they wait for", c)
+    c.start("scheduler", "scheduler")
+    wait_for(lambda: ready(url), 60, "ready once the scheduler is up", c)
+    assert complete(url, "first")[1] == 24
+    # A worker killed and a new one started by hand: the frontend recovers by itself.
+    c.kill("worker")
+    c.start("worker", "worker", "--model", "tiny", "--num-kv-blocks", "64")
+    wait_for(lambda: ready(url), 120, "ready again with the new worker", c)
+    assert complete(url, "second")[1] == 24

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from protocol.config import ConfigError, WorkerConfig
 from protocol.messages import (
@@ -44,6 +45,7 @@ from worker.model_config import ModelLoadError
 __all__ = ["Worker", "run"]
 
 HEARTBEAT_S = 0.5
+WAITING_LOG_INTERVAL_S = 5.0  # how often a worker cut off from its scheduler says so
 FINAL_LINGER_MS = 500  # let a last WorkerFailed reach the scheduler before the socket closes
 log = logging.getLogger("sluice.worker")
 
@@ -114,6 +116,10 @@ class WorkerProcess:
         self.recv_codec = worker_codec()
         self.backlog: deque[WorkerCommand] = deque()  # commands read mid-plan, run after it
         self.malformed_frames = 0
+        # Whether the scheduler's command socket is reachable, from the socket's own events: a
+        # wrong or unreachable address is said in the log, not waited on in silence.
+        self.links = self.inbox.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.connected = False
 
     def fail(self, what: str, e: BaseException) -> int:
         if isinstance(e, ModelLoadError | ConfigError):  # a user's mistake, said in one line: no traceback
@@ -123,9 +129,19 @@ class WorkerProcess:
         self.sender.send(WorkerFailed(self.config.rank, f"{what}: {_one_line(e)}"))
         return 1
 
+    def _wait_for_command(self) -> None:
+        """Block until a command arrives, saying every few seconds if the scheduler is unreachable."""
+        while not self.inbox.poll(int(WAITING_LOG_INTERVAL_S * 1000)):
+            while self.links.poll(0):
+                self.connected = recv_monitor_message(self.links)["event"] == zmq.EVENT_CONNECTED
+            if not self.connected:
+                log.warning("waiting for the scheduler at %s: not reachable", self.endpoints.scheduler_to_worker)
+
     def _read(self, flags: int = 0) -> WorkerCommand:
         """The next command; frames that do not decode are logged and skipped, never fatal."""
         while True:
+            if not flags & zmq.NOBLOCK:
+                self._wait_for_command()
             frame = self.inbox.recv(flags, copy=False)
             try:
                 cmd: WorkerCommand = self.recv_codec.decode(frame.buffer)
@@ -173,6 +189,8 @@ class WorkerProcess:
 
     def close(self) -> None:
         self.sender.close()
+        self.inbox.disable_monitor()
+        self.links.close(linger=0)
         self.inbox.close(linger=0)
 
 
