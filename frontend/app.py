@@ -9,11 +9,13 @@ from collections.abc import AsyncIterator
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from frontend import admin, openai_api
+from frontend.body_limit import BodyLimit
 from frontend.engine_client import EngineClient
 from frontend.errors import APIError
 from frontend.state import AppState
@@ -96,6 +98,7 @@ def build_app(config: FrontendConfig, client: EngineClient | None = None) -> Sta
         routes=routes,
         lifespan=lifespan,
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
+        middleware=[Middleware(BodyLimit, limit=config.max_request_body)],
     )
     app.state.sluice = state
     return app

@@ -135,12 +135,14 @@ class FrontendConfig:
     admin_token: str | None = None
     max_queued_requests: int = 4096
     shutdown_grace: float = 10.0  # seconds in-flight requests get to finish on SIGTERM
+    max_request_body: int = 16 * 2**20  # bytes; larger bodies get 413
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         _positive("--max-queued-requests", self.max_queued_requests)
+        _positive("--max-request-body", self.max_request_body)
         if self.shutdown_grace < 0:
             raise ConfigError("--shutdown-grace must be >= 0 seconds")
 
