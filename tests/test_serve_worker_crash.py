@@ -131,3 +131,32 @@ def test_past_the_restart_limit_streams_end_with_an_error_naming_the_cause(
         assert stream.errors and "max-worker-restarts 0" in stream.errors[-1], stream.errors
         reason = httpx.get(f"{server.url}/health").json()["reason"]
         assert "max-worker-restarts" in reason
+
+
+def scheduler_pid(server: SluiceServer) -> int:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == server.proc.pid and b"scheduler" in cmdline:
+            return int(entry.name)
+    raise AssertionError("no scheduler process found")
+
+
+def test_killed_scheduler_ends_open_streams_with_an_error_and_serving_resumes(server: SluiceServer) -> None:
+    url = server.url
+    stream = Stream(url, SHORT, 5000)
+    wait_until(lambda: stream.tokens >= 5, 60)
+    old = scheduler_pid(server)
+    os.kill(old, signal.SIGKILL)
+    started = time.monotonic()
+    stream.join()
+    assert time.monotonic() - started < 10, "the open stream ended within a few seconds"
+    assert stream.errors and "scheduler" in stream.errors[-1], stream.errors
+    wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, 60)
+    assert scheduler_pid(server) != old  # sluice serve started a new one
+    assert complete(url, SHORT, 8) == complete(url, SHORT, 8)
