@@ -54,6 +54,9 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        help="beyond this many queued requests, new ones get 503 with Retry-After")
         p.add_argument("--max-request-body", type=int, default=16 * 2**20,
                        help="largest request body in bytes; larger ones get 413")
+        p.add_argument("--client-stall-timeout", type=float, default=30.0,
+                       help="a streaming client that reads nothing for this many seconds is dropped and its "
+                            "request aborted")
         p.add_argument("--shutdown-grace", type=float, default=10.0,
                        help="on SIGTERM/Ctrl-C, seconds requests in flight get to finish before they are "
                             "aborted (a second signal stops at once)")

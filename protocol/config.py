@@ -136,6 +136,7 @@ class FrontendConfig:
     max_queued_requests: int = 4096
     shutdown_grace: float = 10.0  # seconds in-flight requests get to finish on SIGTERM
     max_request_body: int = 16 * 2**20  # bytes; larger bodies get 413
+    client_stall_timeout: float = 30.0  # a stream whose client reads nothing this long is dropped
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -143,6 +144,8 @@ class FrontendConfig:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         _positive("--max-queued-requests", self.max_queued_requests)
         _positive("--max-request-body", self.max_request_body)
+        if self.client_stall_timeout <= 0:
+            raise ConfigError("--client-stall-timeout must be > 0 seconds")
         if self.shutdown_grace < 0:
             raise ConfigError("--shutdown-grace must be >= 0 seconds")
 

@@ -4,12 +4,15 @@ chunked, and the server serves on. (Beyond ``--max-queued-requests``: test_serve
 from __future__ import annotations
 
 import json
+import socket
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from sluice_server import SluiceServer, running_server
 
+AUTH = {"Authorization": "Bearer t"}
 LIMIT = 4096
 
 
@@ -36,3 +39,36 @@ def test_a_body_over_the_cap_is_413_declared_or_chunked(server: SluiceServer) ->
     ok = httpx.post(url, json={"prompt": "fine", "max_tokens": 3, "ignore_eos": True})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
 
+
+
+def test_a_client_that_stops_reading_is_dropped_without_slowing_others(tmp_path_factory: pytest.TempPathFactory) -> None:
+    with running_server("--admin-token", "t", "--client-stall-timeout", "2",
+                        log_dir=tmp_path_factory.mktemp("stall")) as server:
+        # A client that sends its request and never reads: a small receive window, and chunks
+        # made large (20 logprobs a token) so the server's socket buffers surely fill.
+        body = json.dumps({"prompt": "x", "max_tokens": 8000, "ignore_eos": True, "stream": True,
+                           "logprobs": 20}).encode()
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(("127.0.0.1", server.port))
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        try:
+            stats = lambda: httpx.get(f"{server.url}/admin/stats", headers=AUTH).json()  # noqa: E731
+            deadline = time.monotonic() + 30
+            while stats()["running"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # Others are served as usual meanwhile.
+            started = time.monotonic()
+            ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "y", "max_tokens": 16, "ignore_eos": True},
+                            timeout=30)
+            assert ok.status_code == 200 and time.monotonic() - started < 5
+            # The stalled stream is dropped and its request aborted: its KV blocks come back.
+            deadline = time.monotonic() + 30
+            while (s := stats())["running"] + s["waiting"] > 0 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert s["running"] == s["waiting"] == 0 and s["kv_blocks_used"] == 0, s
+            assert "read nothing for 2 s: stream dropped" in server.log()
+            assert "without completing response" not in server.log()
+        finally:
+            stalled.close()
