@@ -293,6 +293,10 @@ class EngineClient:
         self._last_pong = time.monotonic()
         if self._scheduler_epoch and pong.scheduler_epoch != self._scheduler_epoch:
             log.warning("the scheduler restarted: ending %d live requests it never heard of", len(self._streams))
+            # Requests sent in the moment between its start and this pong may have reached the
+            # new scheduler: abort them there too, or they would run on for nobody.
+            for rid in list(self._streams):
+                self.abort_soon(rid)
             self._fail_all("the scheduler restarted; the request was lost")
         self._scheduler_epoch = pong.scheduler_epoch
         self.workers_alive = pong.workers_alive

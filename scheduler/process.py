@@ -326,7 +326,7 @@ class SchedulerProcess:
     def on_add(self, msg: AddRequest) -> None:
         reason = None
         if self.core is None or self.failure is not None:
-            reason = self.failure or "the model is not loaded yet"
+            reason = self.failure or "the engine is not ready yet (a scheduler that just started waits for its workers)"
         elif msg.rid in self.owner:
             reason = f"duplicate request rid {msg.rid}"
         if reason is not None:
