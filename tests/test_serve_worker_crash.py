@@ -160,3 +160,34 @@ def test_killed_scheduler_ends_open_streams_with_an_error_and_serving_resumes(se
     wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, 60)
     assert scheduler_pid(server) != old  # sluice serve started a new one
     assert complete(url, SHORT, 8) == complete(url, SHORT, 8)
+
+
+def test_streams_ended_by_a_scheduler_restart_leave_nothing_running(server: SluiceServer) -> None:
+    # Requests sent in the moment after the kill may reach the new scheduler before the frontend
+    # learns of it; the streams it then ends must not go on computing there for nobody.
+    url = server.url
+    os.kill(scheduler_pid(server), signal.SIGKILL)
+    ended: list[tuple[str, bool]] = []
+
+    def burst() -> None:
+        body = {"prompt": SHORT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=180) as r:
+            if r.status_code != 200:
+                return
+            lines = list(r.iter_lines())
+            ended.append((r.headers["X-Request-Id"], any('"error"' in line for line in lines)))
+
+    threads = []
+    for _ in range(20):
+        threads.append(threading.Thread(target=burst, daemon=True))
+        threads[-1].start()
+        time.sleep(0.075)
+    wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, 60)
+    time.sleep(3)  # a leaked request would be running now
+    live = {r["id"] for r in httpx.get(f"{url}/admin/requests", headers=AUTH).json()["data"]}
+    errored = {request_id for request_id, error in ended if error}
+    assert not errored & live, f"ended with an error yet still running: {errored & live}"
+    for request_id in live:
+        httpx.post(f"{url}/admin/requests/{request_id}/abort", headers=AUTH)
+    for t in threads:
+        t.join(60)
