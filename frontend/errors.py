@@ -29,13 +29,16 @@ class APIError(Exception):
 
     @property
     def type(self) -> str:
-        return {
-            400: "invalid_request_error",
+        named = {
             401: "authentication_error",
             403: "permission_error",
             404: "not_found_error",
             503: "service_unavailable",
-        }.get(self.status, "server_error")
+        }.get(self.status)
+        if named is not None:
+            return named
+        # Any other 4xx (400, 405, 413, ...) is the client's: OpenAI calls those invalid requests.
+        return "invalid_request_error" if 400 <= self.status < 500 else "server_error"
 
     def response(self, request_id: str | None = None) -> Response:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -53,6 +56,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 _PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
 _MISSING = re.compile(r"missing required field `([A-Za-z_][A-Za-z0-9_]*)`")
+_UNKNOWN = re.compile(r"unknown field `([A-Za-z_][A-Za-z0-9_]*)`")  # bodies that forbid them (admin)
 
 
 def from_decode_error(e: msgspec.DecodeError) -> APIError:
@@ -60,6 +64,6 @@ def from_decode_error(e: msgspec.DecodeError) -> APIError:
     and report the top-level field as ``param``."""
     text = str(e)
     if isinstance(e, msgspec.ValidationError):
-        m = _PATH.search(text) or _MISSING.search(text)
+        m = _PATH.search(text) or _MISSING.search(text) or _UNKNOWN.search(text)
         return bad_request(text, param=m.group(1) if m else None)
     return bad_request(f"request body is not valid JSON: {text}")

@@ -17,13 +17,14 @@ from typing import Any
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
-from frontend.errors import APIError, bad_request, from_decode_error
+from frontend.errors import APIError, bad_request
 from frontend.generation import Delta, Generation
-from frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, message_text
+from frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, decode, message_text
+from frontend.stall_guard import DroppingStreamingResponse
 from frontend.state import AppState
-from frontend.tokenizer import ChatTemplateError, ModelTokenizer
+from frontend.tokenizer import ChatTemplateError, ModelTokenizer, PromptTooLong
 from protocol.messages import AddRequest, FinishReason, Logprob, SamplingParams
 
 _json = msgspec.json.Encoder()
@@ -38,15 +39,12 @@ def _json_response(body: object, request_id: str) -> Response:
     return Response(_json.encode(body), media_type="application/json", headers={"X-Request-Id": request_id})
 
 
-_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
-
-
-async def _decode(request: Request, cls: type[Any]) -> Any:
-    decoder = _decoders.get(cls) or _decoders.setdefault(cls, msgspec.json.Decoder(cls))
-    try:
-        return decoder.decode(await request.body())
-    except msgspec.DecodeError as e:
-        raise from_decode_error(e) from None
+async def _tokenize(size: int, encode: Callable[..., list[int]], *args: Any) -> list[int]:
+    """``encode(*args)``; on a thread when the text is long (``size`` characters or so), so a
+    long prompt does not stall the event loop (other streams, /health, the scheduler's pings)."""
+    if size >= ModelTokenizer.GIL_FREE_CHARS:
+        return await asyncio.to_thread(encode, *args)
+    return encode(*args)
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -54,46 +52,52 @@ async def _decode(request: Request, cls: type[Any]) -> Any:
 
 def _check_model(state: AppState, name: str | None) -> None:
     if name is not None and name != state.model_name:
-        raise APIError(404, f"The model `{name}` does not exist; this server serves `{state.model_name}`.",
+        shown = name if len(name) <= 100 else name[:100] + "..."
+        raise APIError(404, f"The model `{shown}` does not exist; this server serves `{state.model_name}`.",
                        param="model", code="model_not_found")
 
 
 def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    bad = next((t for t in ids if t >= vocab_size), None)
-    if bad is not None:
+    if ids and max(ids) >= vocab_size:  # max() runs in C; the scan below names the first bad id
+        bad = next(t for t in ids if t >= vocab_size)
         raise bad_request(f"token id {bad} is out of vocabulary (vocab size {vocab_size})", param)
 
 
 def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens: int | None,
-              logprobs: int | None, default_max_tokens: int | None) -> SamplingParams:
+              logprobs: int | None, default_max_tokens: int | None,
+              prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> SamplingParams:
+    """``prompt_param``, ``max_tokens_param``: the fields the prompt and ``max_tokens`` came from
+    (errors name them)."""
     model = state.require_model()
     limit = model.max_model_len
     if prompt_len == 0:
-        raise bad_request("the prompt is empty", "prompt")
+        raise bad_request("the prompt is empty", prompt_param)
     if prompt_len >= limit:
         raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
-                          f"{prompt_len} tokens, leaving no room for output.", "prompt")
+                          f"{prompt_len} tokens, leaving no room for output.", prompt_param)
     if max_tokens is None:
         max_tokens = default_max_tokens if default_max_tokens is not None else limit - prompt_len
     if prompt_len + max_tokens > limit:
         raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                           f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
-                          f"for the completion). Reduce the prompt or max_tokens.", "max_tokens")
+                          f"for the completion). Reduce the prompt or {max_tokens_param}.", max_tokens_param)
     capacity = model.num_kv_blocks * model.block_size
     if prompt_len + max_tokens > capacity:
         raise bad_request(f"prompt + max_tokens = {prompt_len + max_tokens} tokens exceeds the KV cache of this "
-                          f"server ({capacity} tokens); lower max_tokens", "max_tokens")
+                          f"server ({capacity} tokens); lower {max_tokens_param}", max_tokens_param)
     if body.min_tokens > max_tokens:
-        raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
+        raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})",
                           "min_tokens")
-    stop_ids = body.stop_token_ids or []
+    stop_ids = list(dict.fromkeys(body.stop_token_ids or []))
     _check_token_ids(stop_ids, model.vocab_size, "stop_token_ids")
     logit_bias = _logit_bias(body.logit_bias or {}, model.vocab_size)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
-        top_k=max(body.top_k, 0),
+        # top_k >= vocab keeps every token, as 0 does; sent as is, 2**63 killed the worker
+        # (torch.tensor overflow) on every restart that recomputed it.
+        top_k=body.top_k if 0 < body.top_k < model.vocab_size else 0,
         min_tokens=body.min_tokens,
         seed=body.seed,
         stop_token_ids=stop_ids,
@@ -108,16 +112,19 @@ def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens
 
 
 def _logit_bias(bias: dict[str, float], vocab_size: int) -> list[tuple[int, float]]:
-    """OpenAI's ``{"token id": bias}`` as (id, bias) pairs; keys must be in-vocabulary ids."""
-    pairs = []
+    """OpenAI's ``{"token id": bias}`` as (id, bias) pairs; keys must be in-vocabulary ids. Keys
+    naming the same id ("7", "007") count once, the last one winning, as a repeated JSON key does
+    (the worker adds every pair it gets)."""
+    by_token: dict[int, float] = {}
     for key, value in bias.items():
         token = _plain_token_id(key)
         if token is None or token >= vocab_size:
             shown = key if len(key) <= 40 else key[:40] + "..."
             raise bad_request(f"logit_bias key {shown!r} is not a token id of this model (vocab size {vocab_size})",
                               "logit_bias")
-        pairs.append((token, float(value)))
-    return pairs
+        by_token.pop(token, None)
+        by_token[token] = float(value)
+    return list(by_token.items())
 
 
 def _plain_token_id(key: str) -> int | None:
@@ -148,7 +155,6 @@ def _check_capacity(state: AppState) -> None:
 
 ChunkFn = Callable[[Delta, bool, int], "dict[str, Any] | None"]
 FinalFn = Callable[[str, str, Any, list[int], list[Logprob], int], "dict[str, Any]"]
-MAX_N = 128
 
 
 async def _run(
@@ -168,8 +174,6 @@ async def _run(
 
     Choice i > 0 is its own engine request (id ``<request_id>-<i>``, seed + i when seeded) that
     waits for choice 0 to compute the prompt and then shares its KV blocks."""
-    if body.n > MAX_N:
-        raise bad_request(f"n must be at most {MAX_N}", "n")
     _check_capacity(state)
     tokenizer = state.require_tokenizer()
     gens: list[Generation] = []
@@ -194,8 +198,8 @@ async def _run(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = _stream(gens[0], chunk, include_usage, request_id) if len(gens) == 1 else \
             _stream_choices(gens, chunk, include_usage, request_id)
-        return StreamingResponse(stream, media_type="text/event-stream",
-                                 headers={"X-Request-Id": request_id, "Cache-Control": "no-cache"})
+        return DroppingStreamingResponse(stream, state.config.client_stall_timeout, media_type="text/event-stream",
+                                         headers={"X-Request-Id": request_id, "Cache-Control": "no-cache"})
     answers = await _collect_unless_disconnected(request, gens)
     usage = _usage(gens)
     bodies = [final(text, reason, usage, token_ids, entries, i)
@@ -319,7 +323,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 async def completions(request: Request) -> Response:
     state: AppState = request.app.state.sluice
-    body: CompletionRequest = await _decode(request, CompletionRequest)
+    body: CompletionRequest = decode(await request.body(), CompletionRequest)
     tokenizer = state.require_tokenizer()
     _check_model(state, body.model)
     _check_priority(state, request, body.priority)
@@ -330,11 +334,16 @@ async def completions(request: Request) -> Response:
     if not body.prompt:
         raise bad_request("the prompt is empty", "prompt")
     if isinstance(body.prompt, str):
-        prompt_ids = tokenizer.encode_prompt(body.prompt)
+        max_chars = tokenizer.max_text_chars(state.require_model().max_model_len - 1)
+        try:
+            prompt_ids = await _tokenize(len(body.prompt), tokenizer.encode_prompt, body.prompt, max_chars)
+        except PromptTooLong as e:
+            raise bad_request(str(e), "prompt") from None
     else:
         prompt_ids = list(body.prompt)
-        _check_token_ids(prompt_ids, tokenizer.vocab_size, "prompt")
+    # The length checks come before the id check: a million ids is refused for its length.
     sampling = _sampling(state, body, len(prompt_ids), body.max_tokens, body.logprobs, default_max_tokens=16)
+    _check_token_ids(prompt_ids, tokenizer.vocab_size, "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = state.model_name
@@ -380,18 +389,22 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.sluice
-    body: ChatCompletionRequest = await _decode(request, ChatCompletionRequest)
+    body: ChatCompletionRequest = decode(await request.body(), ChatCompletionRequest)
     tokenizer: ModelTokenizer = state.require_tokenizer()
     _check_model(state, body.model)
     _check_priority(state, request, body.priority)
     try:
         messages = [{"role": m.role, "content": message_text(m)} for m in body.messages]
-        prompt_ids = tokenizer.encode_chat(messages)
-    except (ValueError, ChatTemplateError) as e:
+        max_chars = tokenizer.max_text_chars(state.require_model().max_model_len - 1)
+        size = sum(len(m["role"]) + len(m["content"]) for m in messages)
+        prompt_ids = await _tokenize(size, tokenizer.encode_chat, messages, max_chars)
+    except (ValueError, ChatTemplateError) as e:  # PromptTooLong is a ValueError too
         raise bad_request(str(e), "messages") from None
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens, max_tokens_param = (body.max_completion_tokens, "max_completion_tokens") \
+        if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens")
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling = _sampling(state, body, len(prompt_ids), max_tokens, top_logprobs, default_max_tokens=None)
+    sampling = _sampling(state, body, len(prompt_ids), max_tokens, top_logprobs, default_max_tokens=None,
+                         prompt_param="messages", max_tokens_param=max_tokens_param)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = state.model_name

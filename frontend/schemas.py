@@ -3,14 +3,28 @@
 Field constraints live in the types (``Meta``), so a bad value is rejected while decoding with
 a message naming its JSON path; ``errors.from_validation`` turns that into OpenAI's error shape.
 Unknown fields are ignored, as OpenAI's own server does.
+
+Lists and maps that cost the engine work per generated token are capped (``stop``,
+``stop_token_ids``, ``logit_bias``), and so is ``n``; ``decode`` turns every way a body can fail
+to decode (malformed JSON, invalid UTF-8, nesting deeper than msgspec recurses) into a 400.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from msgspec import Meta
+
+from frontend.errors import bad_request, from_decode_error
+
+MAX_N = 128  # choices per request
+MAX_STOP = 64  # stop strings: each is searched for in the text after every token
+MAX_STOP_TOKEN_IDS = 1024  # the scheduler and the worker test every token against the list
+MAX_LOGIT_BIAS = 1024  # entries: the worker adds each one on every step
+MAX_USER_CHARS = 256  # `user` travels with the request to the scheduler and into the logs
+
+T = TypeVar("T")
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -33,22 +47,23 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     max_tokens: PositiveInt | None = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    top_k: Annotated[int, Meta(ge=-1)] = 0  # -1 and 0 both mean off
+    top_k: Annotated[int, Meta(ge=-1)] = 0  # -1, 0 and the vocabulary size or more all mean off
     min_tokens: NonNegInt = 0
     seed: Seed | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: str | Annotated[list[str], Meta(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
-    n: PositiveInt = 1
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: Priority = 0
-    user: str | None = None
+    user: Annotated[str, Meta(max_length=MAX_USER_CHARS)] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0  # vLLM's extension
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0  # vLLM's extension
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]],
+                          Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     # vLLM's extension: also return the prompt's and the output's token ids.
     return_token_ids: bool = False
 
@@ -78,9 +93,34 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
 
 
-class PriorityUpdate(msgspec.Struct):
+class PriorityUpdate(msgspec.Struct, forbid_unknown_fields=True):
+    # Sluice's own body, so a misspelt field is an error; and an unknown field is refused before
+    # msgspec walks its value (a deeply nested one would exhaust its recursion limit).
     priority: Priority
     cut_in: bool = False
+
+
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+
+
+def decode(raw: bytes, cls: type[T]) -> T:
+    """``raw`` decoded as ``cls``, or an ``APIError`` (400) saying why not, naming the field
+    where msgspec can. Invalid UTF-8 anywhere is refused first (msgspec raises UnicodeDecodeError
+    in the strings it reads, and skips unknown fields unread); JSON nested deeper than Python's
+    recursion limit (about 950 levels under the server) is refused too."""
+    decoder = _decoders.get(cls) or _decoders.setdefault(cls, msgspec.json.Decoder(cls))
+    if not raw.isascii():
+        try:
+            raw.decode()
+        except UnicodeDecodeError as e:
+            raise bad_request(f"request body is not valid UTF-8 (byte {e.start}: {e.reason})") from None
+    try:
+        result: T = decoder.decode(raw)
+    except msgspec.DecodeError as e:
+        raise from_decode_error(e) from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply to decode") from None
+    return result
 
 
 def message_text(message: ChatMessage) -> str:

@@ -7,6 +7,7 @@ the chat template in ``ModelInfo``, so a frontend on another host needs no share
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from typing import Any
 
@@ -72,6 +73,10 @@ class ChatTemplateError(ValueError):
     """The conversation cannot be rendered by the model's chat template (a client error)."""
 
 
+class PromptTooLong(ValueError):
+    """A text longer than any prompt that fits the context, refused before tokenizing it."""
+
+
 class ModelTokenizer:
     def __init__(self, info: ModelInfo) -> None:
         self.info = info
@@ -88,14 +93,45 @@ class ModelTokenizer:
         eos = info.eos_token_ids[0] if info.eos_token_ids else None
         self._eos_text = self._token_text(eos)
 
+    # Texts this long are encoded with encode_batch, which lets go of the GIL (encode holds it
+    # throughout), so that tokenizing them on a thread leaves the event loop running.
+    GIL_FREE_CHARS = 8192
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters any one token stands for: its vocabulary entry's length (a byte
+        of byte-level BPE is one character there, a sentencepiece space is U+2581), or an added
+        token's text."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
+    def max_text_chars(self, max_tokens: int) -> int:
+        """A text longer than this is more than ``max_tokens`` tokens, whatever it says: it can
+        be refused by its length, without seconds of tokenizing (a tokenizer whose normalizer
+        deletes characters could fit more; such a text is refused anyway)."""
+        return max_tokens * self.max_token_chars
+
+    def _check_chars(self, text: str, max_chars: int | None, what: str) -> None:
+        if max_chars is not None and len(text) > max_chars:
+            raise PromptTooLong(f"the {what} has {len(text)} characters; at most {max_chars} can fit in this "
+                                f"model's context (no token stands for more than {self.max_token_chars} characters)")
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) >= self.GIL_FREE_CHARS:
+            ids: list[int] = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            return ids
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
     def _token_text(self, token_id: int | None) -> str:
         if token_id is None:
             return ""
         return self._tok.id_to_token(token_id) or ""
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """Token ids of a completion prompt, with the BOS token the model expects."""
-        ids: list[int] = self._tok.encode(text, add_special_tokens=True).ids
+    def encode_prompt(self, text: str, max_chars: int | None = None) -> list[int]:
+        """Token ids of a completion prompt, with the BOS token the model expects; a prompt of
+        more than ``max_chars`` characters raises ``PromptTooLong`` untokenized."""
+        self._check_chars(text, max_chars, "prompt")
+        ids = self._encode(text, add_special_tokens=True)
         bos = self.info.bos_token_id
         if self.info.add_bos_token and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
@@ -118,13 +154,15 @@ class ModelTokenizer:
             # a string, messages[0] of nothing): the client's request cannot be rendered.
             raise ChatTemplateError(f"chat template rejected the messages: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], max_chars: int | None = None) -> list[int]:
         """Render the chat template and tokenize it as ``transformers``' ``apply_chat_template``
         does: special tokens come from the template text alone (add_special_tokens=False). The
         plain default template has no BOS of its own, so prompts rendered with it get the one
-        the model expects, as completion prompts do."""
+        the model expects, as completion prompts do. A rendering of more than ``max_chars``
+        characters raises ``PromptTooLong`` untokenized."""
         text = self.render_chat(messages)
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        self._check_chars(text, max_chars, "rendered conversation")
+        ids = self._encode(text, add_special_tokens=False)
         bos = self.info.bos_token_id
         if self.info.chat_template is None and self.info.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
