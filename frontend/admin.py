@@ -12,8 +12,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from frontend.errors import APIError, from_decode_error
-from frontend.schemas import PriorityUpdate
+from frontend.errors import APIError
+from frontend.schemas import PriorityUpdate, decode
 from frontend.state import AppState
 from protocol.messages import PauseAll, PauseRequest, ResetPrefixCache, ResumeAll, ResumeRequest, SetPriority
 
@@ -107,10 +107,7 @@ async def abort_request(request: Request) -> Response:
 async def set_priority(request: Request) -> Response:
     state = require_admin(request)
     request_id, rid = _rid(state, request)
-    try:
-        body = msgspec.json.decode(await request.body(), type=PriorityUpdate)
-    except msgspec.DecodeError as e:
-        raise from_decode_error(e) from None
+    body = decode(await request.body(), PriorityUpdate)
     await _control(state, request_id, SetPriority(rid, body.priority, body.cut_in))
     return _json({"id": request_id, "action": "priority", "priority": body.priority, "cut_in": body.cut_in,
                   "status": "applied"})

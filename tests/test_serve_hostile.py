@@ -578,11 +578,8 @@ def test_after_all_that_the_server_is_healthy_and_serves_as_before(served: Serve
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-8000:]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="admin.set_priority decodes its body with msgspec.json.decode and catches only "
-                   "DecodeError; an invalid UTF-8 field name raises UnicodeDecodeError (a 500). Fix in admin.py: "
-                   "body = frontend.schemas.decode(await request.body(), PriorityUpdate)")
 def test_admin_priority_invalid_utf8_key(served: Served) -> None:
-    # Last in the file: the 500 leaves a traceback in the log the test above checks.
+    # An invalid UTF-8 field name raised UnicodeDecodeError past msgspec's DecodeError: a 500.
     with holding(served) as held:
         r = served.client.post(f"/admin/requests/{held.request_id}/priority", content=b'{"\xff": 1}',
                                headers=AUTH)
