@@ -54,6 +54,9 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        help="beyond this many queued requests, new ones get 503 with Retry-After")
         p.add_argument("--max-request-body", type=int, default=16 * 2**20,
                        help="largest request body in bytes; larger ones get 413")
+        p.add_argument("--request-timeout", type=float, default=0.0,
+                       help="seconds from arrival after which a request is aborted (finish_reason abort, with "
+                            "abort_reason); 0 = no deadline")
         p.add_argument("--client-stall-timeout", type=float, default=30.0,
                        help="a streaming client that reads nothing for this many seconds is dropped and its "
                             "request aborted")

@@ -8,6 +8,7 @@ Leaving the iterator early (client gone) aborts the request in the scheduler.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import time
@@ -26,6 +27,7 @@ class Delta:
     logprobs: list[Logprob]
     finish_reason: str | None = None
     error: str | None = None
+    abort_reason: str | None = None  # why the server aborted it (a deadline), for the final chunk
 
 
 @dataclasses.dataclass(slots=True)
@@ -51,8 +53,11 @@ class Generation:
         request: AddRequest,
         stop_strings: list[str],
         metrics: Metrics | None = None,
+        timeout: float = 0.0,
     ) -> None:
         self._client = client
+        self._timeout = timeout  # seconds from arrival; 0 = none (--request-timeout)
+        self.abort_reason: str | None = None
         self._metrics = metrics
         self._started = time.monotonic()
         self.finish_reason: str | None = None
@@ -84,9 +89,21 @@ class Generation:
             raise RuntimeError("Generation.start() must be awaited first")
         done = False
         seen = 0
+        deadline = self._started + self._timeout if self._timeout > 0 else None
         try:
             while not done:
-                await stream.wait()
+                if deadline is None:
+                    await stream.wait()
+                else:
+                    try:
+                        await asyncio.wait_for(stream.wait(), max(0.0, deadline - time.monotonic()))
+                    except TimeoutError:
+                        # Out of time: the abort's finish arrives like any other and ends the
+                        # stream with finish_reason "abort" and this reason.
+                        deadline = None
+                        self.abort_reason = f"the request took longer than {self._timeout:g} s (--request-timeout)"
+                        await self._client.abort(stream.rid)
+                        continue
                 new_ids = stream.token_ids[seen:]
                 new_logprobs = stream.logprobs[seen:]
                 seen += len(new_ids)
@@ -109,7 +126,8 @@ class Generation:
                         done = True
                         self.usage.cached_tokens = final.cached_tokens
                         self.finish_reason = final.reason
-                        yield Delta(text + self._stops.flush(), [token_id], [new_logprobs[i]], final.reason)
+                        yield Delta(text + self._stops.flush(), [token_id], [new_logprobs[i]], final.reason,
+                                    abort_reason=self._abort_reason(final.reason))
                         break
                     yield Delta(text, [token_id], [new_logprobs[i]])
                 if done or finish is None:
@@ -121,13 +139,17 @@ class Generation:
                     yield Delta("", [], [], FinishReason.ERROR, error=finish.message or "engine error")
                 else:
                     self.finish_reason = finish.reason
-                    yield Delta(self._stops.flush(), [], [], finish.reason)
+                    yield Delta(self._stops.flush(), [], [], finish.reason,
+                                abort_reason=self._abort_reason(finish.reason))
         finally:
             if not done:
                 # The consumer left early (client disconnected): free the request's blocks now.
                 self._client.abort_soon(stream.rid)
             self._client.release(stream.rid)
             self._record(stream)
+
+    def _abort_reason(self, finish_reason: str) -> str | None:
+        return self.abort_reason if finish_reason == FinishReason.ABORT else None
 
     def _record(self, stream: RequestStream) -> None:
         if self._metrics is None:

@@ -191,7 +191,8 @@ async def _run(
             arrival_time=time.time(),
             after=gens[0].rid if i else None,
         )
-        gens.append(Generation(state.client, tokenizer, add, body.stop_strings(), state.metrics))
+        gens.append(Generation(state.client, tokenizer, add, body.stop_strings(), state.metrics,
+                               timeout=state.config.request_timeout))
     for gen in gens:
         await gen.start()
     if body.stream:
@@ -205,8 +206,15 @@ async def _run(
     bodies = [final(text, reason, usage, token_ids, entries, i)
               for i, (text, reason, token_ids, entries) in enumerate(answers)]
     merged = bodies[0]
-    merged["choices"] = [b["choices"][0] for b in bodies]
+    merged["choices"] = [_with_abort_reason(b["choices"][0], gen.abort_reason) for b, gen in zip(bodies, gens, strict=True)]
     return _json_response(merged, request_id)
+
+
+def _with_abort_reason(choice: dict[str, Any], reason: str | None) -> dict[str, Any]:
+    """A choice the server aborted (``--request-timeout``) says why, beside ``finish_reason``."""
+    if reason is not None and choice.get("finish_reason") == FinishReason.ABORT:
+        choice["abort_reason"] = reason
+    return choice
 
 
 def _usage(gens: list[Generation]) -> dict[str, object]:
@@ -224,6 +232,7 @@ async def _stream(gen: Generation, chunk: ChunkFn, include_usage: bool, request_
         body = chunk(delta, first, 0)
         first = False
         if body is not None:
+            _with_abort_reason(body["choices"][0], delta.abort_reason)
             yield _sse(body)
     if include_usage:
         yield _sse({"id": request_id, "object": "usage", "choices": [], "usage": gen.usage.as_dict()})
@@ -263,6 +272,7 @@ async def _stream_choices(gens: list[Generation], chunk: ChunkFn, include_usage:
                 break
             body = chunk(delta, first, index)
             if body is not None:
+                _with_abort_reason(body["choices"][0], delta.abort_reason)
                 yield _sse(body)
         if include_usage:
             yield _sse({"id": request_id, "object": "usage", "choices": [], "usage": _usage(gens)})

@@ -137,6 +137,7 @@ class FrontendConfig:
     shutdown_grace: float = 10.0  # seconds in-flight requests get to finish on SIGTERM
     max_request_body: int = 16 * 2**20  # bytes; larger bodies get 413
     client_stall_timeout: float = 30.0  # a stream whose client reads nothing this long is dropped
+    request_timeout: float = 0.0  # seconds from arrival before a request is aborted; 0 = none
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -144,6 +145,8 @@ class FrontendConfig:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         _positive("--max-queued-requests", self.max_queued_requests)
         _positive("--max-request-body", self.max_request_body)
+        if self.request_timeout < 0:
+            raise ConfigError("--request-timeout must be >= 0 seconds (0 = none)")
         if self.client_stall_timeout <= 0:
             raise ConfigError("--client-stall-timeout must be > 0 seconds")
         if self.shutdown_grace < 0:

@@ -72,3 +72,23 @@ def test_a_client_that_stops_reading_is_dropped_without_slowing_others(tmp_path_
             assert "without completing response" not in server.log()
         finally:
             stalled.close()
+
+
+def test_request_timeout_ends_a_request_with_abort_and_says_why(tmp_path_factory: pytest.TempPathFactory) -> None:
+    with running_server("--admin-token", "t", "--request-timeout", "1.5",
+                        log_dir=tmp_path_factory.mktemp("deadline")) as server:
+        url = f"{server.url}/v1/completions"
+        long = {"prompt": "x", "max_tokens": 8000, "ignore_eos": True}
+        started = time.monotonic()
+        with httpx.stream("POST", url, json=long | {"stream": True}, timeout=60) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert time.monotonic() - started < 10
+        assert lines[-1] == "data: [DONE]"
+        last = json.loads(lines[-2][6:])["choices"][0]
+        assert last["finish_reason"] == "abort" and "--request-timeout" in last["abort_reason"], last
+        whole = httpx.post(url, json=long, timeout=60).json()["choices"][0]
+        assert whole["finish_reason"] == "abort" and "1.5 s" in whole["abort_reason"], whole
+        quick = httpx.post(url, json={"prompt": "y", "max_tokens": 4, "ignore_eos": True}).json()["choices"][0]
+        assert quick["finish_reason"] == "length" and "abort_reason" not in quick
+        stats = httpx.get(f"{server.url}/admin/stats", headers=AUTH).json()
+        assert stats["running"] == stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
