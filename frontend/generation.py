@@ -19,6 +19,8 @@ from frontend.metrics import Metrics
 from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopStringMatcher
 from protocol.messages import AddRequest, FinishReason, Logprob
 
+COALESCE_AFTER = 8  # tokens arrived at once beyond this mean the consumer fell behind
+
 
 @dataclasses.dataclass(slots=True)
 class Delta:
@@ -71,6 +73,8 @@ class Generation:
             self._silent_ids.update(tokenizer.info.eos_token_ids)
         self.usage = Usage(len(request.prompt_token_ids), 0, 0)
         self._stream: RequestStream | None = None
+        # Per-token logprobs are rendered per token (with their text offsets): never merged.
+        self._coalesces = sampling.logprobs is None
 
     @property
     def request_id(self) -> str:
@@ -110,26 +114,39 @@ class Generation:
                 if self._metrics is not None and new_ids:
                     self._metrics.count_tokens(len(new_ids))
                 finish = stream.finish
+                # A backlog (the consumer fell behind: a slow client) goes out as one delta rather
+                # than a write per token; a consumer that keeps up still gets one per token.
+                pending = Delta("", [], []) if self._coalesces and len(new_ids) > COALESCE_AFTER else None
                 for i, token_id in enumerate(new_ids):
                     final = finish if i == len(new_ids) - 1 else None  # the finish came with this token
                     silent = final is not None and final.reason == FinishReason.STOP and token_id in self._silent_ids
                     text, hit_stop = self._stops.feed("" if silent else self._detok.push(token_id))
                     self.usage.completion_tokens += 1
+                    if pending is not None:
+                        text = pending.text + text
+                        ids, logprobs = [*pending.token_ids, token_id], [*pending.logprobs, new_logprobs[i]]
+                    else:
+                        ids, logprobs = [token_id], [new_logprobs[i]]
                     if hit_stop:
                         done = True
                         await self._client.abort(stream.rid)
                         self.finish_reason = FinishReason.STOP
-                        yield Delta(text, [token_id], [new_logprobs[i]], FinishReason.STOP)
+                        yield Delta(text, ids, logprobs, FinishReason.STOP)
                         break
                     if final is not None and final.reason != FinishReason.ERROR:
                         # One chunk carries the last token and the finish.
                         done = True
                         self.usage.cached_tokens = final.cached_tokens
                         self.finish_reason = final.reason
-                        yield Delta(text + self._stops.flush(), [token_id], [new_logprobs[i]], final.reason,
+                        yield Delta(text + self._stops.flush(), ids, logprobs, final.reason,
                                     abort_reason=self._abort_reason(final.reason))
                         break
-                    yield Delta(text, [token_id], [new_logprobs[i]])
+                    if pending is not None:
+                        pending = Delta(text, ids, logprobs)
+                    else:
+                        yield Delta(text, ids, logprobs)
+                if pending is not None and pending.token_ids and not done:
+                    yield pending
                 if done or finish is None:
                     continue
                 done = True
