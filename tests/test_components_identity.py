@@ -171,7 +171,14 @@ def test_bad_frames_on_the_scheduler_socket_are_dropped(components: Components) 
         for junk in (b"", b"\x00", b"\xff" * 64, b"\x92\xa5hello\x01", b"not msgpack at all"):
             sock.send(junk)
         sock.send_multipart([b"two", b"frames"])
-        wait_for(lambda: stats(url)["malformed_frames"] >= 6, 10, "bad frames counted", c)
+        # The workers' inbox too: a truncated StepTokens-looking frame and plain junk.
+        base = int(c.address.rsplit(":", 1)[1])
+        workers = ctx.socket(zmq.PUSH)
+        workers.setsockopt(zmq.LINGER, 0)
+        workers.connect(f"tcp://127.0.0.1:{base + 2}")
+        for junk in (b"\x97\xaaStepTokens\x01", b"\xde\xad\xbe\xef"):
+            workers.send(junk)
+        wait_for(lambda: stats(url)["malformed_frames"] >= 8, 10, "bad frames counted", c)
     finally:
         ctx.destroy(linger=0)
     assert c.procs["scheduler"].poll() is None
