@@ -19,7 +19,10 @@ from frontend.metrics import Metrics
 from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopStringMatcher
 from protocol.messages import AddRequest, FinishReason, Logprob
 
-COALESCE_AFTER = 8  # tokens arrived at once beyond this mean the consumer fell behind
+# Tokens found at once beyond this mean the consumer fell far behind (a stalled client). Set well
+# above a window of jitter: a busy event loop can find a few dozen tokens at once, and clients that
+# keep up must still see one chunk per token.
+COALESCE_AFTER = 256
 
 
 @dataclasses.dataclass(slots=True)

@@ -307,7 +307,7 @@ async def _collect_unless_disconnected(request: Request, gens: list[Generation]
     disconnect = asyncio.ensure_future(_wait_disconnect(request))
     either: list[asyncio.Future[Any]] = [collect, disconnect]
     try:
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     finally:
         disconnect.cancel()
         if not collect.done():
@@ -316,7 +316,9 @@ async def _collect_unless_disconnected(request: Request, gens: list[Generation]
             await disconnect
         with contextlib.suppress(asyncio.CancelledError, APIError):
             await collect  # let cancelled collectors finish their clean-up (the aborts)
-    if collect.cancelled():
+    if collect not in done:
+        # The client went first. (Not ``collect.cancelled()``: a cancelled gather reports its
+        # children's CancelledError as its exception, which then escaped as a 500 and a traceback.)
         raise APIError(400, "client disconnected")  # nobody reads this response
     return collect.result()
 

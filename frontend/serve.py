@@ -37,6 +37,7 @@ from protocol.config import FrontendConfig, SchedulerConfig, WorkerConfig, to_js
 log = logging.getLogger("sluice.serve")
 
 GRACEFUL_S = 1.5
+KEEP_ALIVE_S = 30
 CHILD_STOP_S = 2.0
 
 
@@ -51,6 +52,9 @@ def _uvicorn_config(app: Starlette, config: FrontendConfig) -> uvicorn.Config:
         log_level=config.log_level,
         access_log=config.log_level == "debug",
         timeout_graceful_shutdown=int(GRACEFUL_S) or 1,
+        # uvicorn's 5 s default races clients reusing a connection it is closing (a request sent
+        # as the server hangs up fails on the client); inference clients keep connections long.
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
 
 

@@ -64,7 +64,7 @@ def run(tok: ModelTokenizer, ids: list[int], at_once: bool, logprobs: int | None
 
 def test_a_backlog_goes_out_as_one_delta_and_a_steady_stream_token_by_token(
         tokenizer: ModelTokenizer) -> None:  # noqa: F811
-    ids = tokenizer.encode_prompt("The quick brown fox jumps over the lazy dog. " * 4)[1:]
+    ids = tokenizer.encode_prompt("The quick brown fox jumps over the lazy dog. " * 40)[1:]
     assert len(ids) > COALESCE_AFTER
     backlog = run(tokenizer, ids, at_once=True)
     steady = run(tokenizer, ids, at_once=False)
