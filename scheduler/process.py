@@ -63,14 +63,13 @@ from protocol.messages import (
     new_epoch,
 )
 from protocol.transport import Endpoints, make_socket, scheduler_frontend_codec, scheduler_worker_codec
+from scheduler.frontends import FRONTEND_TIMEOUT_S, Frontends
 from scheduler.scheduler import Scheduler
 
 log = logging.getLogger("sluice.scheduler")
 
 IDLE_POLL_MS = 100
 WORKER_TIMEOUT_S = 5.0
-# Frontends ping every 0.5 s; this much silence means the frontend (and its clients) are gone.
-FRONTEND_TIMEOUT_S = 5.0
 ANNOUNCE_INTERVAL_S = 1.0  # how often an unknown worker is asked to announce itself
 MALFORMED_LOG_INTERVAL_S = 10.0
 # How long live requests wait for a lost worker to come back before they end with an error.
@@ -100,9 +99,7 @@ class SchedulerProcess:
         self.model: ModelInfo | None = None
         self.ready_ranks: dict[int, ModelInfo] = {}
         self.last_seen: dict[int, float] = {}
-        self.frontends: dict[bytes, float] = {}  # routing id -> when it was last heard from
-        self.owner: dict[int, bytes] = {}  # rid -> the frontend that sent it
-        self.sender: bytes | None = None  # the frontend whose message is being handled
+        self.frontends = Frontends(self.to_frontend, self.frontend_codec)
         self._announce_asked = 0.0
         self.internal_errors = 0
         self.malformed_frames = 0
@@ -168,14 +165,12 @@ class SchedulerProcess:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self.sender = frames[0].bytes if routed and len(frames) == 2 else None
             try:
                 msg = codec.decode(frames[-1].buffer)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 self._malformed(e)
                 continue
-            if self.sender is not None:
-                self.frontends[self.sender] = time.monotonic()
+            self.frontends.heard_from(frames[0].bytes if routed and len(frames) == 2 else None)
             try:
                 self.handlers[type(msg)](msg)
             except Exception:
@@ -195,14 +190,10 @@ class SchedulerProcess:
         rid = getattr(msg, "rid", None)
         log.exception("INTERNAL ERROR handling %s%s; the scheduler goes on (%d internal errors so far)",
                       type(msg).__name__, f" for rid {rid}" if rid is not None else "", self.internal_errors)
-        if rid is None or self.core is None or rid not in self.core.requests:
+        if rid is None or self.core is None:
             return
         try:
-            plans = self.core.plans_with(rid)
-            finish = self.core.abort(rid, FinishReason.ERROR, "internal scheduler error (logged); request ended")
-            self._cancel_in_flight(plans, [rid], forget=True)
-            if finish is not None:
-                self._to_owners(TokenBatch([], [], [finish]))
+            self._abort(rid, FinishReason.ERROR, "internal scheduler error (logged); request ended")
         except Exception:
             log.exception("INTERNAL ERROR ending rid %s after a failed handler", rid)
 
@@ -268,49 +259,8 @@ class SchedulerProcess:
         forget = core.rids_on_worker()
         self.core = self._new_core(self.model, first_plan_id=core.last_plan_id)
         self.core.forget_on_worker(forget)
-        self._to_owners(TokenBatch([], [], finishes))
+        self.frontends.to_owners(TokenBatch([], [], finishes))
 
-    def _send_to(self, frontend: bytes, msg: object) -> None:
-        try:
-            self.to_frontend.send_multipart([frontend, self.frontend_codec.encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            # Not connected (yet, or any more): a frontend's receiving socket connects in the
-            # background, so a ping can arrive before it does. Pings repeat; a frontend that is
-            # gone has its requests aborted once it has been silent for FRONTEND_TIMEOUT_S.
-            log.debug("frontend %r not connected; dropped a %s", frontend, type(msg).__name__)
-
-    def _reply(self, msg: object) -> None:
-        """Answer the frontend whose message is being handled."""
-        if self.sender is not None:
-            self._send_to(self.sender, msg)
-
-    def _to_all_frontends(self, msg: object) -> None:
-        for frontend in self.frontends:
-            self._send_to(frontend, msg)
-
-    def _to_owners(self, batch: TokenBatch) -> None:
-        """Tokens and finishes to the frontends that own them; a finished request is forgotten."""
-        owner = self.owner
-        if len(self.frontends) == 1:  # the usual deployment: no need to split the batch
-            for f in batch.finished:
-                owner.pop(f.rid, None)
-            self._send_to(next(iter(self.frontends)), batch)
-            return
-        parts: dict[bytes, TokenBatch] = {}
-        for i, rid in enumerate(batch.rids):
-            dest = owner.get(rid)
-            if dest is not None:
-                part = parts.setdefault(dest, TokenBatch([], [], [], [] if batch.logprobs is not None else None))
-                part.rids.append(rid)
-                part.token_ids.append(batch.token_ids[i])
-                if part.logprobs is not None and batch.logprobs is not None:
-                    part.logprobs.append(batch.logprobs[i])
-        for f in batch.finished:
-            dest = owner.pop(f.rid, None)
-            if dest is not None:
-                parts.setdefault(dest, TokenBatch([], [], [], [] if batch.logprobs is not None else None)).finished.append(f)
-        for dest, part in parts.items():
-            self._send_to(dest, part)
 
     def _to_workers(self, msg: object) -> None:
         data = self.worker_codec.encode(msg)
@@ -327,16 +277,16 @@ class SchedulerProcess:
         reason = None
         if self.core is None or self.failure is not None:
             reason = self.failure or "the engine is not ready yet (a scheduler that just started waits for its workers)"
-        elif msg.rid in self.owner:
+        elif msg.rid in self.frontends.owner:
             reason = f"duplicate request rid {msg.rid}"
         if reason is not None:
-            self._reply(TokenBatch([], [], [Finish(msg.rid, FinishReason.ERROR, 0, 0, 0, reason)]))
+            self.frontends.reply(TokenBatch([], [], [Finish(msg.rid, FinishReason.ERROR, 0, 0, 0, reason)]))
             return
-        assert self.core is not None and self.sender is not None
-        self.owner[msg.rid] = self.sender
+        assert self.core is not None
+        self.frontends.own(msg.rid)
         rejected = self.core.add(msg)
         if rejected is not None:
-            self._to_owners(TokenBatch([], [], [rejected]))
+            self.frontends.to_owners(TokenBatch([], [], [rejected]))
         else:
             self._cut_speculative()
 
@@ -344,18 +294,18 @@ class SchedulerProcess:
         if self.core is not None:
             self._abort(msg.rid)
 
-    def _abort(self, rid: int) -> None:
+    def _abort(self, rid: int, reason: str = FinishReason.ABORT, message: str = "") -> None:
         assert self.core is not None
         plans = self.core.plans_with(rid)
-        finish = self.core.abort(rid)
+        finish = self.core.abort(rid, reason, message)
         if finish is not None:
-            self._to_owners(TokenBatch([], [], [finish]))
+            self.frontends.to_owners(TokenBatch([], [], [finish]))
             self._cancel_in_flight(plans, [rid], forget=True)
 
     def _acknowledge(self, query_id: int, rid: int) -> None:
         """Controls asked to be answered: found = the request was live, the change applied."""
         if query_id:
-            self._reply(QueryReply(query_id, self.core is not None and rid in self.core.requests))
+            self.frontends.reply(QueryReply(query_id, self.core is not None and rid in self.core.requests))
 
     def on_pause(self, msg: PauseRequest) -> None:
         if self.core is not None and self.core.pause(msg.rid):
@@ -384,11 +334,11 @@ class SchedulerProcess:
 
     def on_ping(self, msg: Ping) -> None:
         ready = self.model is not None and self.failure is None
-        self._reply(Pong(msg.sent_at, self._workers_alive(), ready, self._stats(), self.epoch,
+        self.frontends.reply(Pong(msg.sent_at, self._workers_alive(), ready, self._stats(), self.epoch,
                          self.failure or self.outage or ""))
         if msg.need_model and ready:
             assert self.model is not None
-            self._reply(EngineReady(self.model))
+            self.frontends.reply(EngineReady(self.model))
 
     def _stats(self) -> dict[str, float | int | bool | None] | None:
         if self.core is None:
@@ -411,21 +361,21 @@ class SchedulerProcess:
     def on_query(self, msg: Query) -> None:
         core = self.core
         if core is None:
-            self._reply(QueryReply(msg.query_id, False))
+            self.frontends.reply(QueryReply(msg.query_id, False))
         elif msg.what == "stats":
             plan_in_flight = self.plans_in_flight[0] if self.plans_in_flight else None
             stats = core.stats() | {"workers_alive": self._workers_alive(), "plan_in_flight": plan_in_flight,
                                     "worker_busy_s_total": self.busy_total_s, "frontends": len(self.frontends),
                                     "internal_errors": self.internal_errors,
                                     "malformed_frames": self.malformed_frames}
-            self._reply(QueryReply(msg.query_id, True, stats))
+            self.frontends.reply(QueryReply(msg.query_id, True, stats))
         elif msg.what == "requests":
             # Only the asking frontend's requests: another frontend's ids mean nothing to it.
-            items = [core.summary(r) for r in core.requests.values() if self.owner.get(r.rid) == self.sender]
-            self._reply(QueryReply(msg.query_id, True, items))
+            items = [core.summary(r) for r in core.requests.values() if self.frontends.owns(r.rid)]
+            self.frontends.reply(QueryReply(msg.query_id, True, items))
         else:
             req = core.requests.get(msg.rid)
-            self._reply(QueryReply(msg.query_id, req is not None, core.summary(req) if req else None))
+            self.frontends.reply(QueryReply(msg.query_id, req is not None, core.summary(req) if req else None))
 
     def on_pause_all(self, msg: PauseAll) -> None:
         if self.core is not None:
@@ -480,7 +430,7 @@ class SchedulerProcess:
         else:
             if core is not None and core.requests:
                 finishes = core.finish_all(FinishReason.ERROR, "the worker came back with a different KV cache")
-                self._to_owners(TokenBatch([], [], finishes))
+                self.frontends.to_owners(TokenBatch([], [], finishes))
             self.core = self._new_core(info)
             log.info("workers ready: %s, %d KV blocks of %d tokens", info.name, info.num_kv_blocks, info.block_size)
         self.model = info
@@ -551,7 +501,7 @@ class SchedulerProcess:
                 self.plans_in_flight.remove(msg.plan_id)
                 self.cut_short.discard(msg.plan_id)
         if batch.rids or batch.finished:
-            self._to_owners(batch)
+            self.frontends.to_owners(batch)
         if msg.last:
             self._send_continuation()
 
@@ -566,13 +516,8 @@ class SchedulerProcess:
     def _check_frontends(self) -> None:
         """A frontend silent for FRONTEND_TIMEOUT_S is gone (crashed, restarted, cut off): its
         requests have nobody to stream to, so they are aborted and their blocks freed."""
-        now = time.monotonic()
-        gone = [f for f, seen in self.frontends.items() if now - seen > FRONTEND_TIMEOUT_S]
-        for frontend in gone:
-            del self.frontends[frontend]
-            rids = [rid for rid, owner in self.owner.items() if owner == frontend]
+        for frontend, rids in self.frontends.gone():
             for rid in rids:
-                self.owner.pop(rid, None)
                 if self.core is not None:
                     self._abort(rid)
             log.warning("frontend %s silent for %.0f s: %d of its requests aborted", frontend.decode(errors="replace"),
@@ -596,8 +541,8 @@ class SchedulerProcess:
         if self.core is not None:
             finishes = self.core.finish_all(FinishReason.ERROR, reason)
             if finishes:
-                self._to_owners(TokenBatch([], [], finishes))
-        self._to_all_frontends(EngineError(reason))
+                self.frontends.to_owners(TokenBatch([], [], finishes))
+        self.frontends.broadcast(EngineError(reason))
 
 
 def run(config: SchedulerConfig) -> int:

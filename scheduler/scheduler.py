@@ -483,7 +483,7 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         rows, running, budget = len(step.rows), len(self.running), step.budget
         caps = {p: cap for p, cap in self.seat_caps.items() if req.priority >= p}
-        held = {p: sum(1 for r in self.running if r.priority >= p) for p in caps}
+        held = {p: self._seats_held(p) for p in caps}
 
         def short() -> bool:
             return (rows >= max_seqs or running >= max_seqs or budget <= 0
@@ -518,10 +518,11 @@ class Scheduler:
 
     def _class_full(self, req: Request) -> bool:
         """Does a seat cap of ``req``'s priority class hold it back?"""
-        for p, cap in self.seat_caps.items():
-            if req.priority >= p and sum(1 for r in self.running if r.priority >= p) >= cap:
-                return True
-        return False
+        return any(req.priority >= p and self._seats_held(p) >= cap for p, cap in self.seat_caps.items())
+
+    def _seats_held(self, min_priority: int) -> int:
+        """Running requests in the capped class ``priority >= min_priority``."""
+        return sum(1 for r in self.running if r.priority >= min_priority)
 
     # ------------------------------------------------------------------ making room
 
@@ -727,7 +728,8 @@ class Scheduler:
             if computes_previous:
                 self._register_full_blocks(req, 1)
                 req.advance(1)  # the worker computed the token it sampled last step
-                self.queue.charge(req.user, 1)
+                if self.queue.counts_service:
+                    self.queue.charge(req.user, 1)
             rids.append(rid)
             tokens.append(token)
             if out_logprobs:
@@ -768,5 +770,4 @@ class Scheduler:
             "prefix_cache_hits": self.pool.hits,
             "prefix_cache_hit_rate": self.pool.hits / self.pool.queries if self.pool.queries else 0.0,
             "steps": self.num_steps_run,
-        } | ({"seats_by_priority": {str(p): sum(1 for r in self.running if r.priority >= p) for p in self.seat_caps}}
-             if self.seat_caps else {})
+        } | ({"seats_by_priority": {str(p): self._seats_held(p) for p in self.seat_caps}} if self.seat_caps else {})

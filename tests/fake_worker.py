@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from protocol.messages import SamplingParams, StepPlan, StepTokens
+from protocol.messages import Finish, SamplingParams, StepPlan, StepTokens
 from protocol.stop import stop_reason
+
+if TYPE_CHECKING:
+    from scheduler.scheduler import Scheduler
 
 
 @dataclasses.dataclass
@@ -118,3 +122,31 @@ class FakeWorker:
         for rid in forget:
             self.seqs.pop(rid, None)
         return out
+
+
+def run_window(sched: Scheduler, worker: FakeWorker, plan: StepPlan, ahead: StepPlan | None,
+               cancel: tuple[int, str, int] | None) -> list[Finish]:
+    """Run ``plan``, then ``ahead`` (the window planned behind it, or None), feeding the tokens
+    back as the scheduler process does. ``cancel = (row, "abort" | "pause", k)``: that row is
+    aborted or paused now and the worker hears of it after step k (``ahead`` skips it). Returns
+    every finish, the abort's included."""
+    finishes: list[Finish] = []
+    cancel_after: dict[int, int] = {}
+    forget: frozenset[int] = frozenset()
+    if cancel is not None and plan.rids:
+        row, kind, at = cancel
+        rid = plan.rids[row % len(plan.rids)]
+        if kind == "abort":
+            f = sched.abort(rid)
+            if f is not None:
+                finishes.append(f)
+                forget = frozenset([rid])
+        else:
+            sched.pause(rid)
+        cancel_after[rid] = at
+    for out in worker.run(plan, cancel_after, forget):  # raises if a write falls outside the block table
+        finishes += sched.update(out).finished
+    if ahead is not None:
+        for out in worker.run(ahead, {rid: -1 for rid in cancel_after}, forget):
+            finishes += sched.update(out).finished
+    return finishes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from fake_worker import FakeWorker
+from fake_worker import FakeWorker, run_window
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -124,25 +124,7 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
         if priority_preemption and policy != "fcfs" and not caps and not cut_in_since_check:
             assert not priority_inversion(sched, plan, budget, max_seqs, waited)
         cut_in_since_check = False
-        ahead = sched.continue_plan() if speculative else None
-        cancel_after: dict[int, int] = {}
-        forget: frozenset[int] = frozenset()
-        if cancel is not None and plan.rids:
-            row, kind, at = cancel
-            rid = plan.rids[row % len(plan.rids)]
-            if kind == "abort":
-                f = sched.abort(rid)
-                if f is not None:
-                    record([f])
-                    forget = frozenset([rid])
-            else:
-                sched.pause(rid)
-            cancel_after[rid] = at
-        for out in worker.run(plan, cancel_after, forget):  # raises if a write falls outside the block table
-            record(sched.update(out).finished)
-        if ahead is not None:
-            for out in worker.run(ahead, {rid: -1 for rid in cancel_after}, forget):
-                record(sched.update(out).finished)
+        record(run_window(sched, worker, plan, sched.continue_plan() if speculative else None, cancel))
         return True
 
     for op in ops:

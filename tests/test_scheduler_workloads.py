@@ -13,7 +13,7 @@ import logging
 import random
 
 import pytest
-from fake_worker import FakeWorker
+from fake_worker import FakeWorker, run_window
 
 from protocol.config import SchedulerConfig
 from protocol.messages import AddRequest, SamplingParams
@@ -56,24 +56,7 @@ def run_workload(seed: int) -> None:
         plan = sched.schedule()
         if plan is None:
             return False
-        ahead = sched.continue_plan() if speculative else None
-        cancel_after: dict[int, int] = {}
-        forget: frozenset[int] = frozenset()
-        if cancel and plan.rids:
-            rid = plan.rids[cancel[0] % len(plan.rids)]
-            if cancel[1] == "abort":
-                f = sched.abort(rid)
-                if f is not None:
-                    record([f])
-                    forget = frozenset([rid])
-            else:
-                sched.pause(rid)
-            cancel_after[rid] = cancel[2]
-        for out in worker.run(plan, cancel_after, forget):
-            record(sched.update(out).finished)
-        if ahead is not None:
-            for out in worker.run(ahead, {r: -1 for r in cancel_after}, forget):
-                record(sched.update(out).finished)
+        record(run_window(sched, worker, plan, sched.continue_plan() if speculative else None, cancel))
         return True
 
     for _ in range(rng.randint(1, 80)):

@@ -27,6 +27,15 @@ def _session_pids(sid: int) -> set[int]:
     return pids
 
 
+def _assert_nothing_left(server: SluiceServer, socket_dirs_before: set[str]) -> None:
+    """After ``sluice serve`` exited: no process of its session, no socket directory of its own."""
+    deadline = time.monotonic() + 2
+    while _session_pids(server.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _session_pids(server.proc.pid), "no orphan processes"
+    assert set(glob.glob("/tmp/sluice-*")) <= socket_dirs_before, "socket directory removed"
+
+
 def test_serve_prints_url_and_stops_all_processes_on_sigterm(tmp_path: Path) -> None:
     before = set(glob.glob("/tmp/sluice-*"))
     server = SluiceServer("--num-kv-blocks", "64", log_dir=tmp_path)
@@ -45,11 +54,7 @@ def test_serve_prints_url_and_stops_all_processes_on_sigterm(tmp_path: Path) -> 
         elapsed = time.monotonic() - started
         assert elapsed < 5.0, f"took {elapsed:.1f} s to stop"
         assert server.proc.returncode == 0, server.log()
-        deadline = time.monotonic() + 2
-        while _session_pids(server.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _session_pids(server.proc.pid), "no orphan processes"
-        assert set(glob.glob("/tmp/sluice-*")) <= before, "socket directory removed"
+        _assert_nothing_left(server, before)
     finally:
         server.stop()
         for pid in _session_pids(server.proc.pid):
@@ -136,11 +141,7 @@ def test_sigterm_drains_requests_in_flight_then_aborts_the_rest_with_done(tmp_pa
         assert short[-1] == "data: [DONE]" and '"finish_reason":"length"' in short[-2].replace(" ", "")
         # The long one ran out of grace: ended with abort and [DONE], not cut mid-way.
         assert long[-1] == "data: [DONE]" and '"finish_reason":"abort"' in long[-2].replace(" ", ""), long[-3:]
-        deadline = time.monotonic() + 2
-        while _session_pids(server.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _session_pids(server.proc.pid), "no orphan processes"
-        assert set(glob.glob("/tmp/sluice-*")) <= before, "socket directory removed"
+        _assert_nothing_left(server, before)
     finally:
         server.stop()
         for pid in _session_pids(server.proc.pid):

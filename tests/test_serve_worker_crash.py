@@ -21,8 +21,8 @@ SHORT = [1, *((5 * j) % 250 + 3 for j in range(20))]
 LONG_PROMPT = [1, *((11 * j + 7) % 250 + 3 for j in range(700))]
 
 
-def worker_pid(server: SluiceServer) -> int:
-    """The worker child of ``sluice serve`` (a direct child running ``-m worker``)."""
+def child_pid(server: SluiceServer, component: bytes) -> int:
+    """The ``component`` child of ``sluice serve`` (a direct child running ``-m scheduler|worker``)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -31,9 +31,17 @@ def worker_pid(server: SluiceServer) -> int:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == server.proc.pid and b"worker" in cmdline:
+        if ppid == server.proc.pid and component in cmdline:
             return int(entry.name)
-    raise AssertionError("no worker process found")
+    raise AssertionError(f"no {component.decode()} process found")
+
+
+def worker_pid(server: SluiceServer) -> int:
+    return child_pid(server, b"worker")
+
+
+def scheduler_pid(server: SluiceServer) -> int:
+    return child_pid(server, b"scheduler")
 
 
 class Stream:
@@ -131,20 +139,6 @@ def test_past_the_restart_limit_streams_end_with_an_error_naming_the_cause(
         assert stream.errors and "max-worker-restarts 0" in stream.errors[-1], stream.errors
         reason = httpx.get(f"{server.url}/health").json()["reason"]
         assert "max-worker-restarts" in reason
-
-
-def scheduler_pid(server: SluiceServer) -> int:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == server.proc.pid and b"scheduler" in cmdline:
-            return int(entry.name)
-    raise AssertionError("no scheduler process found")
 
 
 def test_killed_scheduler_ends_open_streams_with_an_error_and_serving_resumes(server: SluiceServer) -> None:
