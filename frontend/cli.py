@@ -77,6 +77,9 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        help="KV blocks in the cache (default: sized from --kv-cache-memory)")
         p.add_argument("--kv-cache-memory", default="auto", help="KV cache size, e.g. 2GiB (default: auto)")
         p.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output (default: model's)")
+        p.add_argument("--worker-threads", type=int, default=0,
+                       help="CPU threads of the worker's forward pass (default 0: every core for models of "
+                            "50M+ parameters, one core fewer for smaller ones; OMP_NUM_THREADS, when set, wins)")
     if sc or wk:
         p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
         p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")

@@ -108,6 +108,7 @@ class WorkerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     served_model_name: str | None = None
+    worker_threads: int = 0  # CPU threads of the forward pass; 0: chosen from the cores and the model
     tensor_parallel_size: int = 1
     rank: int = 0
     log_level: str = "info"
@@ -117,6 +118,8 @@ class WorkerConfig:
         _positive("--num-kv-blocks", self.num_kv_blocks, allow_none=True)
         _positive("--max-model-len", self.max_model_len, allow_none=True)
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
+        if self.worker_threads < 0:
+            raise ConfigError("--worker-threads must be >= 0 (0: automatic)")
         if self.tensor_parallel_size > 1:
             # The flag and the per-rank wiring exist; sharded layers and a plan fan-out do not yet.
             raise ConfigError("--tensor-parallel-size > 1 is not supported yet; use 1")

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from protocol.config import WorkerConfig
 from protocol.messages import NewRequest, SamplingParams, StepPlan
 from worker.engine import Worker
-from worker.process import configure_cpu_threads
+from worker.cpu_threads import configure_cpu_threads
 
 CONFIG: dict[str, Any] = dict(
     vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
@@ -157,13 +157,13 @@ def main() -> None:
     p.add_argument("--memory-limit", type=float, default=14.0,
                    help="GiB both sides' KV caches may take together (the machine has others' work too)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads for both sides (default: what a Sluice worker uses, one core fewer than the machine)")
+                   help="torch threads for both sides (default: what a Sluice worker uses for a 100M model)")
     args = p.parse_args()
     steps = args.steps or (2 if args.quick else 4)
     if args.threads:
         torch.set_num_threads(args.threads)
     else:
-        configure_cpu_threads(torch.device("cpu"))
+        configure_cpu_threads(torch.device("cpu"), 0, 100_000_000)
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)

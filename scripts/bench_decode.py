@@ -121,8 +121,8 @@ async def ttft_probes(url: str, batch: int, prompt_tokens: int, output_tokens: i
 
 
 class BareLoop:
-    """The ceiling: the worker's runner driven directly in this process (same model, same single
-    torch thread as the server's worker), prompts prefilled in one plan (not timed), then plans
+    """The ceiling: the worker's runner driven directly in this process (same model, same thread
+    count as the server's worker), prompts prefilled in one plan (not timed), then plans
     of ``steps`` decode steps until every sequence is done. One worker, sized for the biggest
     batch, serves every run."""
 
@@ -131,14 +131,14 @@ class BareLoop:
 
         from protocol.config import WorkerConfig
         from worker.engine import Worker
-        from worker.process import configure_cpu_threads
+        from worker.cpu_threads import configure_cpu_threads
 
         self.block_size, self.steps = 16, steps
         self.prompt_tokens, self.output_tokens = prompt_tokens, output_tokens
         self.per_seq = -(-(prompt_tokens + output_tokens + steps) // self.block_size)
         self.worker = Worker(WorkerConfig(model=model, num_kv_blocks=biggest * self.per_seq + 1,
                                           block_size=self.block_size, log_level="warning"))
-        configure_cpu_threads(self.worker.device)
+        configure_cpu_threads(self.worker.device, 0, self.worker.num_params)
         self.worker.warm_up()
         self.plan_ids = itertools.count(1)
         print(f"  (bare loop: {torch.get_num_threads()} torch thread(s), as the server's worker)", file=sys.stderr)

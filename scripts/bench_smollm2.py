@@ -1,75 +1,154 @@
-"""SmolLM2-135M-Instruct through `sluice serve` next to transformers' `generate`, same GGUF file,
-same prompts, same run.
+"""SmolLM2-135M-Instruct served by Sluice, and by llama.cpp's server on the same weights, same
+client, same run.
 
-    python scripts/bench_smollm2.py                       # concurrency 1 16 64, 128 in / 128 out
-    python scripts/bench_smollm2.py --concurrency 16 --output-tokens 64
+    python scripts/bench_smollm2.py                                # Sluice alone, 1 16 64 streams
+    python scripts/bench_smollm2.py --llama-server ~/llama.cpp/build/bin/llama-server
+    python scripts/bench_smollm2.py --dtype bfloat16 --llama-server ... --rounds 3
 
-Prints the server's start-up time (process start to ``/ready``) and the worker's own load time,
-the worker's resident memory, then output tokens/s for each concurrency: the server with that
-many streaming requests at once, and transformers generating the same prompts as one batch
-(float32, greedy, every sequence exactly ``--output-tokens`` long on both sides).
+Each cell sends ``c`` streaming completions at once (``--prompt-tokens`` token ids each, exactly
+``--output-tokens`` generated: ``ignore_eos``) and reports output tokens/s over the cell, time
+to first token and inter-token latency (p50/p99 over every stream). Both servers stay up for
+the whole run and the cells are interleaved (Sluice, llama.cpp, Sluice, ...), ``--rounds``
+times; a figure is the median over rounds. llama.cpp gets the same GGUF file converted to the
+same weight dtype (``llama-quantize --allow-requantize``, found beside ``llama-server``), all
+cores (``-t``), one slot per stream and a context large enough for every stream. Then each
+server's peak resident memory. Sluice runs with its defaults (threads, KV cache size, dtype
+unless ``--dtype`` is given).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_decode import _stream
-from bench_serve import _free_port
+import itertools
+
+from bench_serve import _free_port, _pct
+
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
-def _prompts(n: int, length: int) -> list[list[int]]:
-    """Token ids of ordinary vocabulary entries (no special tokens), different per request."""
-    return [[(1_000 + 37 * i + 101 * j) % 48_000 + 100 for j in range(length)] for i in range(n)]
+def _prompts(n: int, length: int, salt: int) -> list[list[int]]:
+    """Token ids of ordinary vocabulary entries (no special tokens), different per request and
+    per cell (``salt``), so no server reuses a cached prefix across cells."""
+    return [[(1_000 + 37 * i + 101 * j + 7_919 * salt) % 48_000 + 100 for j in range(length)] for i in range(n)]
 
 
-def _rss_mib(pid: int, field: str = "VmRSS") -> float:
-    """Resident memory now (VmRSS) or at its peak so far (VmHWM), from /proc."""
+def _rss_mib(pid: int, field_name: str = "VmHWM") -> float:
     status = Path(f"/proc/{pid}/status").read_text()
-    match = re.search(rf"{field}:\s+(\d+) kB", status)
+    match = re.search(rf"{field_name}:\s+(\d+) kB", status)
     return int(match.group(1)) / 1024 if match else float("nan")
 
 
-async def _served(url: str, prompts: list[list[int]], output_tokens: int) -> float:
-    stamps: list[list[float]] = [[] for _ in prompts]
+async def _stream(host: str, port: int, prompt: list[int], n_out: int) -> list[float]:
+    """One streaming completion; the arrival time of each chunk that carries text."""
+    body = json.dumps({"prompt": prompt, "max_tokens": n_out, "ignore_eos": True, "temperature": 0,
+                       "stream": True}).encode()
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Type: "
+                 b"application/json\r\nConnection: close\r\nContent-Length: " + str(len(body)).encode()
+                 + b"\r\n\r\n" + body)
+    await writer.drain()
+    status = await reader.readline()
+    if b" 200 " not in status:
+        raise RuntimeError(f"HTTP error: {status!r} {await reader.read(2000)!r}")
+    stamps: list[float] = []
+    while line := await reader.readline():
+        if not line.startswith(b"data: {"):
+            continue
+        now = time.perf_counter()
+        event = json.loads(line[6:])
+        choices = event.get("choices") or []
+        if choices and choices[0].get("text"):
+            stamps.append(now)
+    writer.close()
+    return stamps
+
+
+@dataclass
+class Cell:
+    tok_s: float
+    ttft: list[float]
+    itl: list[float]
+
+
+async def _cell(url: str, c: int, prompt_tokens: int, output_tokens: int, salt: int) -> Cell:
+    host, port = url.removeprefix("http://").split(":")
     start = time.perf_counter()
-    await asyncio.gather(*(_stream(url, p, output_tokens, s) for p, s in zip(prompts, stamps, strict=True)))
-    produced = sum(len(s) for s in stamps)
-    return produced / (time.perf_counter() - start)
+    streams = await asyncio.gather(*(_stream(host, int(port), p, output_tokens)
+                                     for p in _prompts(c, prompt_tokens, salt)))
+    elapsed = time.perf_counter() - start
+    ttft = [s[0] - start for s in streams if s]
+    itl = [b - a for s in streams for a, b in itertools.pairwise(s)]
+    return Cell(sum(len(s) for s in streams) / elapsed, ttft, itl)
 
 
-def _load_transformers() -> object:
-    import torch
-    from transformers import AutoModelForCausalLM
+@dataclass
+class Server:
+    name: str
+    argv: list[str]
+    url: str
+    pid_pattern: str | None = None  # the process whose memory counts (None: the server itself)
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path = field(default_factory=lambda: Path(tempfile.mkstemp(prefix="bench-smollm2-", suffix=".log")[1]))
+    ready_s: float = 0.0
 
+    def start(self) -> None:
+        began = time.perf_counter()
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited; see {self.log}")
+            try:
+                if httpx.get(f"{self.url}/health" if self.name == "llama.cpp" else f"{self.url}/ready",
+                             timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.ready_s = time.perf_counter() - began
+
+    def memory_pid(self) -> int:
+        assert self.proc is not None
+        if self.pid_pattern is None:
+            return self.proc.pid
+        found = subprocess.run(["pgrep", "-f", "-n", "-g", str(self.proc.pid), self.pid_pattern],
+                               capture_output=True, text=True).stdout.split()
+        return int(found[0]) if found else self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _llama_gguf(server: Path, dtype: str, out_dir: Path) -> Path:
     from worker.loader import smollm2_path
 
-    path = smollm2_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-
-
-def _transformers(model: object, prompts: list[list[int]], output_tokens: int) -> float:
-    import torch
-
-    ids = torch.tensor(prompts)
-    with torch.inference_mode():
-        model.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)  # type: ignore[attr-defined]
-        start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_tokens,  # type: ignore[attr-defined]
-                             min_new_tokens=output_tokens, do_sample=False)
-        elapsed = time.perf_counter() - start
-    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / elapsed
+    target = out_dir / f"smollm2-{GGUF_TYPES[dtype].lower()}.gguf"
+    if not target.exists():
+        quantize = server.parent / "llama-quantize"
+        subprocess.run([str(quantize), "--allow-requantize", str(smollm2_path()), str(target), GGUF_TYPES[dtype]],
+                       check=True, capture_output=True)
+    return target
 
 
 def main() -> None:
@@ -77,66 +156,63 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=sorted(GGUF_TYPES),
+                   help="weights' dtype on both sides (Sluice's --dtype; llama.cpp's converted GGUF)")
+    p.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
+    p.add_argument("--sluice-args", default="", help="extra flags for sluice serve, e.g. '--worker-threads 1'")
     args = p.parse_args()
 
+    cores = len(os.sched_getaffinity(0))
     most = max(args.concurrency)
-    blocks = most * (-(-(args.prompt_tokens + args.output_tokens + 16) // 16)) + 64
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open("/tmp/sluice-bench-smollm2.log", "wb")  # noqa: SIM115 - closed below
-    began = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "frontend", "serve", "--model", "smollm2", "--port", str(port),
-                             "--num-kv-blocks", str(blocks)], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    served: dict[int, float] = {}
+    servers = [Server("sluice", [sys.executable, "-m", "frontend", "serve", "--model", "smollm2", "--dtype", args.dtype,
+                                 "--port", str(port := _free_port()), *args.sluice_args.split()],
+                      f"http://127.0.0.1:{port}", pid_pattern="worker --config")]
+    if args.llama_server is not None:
+        gguf = _llama_gguf(args.llama_server, args.dtype, Path(tempfile.gettempdir()))
+        ctx = most * (args.prompt_tokens + args.output_tokens + 16)
+        servers.append(Server("llama.cpp", [str(args.llama_server), "-m", str(gguf), "--port", str(port := _free_port()),
+                                            "-t", str(cores), "-np", str(most), "-c", str(ctx), "--no-webui"],
+                              f"http://127.0.0.1:{port}"))
+    cells: dict[tuple[str, int], list[Cell]] = {}
     try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"sluice serve exited; see {log.name}")
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        ready_s = time.perf_counter() - began
-        worker = int(subprocess.run(["pgrep", "-f", "-n", "-g", str(proc.pid), "worker --config"],
-                                    capture_output=True, text=True).stdout.split()[0])
-        asyncio.run(_served(url, _prompts(1, 8), 4))  # warm-up
-        for c in args.concurrency:
-            served[c] = asyncio.run(_served(url, _prompts(c, args.prompt_tokens), args.output_tokens))
-            print(f"served, {c} streams: {served[c]:,.1f} tok/s", file=sys.stderr)
-        rss, peak = _rss_mib(worker), _rss_mib(worker, "VmHWM")
+        for server in servers:
+            server.start()
+            asyncio.run(_cell(server.url, 1, 8, 4, salt=0))  # warm-up
+            print(f"{server.name}: ready in {server.ready_s:.1f} s", file=sys.stderr)
+        salt = 1
+        for r in range(args.rounds):
+            for c in args.concurrency:
+                for server in servers:
+                    cell = asyncio.run(_cell(server.url, c, args.prompt_tokens, args.output_tokens, salt))
+                    salt += 1
+                    cells.setdefault((server.name, c), []).append(cell)
+                    print(f"round {r + 1}, {server.name}, {c} streams: {cell.tok_s:,.1f} tok/s", file=sys.stderr)
+        memory = {s.name: _rss_mib(s.memory_pid()) for s in servers}
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-    load = re.search(r"as \w+ in ([\d.]+) s", Path(log.name).read_text())
-    print(f"\nSmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32), {args.prompt_tokens} prompt / "
-          f"{args.output_tokens} output tokens per request")
-    print(f"  start-up to /ready: {ready_s:.1f} s (worker load of the GGUF file: "
-          f"{load.group(1) if load else '?'} s); worker RSS {rss:,.0f} MiB (peak {peak:,.0f}) with a "
-          f"{blocks}-block KV cache")
-    import torch
+        for server in servers:
+            server.stop()
 
-    began = time.perf_counter()
-    model = _load_transformers() if args.transformers else None
-    if model is not None:
-        print(f"  transformers from_pretrained(gguf_file=...): {time.perf_counter() - began:.1f} s")
-    all_threads = torch.get_num_threads()
-    # transformers twice: with the one thread Sluice's worker computes on (the other core is the
-    # frontend's and scheduler's), and with every core, as a plain `generate` would run.
-    print(f"  {'concurrency':>11} | {'sluice tok/s':>12} | {'hf, 1 thread':>12} | ratio | "
-          f"{f'hf, {all_threads} threads':>13} | ratio")
+    print(f"\nSmolLM2-135M-Instruct as {args.dtype}, {args.prompt_tokens} prompt / {args.output_tokens} output "
+          f"tokens per stream, {cores} cores, median of {args.rounds} round(s)")
+    print(f"  {'streams':>7} | {'server':<9} | {'tok/s':>7} | {'TTFT p50':>8} | {'TTFT p99':>8} | "
+          f"{'ITL p50':>7} | {'ITL p99':>7} | ratio")
     for c in args.concurrency:
-        theirs = []
-        for threads in (1, all_threads):
-            torch.set_num_threads(threads)
-            prompts = _prompts(c, args.prompt_tokens)
-            theirs.append(_transformers(model, prompts, args.output_tokens) if model else float("nan"))
-        print(f"  {c:>11} | {served[c]:>12,.1f} | {theirs[0]:>12,.1f} | {served[c] / theirs[0]:5.2f} | "
-              f"{theirs[1]:>13,.1f} | {served[c] / theirs[1]:5.2f}")
+        base = None
+        for server in servers:
+            runs = cells[(server.name, c)]
+            tok_s = statistics.median(x.tok_s for x in runs)
+            ttft = [t for x in runs for t in x.ttft]
+            itl = [t for x in runs for t in x.itl]
+            if server.name == "llama.cpp":
+                base = tok_s
+            ratio = f"{statistics.median(x.tok_s for x in cells[('sluice', c)]) / base:5.2f}" if base else ""
+            print(f"  {c:>7} | {server.name:<9} | {tok_s:>7,.1f} | {_pct(ttft, 0.5) * 1e3:>6.0f}ms | "
+                  f"{_pct(ttft, 0.99) * 1e3:>6.0f}ms | {_pct(itl, 0.5) * 1e3:>5.1f}ms | {_pct(itl, 0.99) * 1e3:>5.1f}ms | "
+                  f"{ratio}")
+    print("  peak resident memory: " + ", ".join(f"{name} {mib:,.0f} MiB" for name, mib in memory.items())
+          + " (Sluice: its worker process)")
+    print("  ratio: Sluice's tok/s over llama.cpp's at the same concurrency")
 
 
 if __name__ == "__main__":

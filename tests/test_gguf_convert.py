@@ -39,8 +39,8 @@ def from_gguf() -> Worker:
 
 def test_sluice_loads_the_directory_as_the_gguf_file(converted: Path, from_gguf: Worker) -> None:
     from_dir = Worker(WorkerConfig(model=str(converted), num_kv_blocks=8))
-    theirs = dict(from_gguf.runner.model.named_parameters())
-    ours = dict(from_dir.runner.model.named_parameters())
+    theirs = from_gguf.runner.model.checkpoint_state()
+    ours = from_dir.runner.model.checkpoint_state()
     assert theirs.keys() == ours.keys()
     for name, p in ours.items():
         assert torch.equal(p, theirs[name]), name
@@ -57,7 +57,7 @@ def test_transformers_loads_the_directory_to_the_same_weights_and_tokenizer(conv
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32)
-    ours = dict(from_gguf.runner.model.named_parameters())
+    ours = from_gguf.runner.model.checkpoint_state()
     theirs = model.state_dict()
     assert set(ours) <= set(theirs)
     for name, p in ours.items():

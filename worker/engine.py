@@ -41,9 +41,9 @@ class Worker:
         dtype = resolve_dtype(config.dtype, self.device)
         model = load_model(source, cfg, dtype, self.device, max_positions=self.max_model_len,
                            weights=gguf.weights if gguf is not None else None)
-        log.info("loaded %s (%s, %.1fM parameters, tied ones once) on %s as %s in %.1f s", source, cfg.architecture,
-                 sum({p.data_ptr(): p.numel() for p in model.parameters()}.values()) / 1e6, self.device, str(dtype).removeprefix("torch."),
-                 time.perf_counter() - began)
+        self.num_params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())  # tied ones once
+        log.info("loaded %s (%s, %.1fM parameters) on %s as %s in %.1f s", source, cfg.architecture,
+                 self.num_params / 1e6, self.device, str(dtype).removeprefix("torch."), time.perf_counter() - began)
         per_block = bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
         num_blocks = num_blocks_for(config, per_block, self.device)
         cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype,

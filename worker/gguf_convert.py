@@ -76,7 +76,7 @@ def convert(source: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> 
     ckpt = GGUFCheckpoint(source)
     cfg = ckpt.config
     model = load_model(source, cfg, dtype, torch.device("cpu"), cfg.max_position_embeddings, weights=ckpt.weights)
-    state = {name: p.detach().contiguous() for name, p in model.named_parameters()}
+    state = {name: t.contiguous() for name, t in model.checkpoint_state().items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # one tensor with embed_tokens: transformers re-ties it on load
     tokenizer = ckpt.tokenizer()

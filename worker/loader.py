@@ -142,7 +142,7 @@ def load_model(model_dir: Path, cfg: LlamaConfig, dtype: torch.dtype, device: to
     ``weights`` reads them from another source (a GGUF file) instead of safetensors."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
-    expected = {name: p.shape for name, p in model.named_parameters()}
+    expected = model.checkpoint_shapes()
     if weights is None:
         state = _read_weights(weight_files(model_dir), expected, dtype, device)
     else:
@@ -153,6 +153,6 @@ def load_model(model_dir: Path, cfg: LlamaConfig, dtype: torch.dtype, device: to
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelLoadError(f"{model_dir}: weights missing: {', '.join(missing[:3])}{more}")
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_checkpoint(state)
     model.rotary.to(device)  # computed tables, not weights
     return model.eval()

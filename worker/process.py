@@ -22,7 +22,6 @@ from types import FrameType
 from typing import Any
 
 import msgspec
-import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -39,6 +38,7 @@ from protocol.messages import (
     WorkerReady,
 )
 from protocol.transport import Endpoints, make_socket, scheduler_worker_codec, worker_codec
+from worker.cpu_threads import configure_cpu_threads
 from worker.engine import Worker
 from worker.model_config import ModelLoadError
 
@@ -48,19 +48,6 @@ HEARTBEAT_S = 0.5
 WAITING_LOG_INTERVAL_S = 5.0  # how often a worker cut off from its scheduler says so
 FINAL_LINGER_MS = 500  # let a last WorkerFailed reach the scheduler before the socket closes
 log = logging.getLogger("sluice.worker")
-
-
-def configure_cpu_threads(device: torch.device) -> None:
-    """On the CPU, leave one core to the scheduler and frontend processes beside this one.
-
-    They poll and run while the worker computes; OpenMP threads that find their core taken
-    stall every operator at its barrier (measured on 2 cores: a 64-step decode of a small
-    model took 1.6 s with 2 threads under load, 0.1 s with 1). OMP_NUM_THREADS, when set, wins.
-    """
-    if device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - 1)))
 
 
 def _heartbeat(ctx: zmq.Context[Any], address: str, rank: int, stop: threading.Event) -> None:
@@ -208,7 +195,7 @@ def run(config: WorkerConfig) -> int:
     try:
         try:
             worker = Worker(config)
-            configure_cpu_threads(worker.device)
+            configure_cpu_threads(worker.device, config.worker_threads, worker.num_params)
             worker.warm_up()
         except Exception as e:
             return proc.fail("loading failed", e)

@@ -169,8 +169,7 @@ class Sampler:
         top_k = [r.params.top_k for r in rows]
         top_p = [r.params.top_p for r in rows]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            scaled = _filter_top_k_top_p(scaled, torch.tensor(top_k, device=device),
-                                         torch.tensor(top_p, device=device))
+            scaled = _filter_top_k_top_p(scaled, top_k, torch.tensor(top_p, device=device))
         probs = scaled.softmax(dim=-1)
         min_p = [r.params.min_p for r in rows]
         if any(m > 0.0 for m in min_p):
@@ -193,18 +192,27 @@ class Sampler:
         return e.clamp_(min=torch.finfo(e.dtype).tiny)
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -> torch.Tensor:
     """Mask to -inf what lies outside each row's top-k, then outside the top-p nucleus of what is
-    left (one sort for both). The most likely token always survives."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    left. The most likely token always survives.
+
+    Top-k comes first and bounds the work: when every row has a k, only the largest k columns
+    are ranked (``topk``, linear in the vocabulary) instead of sorting the whole vocabulary per
+    row; a row with top-p and no top-k needs the full sort."""
     vocab = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], -torch.inf)
-    probs = sorted_logits.softmax(dim=-1)
+    ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
+    width = max(ks)
+    k = torch.tensor(ks, device=logits.device)
+    if width < vocab:
+        head, order = logits.topk(width, dim=-1)  # sorted, descending
+    else:
+        head, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(width, device=logits.device)[None, :]
+    head = head.masked_fill(ranks >= k[:, None], -torch.inf)
+    probs = head.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-    sorted_logits = sorted_logits.masked_fill(before >= top_p[:, None], -torch.inf)
-    return torch.full_like(logits, -torch.inf).scatter(-1, order, sorted_logits)
+    head = head.masked_fill(before >= top_p[:, None], -torch.inf)
+    return torch.full_like(logits, -torch.inf).scatter(-1, order, head)
 
 
 def _top_logprobs(raw: torch.Tensor, rows: list[int], counts: list[int], token_ids: torch.Tensor) -> TopLogprobs:
