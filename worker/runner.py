@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import torch
 
 from protocol.messages import CancelRows, StepPlan, StepTokens
-from worker.attention import AttentionMetadata
+from worker.attention import AttentionBackend
 from worker.host_copy import HostCopier, PendingCopy
 from worker.kv_cache import KVCache, SwapSpace
 from worker.llama import LlamaForCausalLM
@@ -73,6 +73,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.sliding_window = model.config.sliding_window
+        cfg = model.config
+        self.attention = AttentionBackend.select(device, cache.keys[0].dtype, cfg.num_heads, cfg.num_kv_heads,
+                                                 cfg.head_dim, cache.block_size)
         self.seqs: dict[int, SequenceState] = {}
         self.sampler = Sampler(device, eos_token_ids, seed)
         self.copier = HostCopier(device, max_num_seqs)
@@ -246,7 +249,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     def _forward(self, batch: StepBatch) -> SamplerOutput | None:
-        meta = AttentionMetadata.build(self.cache, [s.block_table for s in batch.seqs], batch.starts,
+        meta = self.attention.metadata(self.cache, [s.block_table for s in batch.seqs], batch.starts,
                                        batch.lengths, batch.logits_indices, self.device, self.sliding_window)
         logits = self.model(batch.input_ids, meta)
         if not batch.samplers:

@@ -1,0 +1,81 @@
+"""The C decode kernel against the torch reference path (gather + SDPA), on random paged layouts:
+shuffled block tables, mixed context lengths, grouped-query heads, sliding windows, a context
+ending exactly on a block boundary, strided q/k/v as the model passes them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from worker import paged_decode
+from worker.attention import AttentionBackend, AttentionMetadata, paged_attention
+from worker.kv_cache import KVCache
+
+kernel = paged_decode.load()
+pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler: the kernel cannot be built here")
+
+
+def _layout(seed: int, rows: int, block_size: int, num_blocks: int, longest: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables, starts = [], []
+    for i in range(rows):
+        start = rng.randrange(0, longest) if i else block_size * 3 - 1  # row 0 ends on a block boundary
+        need = start // block_size + 1
+        tables.append([free.pop() for _ in range(need + rng.randrange(0, 2))])  # sometimes a spare block
+        starts.append(start)
+    return tables, starts
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "window"),
+                         [(9, 3, 64, 16, None), (4, 4, 32, 8, None), (8, 2, 16, 16, 37), (6, 1, 128, 4, 5)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_kernel_matches_the_torch_path(heads: int, kv_heads: int, head_dim: int, block_size: int,
+                                              window: int | None, seed: int) -> None:
+    torch.manual_seed(seed)
+    rows = 13
+    num_blocks = rows * (300 // block_size + 3)
+    tables, starts = _layout(seed, rows, block_size, num_blocks, longest=300)
+    caches = []
+    for _ in range(2):
+        cache = KVCache(1, num_blocks, block_size, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+        caches.append(cache)
+    fill = torch.randn_like(caches[0].keys[0]), torch.randn_like(caches[0].values[0])
+    for cache in caches:
+        cache.keys[0].copy_(fill[0])
+        cache.values[0].copy_(fill[1])
+    # As the model hands them over: q and k views of one rotated tensor, v a view of the projection.
+    qk = torch.randn(rows, heads + kv_heads, head_dim)
+    q, k = qk.split([heads, kv_heads], dim=1)
+    v = torch.randn(rows, (heads + 2 * kv_heads) * head_dim)[:, heads * head_dim : (heads + kv_heads) * head_dim]
+    v = v.view(rows, kv_heads, head_dim)
+    cpu = torch.device("cpu")
+    ref_meta = AttentionMetadata.build(caches[0], tables, starts, [1] * rows, list(range(rows)), cpu, window)
+    kernel_meta = AttentionMetadata.build(caches[1], tables, starts, [1] * rows, list(range(rows)), cpu, window,
+                                          decode_kernel=kernel)
+    assert ref_meta.decode is None and kernel_meta.decode is not None
+    want = paged_attention(q, k, v, ref_meta, 0, head_dim**-0.5)
+    got = paged_attention(q, k, v, kernel_meta, 0, head_dim**-0.5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    # The kernel wrote this step's keys and values into the same slots the torch path did.
+    assert torch.equal(caches[0].keys[0], caches[1].keys[0])
+    assert torch.equal(caches[0].values[0], caches[1].values[0])
+
+
+def test_steps_with_prefill_chunks_keep_the_torch_path() -> None:
+    cache = KVCache(1, 16, 4, 2, 8, torch.float32, torch.device("cpu"))
+    backend = AttentionBackend(kernel)
+    mixed = backend.metadata(cache, [[0, 1], [2, 3]], [5, 0], [1, 3], [0, 3], torch.device("cpu"), None)
+    decode = backend.metadata(cache, [[0, 1], [2, 3]], [5, 2], [1, 1], [0, 1], torch.device("cpu"), None)
+    assert mixed.decode is None and mixed.groups
+    assert decode.decode is not None and not decode.groups
+
+
+def test_geometries_outside_the_kernels_scratch_are_refused() -> None:
+    assert paged_decode.supports(torch.float32, 9, 3, 64, 16)
+    assert not paged_decode.supports(torch.bfloat16, 9, 3, 64, 16)
+    assert not paged_decode.supports(torch.float32, 64, 2, 64, 16)  # 32 query heads per kv head
+    assert not paged_decode.supports(torch.float32, 8, 8, 512, 16)

@@ -1,0 +1,92 @@
+/* Decode attention straight from the paged KV cache (float32, CPU).
+ *
+ * One query token per row. Each row first writes its new key and value into its cache slot,
+ * then each (row, kv head) pair attends over the row's context block by block, reading keys
+ * and values where they lie in the cache: no gathered copy of the context. The G query heads
+ * that share a kv head are done together, so each key and value is read once for all of them.
+ * Softmax is the streaming kind: a running max and sum per query head, the accumulator
+ * rescaled once per block rather than once per position.
+ *
+ * Built by worker/paged_decode.py with the system C compiler (-O3 -march=native -fopenmp, and
+ * reassociation allowed so the dot products vectorise; no -ffinite-math: -INFINITY is used);
+ * the inner loops over head_dim are plain loops the compiler vectorises.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_GROUP 16      /* query heads per kv head */
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK 128     /* tokens per KV block */
+
+void write_kv(const float *k_new, const float *v_new, int64_t k_stride, int64_t v_stride,
+              float *k_cache, float *v_cache, const int64_t *slots, int num_rows, int kv_heads,
+              int head_dim) {
+    const int64_t width = (int64_t)kv_heads * head_dim;
+    for (int b = 0; b < num_rows; b++) {
+        memcpy(k_cache + slots[b] * width, k_new + b * k_stride, width * sizeof(float));
+        memcpy(v_cache + slots[b] * width, v_new + b * v_stride, width * sizeof(float));
+    }
+}
+
+void paged_decode(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                  const int32_t *block_table, int max_blocks, const int32_t *context_lens,
+                  const int32_t *first_positions, float *out, int num_rows, int num_heads,
+                  int kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+    const int group = num_heads / kv_heads;
+    const int64_t slot_width = (int64_t)kv_heads * head_dim;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+    for (int b = 0; b < num_rows; b++) {
+        for (int h = 0; h < kv_heads; h++) {
+            float acc[MAX_GROUP][MAX_HEAD_DIM];
+            float qs[MAX_GROUP][MAX_HEAD_DIM];
+            float running_max[MAX_GROUP], running_sum[MAX_GROUP];
+            float scores[MAX_GROUP][MAX_BLOCK];
+            for (int g = 0; g < group; g++) {
+                const float *qg = q + b * q_stride + (int64_t)(h * group + g) * head_dim;
+                for (int d = 0; d < head_dim; d++) {
+                    qs[g][d] = qg[d] * scale;
+                    acc[g][d] = 0.0f;
+                }
+                running_max[g] = -INFINITY;
+                running_sum[g] = 0.0f;
+            }
+            const int end = context_lens[b];
+            int pos = first_positions[b];
+            while (pos < end) {
+                const int block = block_table[(int64_t)b * max_blocks + pos / block_size];
+                const int offset = pos % block_size;
+                const int n = (block_size - offset < end - pos) ? block_size - offset : end - pos;
+                const int64_t first_slot = (int64_t)block * block_size + offset;
+                const float *keys = k_cache + first_slot * slot_width + (int64_t)h * head_dim;
+                const float *values = v_cache + first_slot * slot_width + (int64_t)h * head_dim;
+                for (int g = 0; g < group; g++) {
+                    float block_max = running_max[g];
+                    for (int i = 0; i < n; i++) {
+                        const float *k = keys + i * slot_width;
+                        float s = 0.0f;
+                        for (int d = 0; d < head_dim; d++) s += qs[g][d] * k[d];
+                        scores[g][i] = s;
+                        if (s > block_max) block_max = s;
+                    }
+                    const float rescale = expf(running_max[g] - block_max);
+                    running_sum[g] *= rescale;
+                    for (int d = 0; d < head_dim; d++) acc[g][d] *= rescale;
+                    running_max[g] = block_max;
+                    for (int i = 0; i < n; i++) {
+                        const float p = expf(scores[g][i] - block_max);
+                        running_sum[g] += p;
+                        const float *v = values + i * slot_width;
+                        for (int d = 0; d < head_dim; d++) acc[g][d] += p * v[d];
+                    }
+                }
+                pos += n;
+            }
+            for (int g = 0; g < group; g++) {
+                float *o = out + ((int64_t)b * num_heads + h * group + g) * head_dim;
+                const float inv = 1.0f / running_sum[g];
+                for (int d = 0; d < head_dim; d++) o[d] = acc[g][d] * inv;
+            }
+        }
+    }
+}

@@ -1,0 +1,129 @@
+"""The CPU decode-attention kernel (``csrc/paged_decode.c``): built, loaded and called.
+
+The kernel is plain C, compiled on first use by the system C compiler into Sluice's cache
+directory (a second or two, once per machine and source version) and called through ctypes:
+no torch headers, no build step at install time. ``-march=native`` makes it fast on the
+machine that built it, so the file name carries a digest of the CPU's flags as well as of the
+source: a cache directory shared between machines never hands one a binary for another.
+
+Where there is no compiler (a slim container image) or the build fails, ``load()`` returns
+None, says why once, and attention keeps to its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from worker.tiny import default_cache_dir
+
+log = logging.getLogger("sluice.worker")
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math"]
+# What the kernel's fixed-size scratch holds (see the #defines in the source).
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 128
+
+_loaded: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_signature() -> str:
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {flags}"
+
+
+def _library_path() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_signature().encode())
+    return default_cache_dir() / "kernels" / f"paged_decode-{digest.hexdigest()[:16]}.so"
+
+
+def _build(target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: concurrent workers never load half a file.
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1:]}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built if need be; None (said once) when it cannot be."""
+    global _loaded, _tried
+    if _tried:
+        return _loaded
+    _tried = True
+    if os.environ.get("SLUICE_NO_C_KERNELS"):
+        log.info("paged decode kernel: off (SLUICE_NO_C_KERNELS)")
+        return None
+    target = _library_path()
+    try:
+        if not target.exists():
+            _build(target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("paged decode kernel unavailable (%s); decode attention gathers the context instead", e)
+        return None
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.write_kv.argtypes = [p, p, i64, i64, p, p, p, i32, i32, i32]
+    lib.write_kv.restype = None
+    lib.paged_decode.argtypes = [p, i64, p, p, p, i32, p, p, p, i32, i32, i32, i32, i32, f32, i32]
+    lib.paged_decode.restype = None
+    _loaded = lib
+    return lib
+
+
+def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether the kernel handles this geometry (float32 on the CPU, within its scratch sizes)."""
+    return (dtype == torch.float32 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
+            and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, key_slots: torch.Tensor, value_slots: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k, v [B, KVH, D] (rows may be strided, heads contiguous) into the flat caches at ``slots`` (int64)."""
+    lib.write_kv(_ptr(k), _ptr(v), k.stride(0), v.stride(0), _ptr(key_slots), _ptr(value_slots), _ptr(slots),
+                 k.shape[0], k.shape[1], k.shape[2])
+
+
+def decode(lib: ctypes.CDLL, q: torch.Tensor, key_slots: torch.Tensor, value_slots: torch.Tensor,
+           block_table: torch.Tensor, context_lens: torch.Tensor, first_positions: torch.Tensor, block_size: int,
+           scale: float) -> torch.Tensor:
+    """q [B, H, D] (rows may be strided) against each row's context -> [B, H, D].
+
+    ``block_table`` [B, max blocks] int32 contiguous; ``context_lens`` / ``first_positions`` [B]
+    int32: row b attends positions first_positions[b] .. context_lens[b] - 1."""
+    rows, heads, head_dim = q.shape
+    out = torch.empty((rows, heads, head_dim), dtype=q.dtype)
+    lib.paged_decode(_ptr(q), q.stride(0), _ptr(key_slots), _ptr(value_slots), _ptr(block_table),
+                     block_table.shape[1], _ptr(context_lens), _ptr(first_positions), _ptr(out), rows, heads,
+                     key_slots.shape[1], head_dim, block_size, scale, torch.get_num_threads())
+    return out
