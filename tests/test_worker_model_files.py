@@ -4,6 +4,7 @@ errors for directories that cannot load, and KV cache sizing."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -154,8 +155,13 @@ def test_kv_cache_size_from_flags() -> None:
     cpu = torch.device("cpu")
     assert num_blocks_for(WorkerConfig(num_kv_blocks=7, kv_cache_memory="1MiB"), per_block, cpu) == 7
     assert num_blocks_for(WorkerConfig(kv_cache_memory="1MiB"), per_block, cpu) == (1 << 20) // per_block
-    auto = num_blocks_for(WorkerConfig(), per_block, cpu)
-    assert 0 < auto * per_block <= 2 << 30
+    # auto on the CPU: twice the weights, at least 256 MiB and one longest sequence, at most a quarter of RAM
+    floor = (256 << 20) // per_block
+    assert num_blocks_for(WorkerConfig(), per_block, cpu, weight_bytes=floor * per_block) == 2 * floor
+    assert num_blocks_for(WorkerConfig(), per_block, cpu, weight_bytes=per_block) == floor
+    assert num_blocks_for(WorkerConfig(), per_block, cpu, max_model_len=16 * 3 * floor) == 3 * floor
+    quarter = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    assert num_blocks_for(WorkerConfig(), per_block, cpu, weight_bytes=quarter) == quarter // per_block
     with pytest.raises(ConfigError, match="hold no KV block"):
         num_blocks_for(WorkerConfig(kv_cache_memory="1KiB"), per_block, cpu)
 
@@ -174,3 +180,14 @@ def test_swap_space_grows_on_demand_and_keeps_what_it_holds() -> None:
     swap.swap_in([(0, 11), (20, 12), (5, 13)])
     for got, before in zip(cache.layers, want, strict=True):
         assert torch.equal(got[11], before[3]) and torch.equal(got[12], before[7]) and torch.equal(got[13], before[9])
+
+
+def test_dtype_auto_follows_the_device_and_the_cpus_instructions() -> None:
+    from worker.loader import resolve_dtype
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, cpu_has_bf16=False) == torch.float32
+    assert resolve_dtype("auto", cpu, cpu_has_bf16=True) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float32", cpu, cpu_has_bf16=True) == torch.float32
+    assert resolve_dtype("bfloat16", cpu, cpu_has_bf16=False) == torch.bfloat16

@@ -21,7 +21,8 @@ from protocol.config import ConfigError, WorkerConfig
 
 log = logging.getLogger("sluice.worker")
 
-CPU_DEFAULT_BYTES = 2 << 30
+CPU_WEIGHTS_MULTIPLE = 2  # auto on the CPU: twice the weights' bytes (SmolLM2 float32: 1 GiB, 23k tokens)
+CPU_MIN_BYTES = 256 << 20  # small models: the weights say little about how many streams are served
 CPU_MAX_SHARE = 0.25  # of physical memory: the host also holds weights, the swap space, the OS
 CUDA_FREE_SHARE = 0.90
 CUDA_MARGIN_BYTES = 1 << 30  # activations and attention's gathered context, beyond the weights
@@ -127,24 +128,32 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def memory_budget(kv_cache_memory: str, device: torch.device) -> int:
+def memory_budget(kv_cache_memory: str, device: torch.device, weight_bytes: int = 0, min_bytes: int = 0) -> int:
     """Bytes for the KV cache: the flag's figure; or, for "auto", on CUDA 90% of the memory free
-    after loading the weights minus a fixed margin for activations, and on the CPU 2 GiB capped
-    at a quarter of physical memory."""
+    after loading the weights minus a fixed margin for activations, and on the CPU twice the
+    weights' bytes, at least 256 MiB and ``min_bytes`` (one longest sequence), at most a quarter
+    of physical memory.
+
+    Why twice the weights on the CPU: a CPU decodes tens of streams at once, not thousands, and
+    a decode step reads every weight once and each stream's context once; a cache much larger
+    than the weights holds more context than the CPU attends over at a useful speed, and is
+    memory taken from the machine (the old fixed 2 GiB made a 135M-parameter server hold 3 GB)."""
     if kv_cache_memory != "auto":
         return parse_bytes(kv_cache_memory)
     if device.type == "cuda" and torch.cuda.is_available():
         free, _total = torch.cuda.mem_get_info(device)
         return int(free * CUDA_FREE_SHARE) - CUDA_MARGIN_BYTES
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(CPU_DEFAULT_BYTES, int(total * CPU_MAX_SHARE))
+    return min(max(CPU_WEIGHTS_MULTIPLE * weight_bytes, CPU_MIN_BYTES, min_bytes), int(total * CPU_MAX_SHARE))
 
 
-def num_blocks_for(config: WorkerConfig, per_block: int, device: torch.device) -> int:
+def num_blocks_for(config: WorkerConfig, per_block: int, device: torch.device, weight_bytes: int = 0,
+                   max_model_len: int = 0) -> int:
     """``--num-kv-blocks`` if given, else as many blocks as the memory budget holds."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    budget = memory_budget(config.kv_cache_memory, device)
+    longest = -(-max_model_len // config.block_size) * per_block
+    budget = memory_budget(config.kv_cache_memory, device, weight_bytes, longest)
     blocks = budget // per_block
     if blocks < 1:
         raise ConfigError(f"--kv-cache-memory: {max(budget, 0)} bytes hold no KV block "
