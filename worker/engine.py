@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from protocol.config import WorkerConfig
 from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
 from worker.gguf_checkpoint import GGUFCheckpoint
