@@ -161,7 +161,7 @@ def _exec_component(module: str, config: object) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "convert":  # the worker package reads GGUF files; the frontend never imports it
-        os.execv(sys.executable, [sys.executable, "-m", "worker.gguf_convert", args.source, args.out_dir,
+        os.execv(sys.executable, [sys.executable, "-m", "worker.gguf.convert", args.source, args.out_dir,
                                   "--dtype", args.dtype])
     setup_logging(args.log_level)
     try:

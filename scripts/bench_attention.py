@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from protocol.config import WorkerConfig
 from protocol.messages import NewRequest, SamplingParams, StepPlan
-from worker.engine import Worker
 from worker.cpu_threads import configure_cpu_threads
+from worker.engine import Worker
 
 CONFIG: dict[str, Any] = dict(
     vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,

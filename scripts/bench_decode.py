@@ -130,8 +130,8 @@ class BareLoop:
         import torch
 
         from protocol.config import WorkerConfig
-        from worker.engine import Worker
         from worker.cpu_threads import configure_cpu_threads
+        from worker.engine import Worker
 
         self.block_size, self.steps = 16, steps
         self.prompt_tokens, self.output_tokens = prompt_tokens, output_tokens

@@ -16,10 +16,10 @@ from gguf import GGUFWriter, quants
 
 from protocol.config import WorkerConfig
 from worker.engine import Worker
-from worker.gguf_checkpoint import GGUFCheckpoint
-from worker.gguf_file import GGUFFile
-from worker.gguf_quants import dequantize
-from worker.gguf_tokenizer import build_tokenizer
+from worker.gguf.checkpoint import GGUFCheckpoint
+from worker.gguf.file import GGUFFile
+from worker.gguf.quants import dequantize
+from worker.gguf.tokenizer import build_tokenizer
 from worker.loader import smollm2_path
 from worker.model_config import ModelLoadError
 

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from protocol.config import WorkerConfig
 from worker.engine import Worker
-from worker.gguf_convert import convert
+from worker.gguf.convert import convert
 from worker.loader import smollm2_path
 from worker.model_config import ModelLoadError
 

@@ -12,7 +12,7 @@ from checkpoints import write_gguf
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, quants
 
-from worker.gguf_file import GGUFFile, GGUFFormatError
+from worker.gguf.file import GGUFFile, GGUFFormatError
 
 
 def _write_everything(path: Path) -> Path:

@@ -16,7 +16,7 @@ from test_gguf import _sentencepiece_file
 
 from protocol.config import WorkerConfig
 from worker.engine import Worker
-from worker.gguf_file import GGUFFile
+from worker.gguf.file import GGUFFile
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 4, 4, 2
 HEAD_DIM = HIDDEN // HEADS

@@ -11,7 +11,7 @@ import torch
 
 from protocol.config import WorkerConfig
 from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
-from worker.gguf_checkpoint import GGUFCheckpoint
+from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.kv_cache import KVCache, bytes_per_block, num_blocks_for
 from worker.loader import (
     is_gguf,

@@ -28,7 +28,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from protocol.messages import ModelInfo
-from worker.gguf_checkpoint import GGUFCheckpoint
+from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.model_config import LlamaConfig, ModelLoadError
 
 _BOS_BY_DEFAULT_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast", "CodeLlamaTokenizer", "CodeLlamaTokenizerFast",

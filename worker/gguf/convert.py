@@ -7,7 +7,7 @@ and ``tokenizer_config.json`` with the special tokens, ``add_bos_token`` and the
 Quantization is not kept: the weights are written in ``--dtype`` (float32 by default, the values
 the GGUF file's blocks stand for, exactly).
 
-    python -m worker.gguf_convert model.gguf out_dir/ [--dtype bfloat16]
+    python -m worker.gguf.convert model.gguf out_dir/ [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from worker.gguf_checkpoint import GGUFCheckpoint
+from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.loader import DTYPES, load_model, resolve_model_dir
 from worker.model_config import LlamaConfig, ModelLoadError
 

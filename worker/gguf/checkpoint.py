@@ -1,13 +1,13 @@
 """A llama.cpp GGUF file as a Llama checkpoint: its config, its weights in the Hugging Face layout,
-and its tokenizer, read by ``gguf_file`` from a memory map.
+and its tokenizer, read by ``gguf.file`` from a memory map.
 
 Weights: GGUF names (``blk.3.attn_q.weight``) map to the model's (``model.layers.3.self_attn.
-q_proj.weight``), quantized blocks are dequantized at load (``gguf_quants``), and the row
+q_proj.weight``), quantized blocks are dequantized at load (``gguf.quants``), and the row
 permutation llama.cpp's converter applies to the q and k projections is undone: within each
 head it interleaves the two rotary halves (rows i and i + D/2 become neighbours), because its
 rope rotates adjacent pairs while Hugging Face's rotates halves.
 
-Tokenizer: ``gguf_tokenizer`` builds it from the metadata, as ``transformers`` does.
+Tokenizer: ``gguf.tokenizer`` builds it from the metadata, as ``transformers`` does.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from worker.gguf_file import GGUFFile, GGUFFormatError
-from worker.gguf_quants import UnsupportedTensorType, dequantize
-from worker.gguf_tokenizer import UnsupportedTokenizer, build_tokenizer
+from worker.gguf.file import GGUFFile, GGUFFormatError
+from worker.gguf.quants import UnsupportedTensorType, dequantize
+from worker.gguf.tokenizer import UnsupportedTokenizer, build_tokenizer
 from worker.model_config import LlamaConfig, ModelLoadError
 
 _LAYER_NAMES = {
