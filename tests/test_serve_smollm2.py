@@ -90,3 +90,34 @@ def test_the_capital_of_france_is_paris(server: SluiceServer) -> None:
 def test_models_lists_smollm2(server: SluiceServer, tmp_path: Path) -> None:
     data = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]
     assert [m["id"] for m in data] == ["smollm2"] and data[0]["max_model_len"] == 8192
+
+
+def test_bfloat16_answers_sensibly_with_logits_close_to_float32(tmp_path: Path) -> None:
+    """``--dtype bfloat16`` (auto's choice on CPUs with AVX512-BF16/AMX): the README's question
+    still gets Paris through the server, and a chat prompt's logits stay within the stated
+    tolerance of float32's: cosine similarity > 0.99 at every position, same argmax at the last."""
+    from protocol.config import WorkerConfig
+    from worker.engine import Worker
+
+    with running_server("--model", "smollm2", "--dtype", "bfloat16", "--num-kv-blocks", "64",
+                        log_dir=tmp_path) as s:
+        r = httpx.post(f"{s.url}/v1/chat/completions", timeout=300, json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0,
+            "max_tokens": 32})
+        assert r.status_code == 200
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    from tokenizers import Tokenizer
+
+    from worker.attention import AttentionMetadata
+
+    logits = []
+    for dtype in ("float32", "bfloat16"):
+        w = Worker(WorkerConfig(model="smollm2", num_kv_blocks=16, dtype=dtype))
+        ids = Tokenizer.from_str(w.info.tokenizer_json).encode(QUESTIONS[1]).ids
+        meta = AttentionMetadata.build(w.runner.cache, [list(range(16))], [0], [len(ids)], list(range(len(ids))),
+                                       w.device)
+        with torch.inference_mode():
+            logits.append(w.runner.model(torch.tensor(ids), meta))
+    full, half = logits
+    assert torch.nn.functional.cosine_similarity(full, half, dim=-1).min() > 0.99
+    assert full[-1].argmax() == half[-1].argmax()
