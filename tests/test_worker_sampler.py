@@ -167,3 +167,30 @@ def test_penalised_seeded_rows_ignore_the_batch() -> None:
     noisy = [SamplingRow(SamplingParams(temperature=1.0), 0), row, SamplingRow(SamplingParams(temperature=0.0), 0)]
     together = sampler(seed=2)(torch.stack([logits[1], logits[0], logits[2]]), noisy).token_ids.tolist()
     assert together[1] == alone[0]
+
+
+def test_top_k_by_topk_keeps_what_a_full_sort_keeps() -> None:
+    """The filter ranks only the widest k it needs; the tokens it keeps are those a full sort
+    keeps, for rows with top-k only, top-k then top-p, and top-p alone (which forces the sort)."""
+    from worker.sampler import _filter_top_k_top_p
+
+    def by_sort(logits: torch.Tensor, k: int, p: float) -> set[int]:
+        order = logits.argsort(descending=True).tolist()
+        head = order[: k if k > 0 else len(order)]
+        probs = logits[head].softmax(-1).tolist()
+        kept, mass = set(), 0.0
+        for token, prob in zip(head, probs, strict=True):
+            if mass >= p:
+                break
+            kept.add(token)
+            mass += prob
+        return kept
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 1000, generator=gen) * 3
+    for ks, ps in [([5, 40, 1, 7, 20, 3], [1.0] * 6), ([50, 10, 200, 2, 9, 30], [0.5, 0.9, 0.3, 1.0, 0.7, 0.95]),
+                   ([0, 10, 0, 5, 0, 1], [0.6, 1.0, 0.2, 0.8, 0.9, 1.0])]:
+        out = _filter_top_k_top_p(logits, ks, torch.tensor(ps))
+        for row in range(6):
+            kept = set(torch.nonzero(out[row] > -torch.inf).flatten().tolist())
+            assert kept == by_sort(logits[row], ks[row], ps[row]), (ks[row], ps[row])
