@@ -50,16 +50,13 @@ class DecodeFigures:
     idle: float
 
 
-async def _stream(url: str, prompt: list[int], n_out: int, stamps: list[float]) -> None:
-    """One streaming completion over a raw connection, appending a timestamp per token chunk.
-
-    A deliberately thin client (no HTTP library, no JSON decoding): on 2 cores the load
-    generator shares the CPU with the server, and httpx's per-chunk cost made it the
-    bottleneck at 256 streams, inflating the measured idle time."""
-    host, port = url.removeprefix("http://").split(":")
+async def open_completion(host: str, port: int, prompt: list[int], n_out: int
+                          ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """POST a streaming completion (``ignore_eos``, greedy) over a raw connection; returns it
+    positioned after the status line, which must be 200."""
     body = json.dumps({"prompt": prompt, "max_tokens": n_out, "ignore_eos": True, "temperature": 0,
                        "stream": True}).encode()
-    reader, writer = await asyncio.open_connection(host, int(port))
+    reader, writer = await asyncio.open_connection(host, port)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Type: "
                  b"application/json\r\nConnection: close\r\nContent-Length: " + str(len(body)).encode()
                  + b"\r\n\r\n" + body)
@@ -67,6 +64,17 @@ async def _stream(url: str, prompt: list[int], n_out: int, stamps: list[float]) 
     status = await reader.readline()
     if b" 200 " not in status:
         raise RuntimeError(f"HTTP error: {status!r} {await reader.read(2000)!r}")
+    return reader, writer
+
+
+async def _stream(url: str, prompt: list[int], n_out: int, stamps: list[float]) -> None:
+    """One streaming completion over a raw connection, appending a timestamp per token chunk.
+
+    A deliberately thin client (no HTTP library, no JSON decoding): on 2 cores the load
+    generator shares the CPU with the server, and httpx's per-chunk cost made it the
+    bottleneck at 256 streams, inflating the measured idle time."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await open_completion(host, int(port), prompt, n_out)
     tail = b""
     while chunk := await reader.read(65536):
         data = tail + chunk

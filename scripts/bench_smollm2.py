@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import itertools
 
+from bench_decode import open_completion
 from bench_serve import _free_port, _pct
 
 GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -55,17 +56,9 @@ def _rss_mib(pid: int, field_name: str = "VmHWM") -> float:
 
 
 async def _stream(host: str, port: int, prompt: list[int], n_out: int) -> list[float]:
-    """One streaming completion; the arrival time of each chunk that carries text."""
-    body = json.dumps({"prompt": prompt, "max_tokens": n_out, "ignore_eos": True, "temperature": 0,
-                       "stream": True}).encode()
-    reader, writer = await asyncio.open_connection(host, port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Type: "
-                 b"application/json\r\nConnection: close\r\nContent-Length: " + str(len(body)).encode()
-                 + b"\r\n\r\n" + body)
-    await writer.drain()
-    status = await reader.readline()
-    if b" 200 " not in status:
-        raise RuntimeError(f"HTTP error: {status!r} {await reader.read(2000)!r}")
+    """One streaming completion; the arrival time of each chunk that carries text (llama.cpp
+    orders its chunks' keys differently, so events are decoded, not matched by prefix)."""
+    reader, writer = await open_completion(host, port, prompt, n_out)
     stamps: list[float] = []
     while line := await reader.readline():
         if not line.startswith(b"data: {"):
@@ -102,6 +95,7 @@ class Server:
     name: str
     argv: list[str]
     url: str
+    ready_path: str = "/ready"
     pid_pattern: str | None = None  # the process whose memory counts (None: the server itself)
     proc: subprocess.Popen[bytes] | None = None
     log: Path = field(default_factory=lambda: Path(tempfile.mkstemp(prefix="bench-smollm2-", suffix=".log")[1]))
@@ -115,8 +109,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise SystemExit(f"{self.name} exited; see {self.log}")
             try:
-                if httpx.get(f"{self.url}/health" if self.name == "llama.cpp" else f"{self.url}/ready",
-                             timeout=2).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -173,7 +166,7 @@ def main() -> None:
         ctx = most * (args.prompt_tokens + args.output_tokens + 16)
         servers.append(Server("llama.cpp", [str(args.llama_server), "-m", str(gguf), "--port", str(port := _free_port()),
                                             "-t", str(cores), "-np", str(most), "-c", str(ctx), "--no-webui"],
-                              f"http://127.0.0.1:{port}"))
+                              f"http://127.0.0.1:{port}", ready_path="/health"))
     cells: dict[tuple[str, int], list[Cell]] = {}
     try:
         for server in servers:

@@ -7,13 +7,12 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 from protocol.config import WorkerConfig
 from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
 from worker.gguf.checkpoint import GGUFCheckpoint
-from worker.kv_cache import KVCache, bytes_per_block, num_blocks_for
+from worker.kv_cache import KVCache, bytes_per_block, num_blocks_for, sizing_reason
 from worker.loader import (
+    auto_dtype_reason,
     is_gguf,
     load_model,
     resolve_device,
@@ -42,25 +41,20 @@ class Worker:
         self.max_model_len = resolve_max_model_len(cfg, config.max_model_len, config_file)
         dtype = resolve_dtype(config.dtype, self.device)
         if config.dtype == "auto":
-            log.info("dtype auto: %s (%s)", str(dtype).removeprefix("torch."),
-                     "CUDA" if self.device.type == "cuda" else "the CPU has bfloat16 instructions"
-                     if dtype == torch.bfloat16 else "the CPU has no AVX512-BF16/AMX")
+            log.info("dtype auto: %s (%s)", str(dtype).removeprefix("torch."), auto_dtype_reason(dtype, self.device))
         model = load_model(source, cfg, dtype, self.device, max_positions=self.max_model_len,
                            weights=gguf.weights if gguf is not None else None)
-        self.num_params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())  # tied ones once
+        unique = {p.data_ptr(): p for p in model.parameters()}.values()  # tied weights counted once
+        self.num_params = sum(p.numel() for p in unique)
+        weight_bytes = sum(p.numel() * p.element_size() for p in unique)
         log.info("loaded %s (%s, %.1fM parameters) on %s as %s in %.1f s", source, cfg.architecture,
                  self.num_params / 1e6, self.device, str(dtype).removeprefix("torch."), time.perf_counter() - began)
         per_block = bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-        weight_bytes = sum({p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}.values())
         num_blocks = num_blocks_for(config, per_block, self.device, weight_bytes, self.max_model_len)
         cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
                         self.device)
-        sizing = ("--num-kv-blocks" if config.num_kv_blocks is not None else "--kv-cache-memory"
-                  if config.kv_cache_memory != "auto" else "auto: free device memory" if self.device.type == "cuda"
-                  else f"auto: twice the weights' {weight_bytes / 2**20:.0f} MiB, at least 256 MiB and one "
-                       "longest sequence, at most a quarter of RAM")
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", num_blocks, config.block_size,
-                 num_blocks * config.block_size, cache.nbytes / 2**20, sizing)
+                 num_blocks * config.block_size, cache.nbytes / 2**20, sizing_reason(config, self.device, weight_bytes))
         name = config.served_model_name or config.model
         if gguf is not None:
             self.info: ModelInfo = build_gguf_model_info(gguf, cfg, name=name, max_model_len=self.max_model_len,

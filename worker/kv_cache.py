@@ -147,6 +147,18 @@ def memory_budget(kv_cache_memory: str, device: torch.device, weight_bytes: int 
     return min(max(CPU_WEIGHTS_MULTIPLE * weight_bytes, CPU_MIN_BYTES, min_bytes), int(total * CPU_MAX_SHARE))
 
 
+def sizing_reason(config: WorkerConfig, device: torch.device, weight_bytes: int) -> str:
+    """Which rule sized the cache, for the start-up log line."""
+    if config.num_kv_blocks is not None:
+        return "--num-kv-blocks"
+    if config.kv_cache_memory != "auto":
+        return "--kv-cache-memory"
+    if device.type == "cuda":
+        return "auto: free device memory"
+    return (f"auto: twice the weights' {weight_bytes / 2**20:.0f} MiB, at least 256 MiB and one longest sequence, "
+            "at most a quarter of RAM")
+
+
 def num_blocks_for(config: WorkerConfig, per_block: int, device: torch.device, weight_bytes: int = 0,
                    max_model_len: int = 0) -> int:
     """``--num-kv-blocks`` if given, else as many blocks as the memory budget holds."""

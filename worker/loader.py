@@ -87,6 +87,13 @@ def resolve_dtype(name: str, device: torch.device, cpu_has_bf16: bool | None = N
     return torch.bfloat16 if cpu_has_bf16 else torch.float32
 
 
+def auto_dtype_reason(dtype: torch.dtype, device: torch.device) -> str:
+    """Why ``resolve_dtype("auto", ...)`` chose ``dtype``, for the start-up log line."""
+    if device.type == "cuda":
+        return "CUDA"
+    return "the CPU has bfloat16 instructions" if dtype == torch.bfloat16 else "the CPU has no AVX512-BF16/AMX"
+
+
 def resolve_max_model_len(cfg: LlamaConfig, requested: int | None, config_file: Path) -> int:
     """``--max-model-len`` if given, else the model's ``max_position_embeddings``; never more."""
     if requested is None:
