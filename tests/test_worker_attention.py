@@ -67,7 +67,7 @@ def test_decode_kernel_matches_the_torch_path(heads: int, kv_heads: int, head_di
 
 def test_steps_with_prefill_chunks_keep_the_torch_path() -> None:
     cache = KVCache(1, 16, 4, 2, 8, torch.float32, torch.device("cpu"))
-    backend = AttentionBackend(kernel)
+    backend = AttentionBackend(kernel, torch.device("cpu"))
     mixed = backend.metadata(cache, [[0, 1], [2, 3]], [5, 0], [1, 3], [0, 3], torch.device("cpu"), None)
     decode = backend.metadata(cache, [[0, 1], [2, 3]], [5, 2], [1, 1], [0, 1], torch.device("cpu"), None)
     assert mixed.decode is None and mixed.groups

@@ -60,6 +60,8 @@ class Driver:
         plan = StepPlan(next(self.plan_ids), list(new), [r for r, _ in rows], [n for _, n in rows], blocks, steps,
                         list(forget))
         out = list(self.runner.execute(plan))
+        # Every request the runner holds has one slot in its input batch, and no other does.
+        assert sorted(self.runner.batch.slot_of) == sorted(self.runner.seqs)
         for msg in out:
             for rid, tok in zip(msg.rids, msg.token_ids, strict=True):
                 self.outputs[rid].append(tok)

@@ -53,6 +53,8 @@ import torch
 import torch.nn.functional as F
 
 from worker import paged_decode
+from worker.input_batch import RowTables
+from worker.staging import HostToDevice
 from worker.kv_cache import KVCache
 
 log = logging.getLogger("sluice.worker")
@@ -92,55 +94,62 @@ class AttentionMetadata:
     decode: DecodeRows | None = None  # set: the C kernel runs this step, no groups, no scratch
 
     @classmethod
-    def build(cls, cache: KVCache, block_tables: list[list[int]], starts: list[int], lengths: list[int],
+    def build(cls, cache: KVCache, block_tables: RowTables | list[list[int]], starts: list[int], lengths: list[int],
               logits_indices: list[int], device: torch.device, sliding_window: int | None = None,
-              decode_kernel: ctypes.CDLL | None = None) -> AttentionMetadata:
+              decode_kernel: ctypes.CDLL | None = None, to_device: HostToDevice | None = None) -> AttentionMetadata:
         """Sequence b computes ``lengths[b]`` (>= 1) tokens at positions ``starts[b]`` onwards,
-        reading its context through ``block_tables[b]``, which must cover them. With a sliding
-        window, a query at position i sees only positions > i - window (Mistral's rule).
-        ``decode_kernel``: the C kernel to use when every row computes one token."""
+        reading its context through its block table (row b of ``block_tables``: the input
+        batch's ``RowTables``, or plain lists), which must cover them. With a sliding window, a
+        query at position i sees only positions > i - window (Mistral's rule).
+        ``decode_kernel``: the C kernel to use when every row computes one token. Everything is
+        built on the host and moved by ``to_device`` (one copy; the backend keeps one across steps)."""
+        tables = block_tables if isinstance(block_tables, RowTables) else RowTables.from_lists(block_tables)
         if decode_kernel is not None and all(n == 1 for n in lengths):
-            return cls._for_kernel(decode_kernel, cache, block_tables, starts, logits_indices, device, sliding_window)
+            return cls._for_kernel(decode_kernel, cache, tables, starts, logits_indices, device, sliding_window)
         bs = cache.block_size
         rows = _Rows(starts, lengths, bs, sliding_window)
-        table = rows.table(block_tables)
+        table = rows.table(tables)
         flat_rows = torch.repeat_interleave(torch.arange(len(lengths)), rows.lengths)
         positions = rows.starts[flat_rows] + (torch.arange(flat_rows.shape[0]) - rows.first_token[flat_rows])
         # Every position computed now lies in a gathered block (first_block <= start // bs).
         slots = table[flat_rows, positions // bs - rows.first_block[flat_rows]] * bs + positions % bs
-        groups = [rows.group(members, table, device) for members in _group_rows(rows.num_blocks.tolist(), bs)]
+        groups = [rows.group(members, table) for members in _group_rows(rows.num_blocks.tolist(), bs)]
+        key_scratch, value_scratch = _scratch(cache, max(g.block_table.numel() for g in groups))
         if len(groups) == 1:
             groups[0].tokens = None
-        key_scratch, value_scratch = _scratch(cache, max(g.block_table.numel() for g in groups))
+        to_device = to_device or HostToDevice(device)
+        host = [positions, slots, torch.tensor(logits_indices, dtype=torch.long)]
+        for g in groups:
+            host += [g.block_table, g.mask, g.query_rows, g.query_cols] + ([g.tokens] if g.tokens is not None else [])
+        moved = iter(to_device(host))
+        positions, slots, logits = next(moved), next(moved), next(moved)
+        for g in groups:
+            g.block_table, g.mask, g.query_rows, g.query_cols = next(moved), next(moved), next(moved), next(moved)
+            if g.tokens is not None:
+                g.tokens = next(moved)
         return cls(
-            positions=positions.to(device),
-            slot_mapping=slots.to(device),
+            positions=positions,
+            slot_mapping=slots,
             groups=groups,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+            logits_indices=logits,
             cache=cache,
             key_scratch=key_scratch,
             value_scratch=value_scratch,
         )
 
-
     @classmethod
-    def _for_kernel(cls, kernel: ctypes.CDLL, cache: KVCache, block_tables: list[list[int]], starts: list[int],
+    def _for_kernel(cls, kernel: ctypes.CDLL, cache: KVCache, tables: RowTables, starts: list[int],
                     logits_indices: list[int], device: torch.device, sliding_window: int | None) -> AttentionMetadata:
         bs = cache.block_size
-        widest = max(s // bs + 1 for s in starts)
-        table = torch.zeros((len(starts), widest), dtype=torch.int32)
-        slots = []
-        for i, (blocks, start) in enumerate(zip(block_tables, starts, strict=True)):
-            used = start // bs + 1
-            if len(blocks) < used:
-                raise ValueError(f"row {i}: {len(blocks)} blocks do not cover position {start}")
-            table[i, :used] = torch.tensor(blocks[:used], dtype=torch.int32)
-            slots.append(blocks[start // bs] * bs + start % bs)
         positions = torch.tensor(starts)
+        used = positions // bs + 1  # blocks up to the one this step's token goes into
+        _check_cover(tables.num_blocks, used, positions)
+        table = tables.table[:, : int(used.max())].contiguous()
+        slots = table[torch.arange(len(starts)), positions // bs].long() * bs + positions % bs
         first = (positions - sliding_window + 1).clamp(min=0) if sliding_window is not None else torch.zeros_like(positions)
         return cls(
             positions=positions,
-            slot_mapping=torch.tensor(slots),
+            slot_mapping=slots,
             groups=[],
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
             cache=cache,
@@ -150,11 +159,19 @@ class AttentionMetadata:
         )
 
 
+def _check_cover(num_blocks: torch.Tensor, needed: torch.Tensor, last_positions: torch.Tensor) -> None:
+    short = (num_blocks < needed).nonzero()
+    if len(short):
+        i = int(short[0])
+        raise ValueError(f"row {i}: {int(num_blocks[i])} blocks do not cover position {int(last_positions[i])}")
+
+
 class AttentionBackend:
     """Which attention a worker runs; chosen once, at start-up (see the module docstring)."""
 
-    def __init__(self, decode_kernel: ctypes.CDLL | None) -> None:
+    def __init__(self, decode_kernel: ctypes.CDLL | None, device: torch.device) -> None:
         self.decode_kernel = decode_kernel
+        self.to_device = HostToDevice(device)
         self.name = "cpu-paged (C kernel for decode steps, torch gather + SDPA for prefill)" if decode_kernel \
             else "torch (gather + SDPA)"
 
@@ -164,14 +181,14 @@ class AttentionBackend:
         kernel = None
         if device.type == "cpu" and paged_decode.supports(dtype, num_heads, num_kv_heads, head_dim, block_size):
             kernel = paged_decode.load()
-        backend = cls(kernel)
+        backend = cls(kernel, device)
         log.info("attention backend: %s", backend.name)
         return backend
 
-    def metadata(self, cache: KVCache, block_tables: list[list[int]], starts: list[int], lengths: list[int],
+    def metadata(self, cache: KVCache, block_tables: RowTables | list[list[int]], starts: list[int], lengths: list[int],
                  logits_indices: list[int], device: torch.device, sliding_window: int | None) -> AttentionMetadata:
         return AttentionMetadata.build(cache, block_tables, starts, lengths, logits_indices, device, sliding_window,
-                                       self.decode_kernel)
+                                       self.decode_kernel, self.to_device)
 
 
 class _Rows:
@@ -189,17 +206,17 @@ class _Rows:
             self.first_block = (self.starts - sliding_window + 1).clamp(min=0) // bs
         self.num_blocks = (self.kv_lens - 1) // bs - self.first_block + 1
 
-    def table(self, block_tables: list[list[int]]) -> torch.Tensor:
-        """[B, max blocks]: the blocks each row reads, from its first visible one."""
-        table = torch.zeros((len(block_tables), int(self.num_blocks.max())), dtype=torch.long)
-        for i, blocks in enumerate(block_tables):
-            lo, n = int(self.first_block[i]), int(self.num_blocks[i])
-            if len(blocks) < lo + n:
-                raise ValueError(f"row {i}: {len(blocks)} blocks do not cover position {int(self.kv_lens[i]) - 1}")
-            table[i, :n] = torch.tensor(blocks[lo : lo + n], dtype=torch.long)
-        return table
+    def table(self, tables: RowTables) -> torch.Tensor:
+        """[B, max blocks] long: the blocks each row reads, from its first visible one."""
+        _check_cover(tables.num_blocks, self.first_block + self.num_blocks, self.kv_lens - 1)
+        cols = self.first_block[:, None] + torch.arange(int(self.num_blocks.max()))[None, :]
+        # Columns past a row's last block read padding (or beyond the table: clamped); masked.
+        in_row = cols < (self.first_block + self.num_blocks)[:, None]
+        cols = cols.clamp(max=tables.table.shape[1] - 1)
+        return torch.where(in_row, tables.table.gather(1, cols).long(), 0)
 
-    def group(self, members: list[int], table: torch.Tensor, device: torch.device) -> AttentionGroup:
+    def group(self, members: list[int], table: torch.Tensor) -> AttentionGroup:
+        """The group's tensors, on the host."""
         idx = torch.tensor(members)
         starts, lengths, kv_lens, first = self.starts[idx], self.lengths[idx], self.kv_lens[idx], self.first_block[idx]
         num_blocks = int(self.num_blocks[idx].max())
@@ -217,11 +234,11 @@ class _Rows:
                                                                                 lengths)
         tokens = self.first_token[idx][query_rows] + query_cols
         return AttentionGroup(
-            tokens=tokens.to(device),
-            block_table=table[idx, :num_blocks].to(device),
-            mask=mask.unsqueeze(1).to(device),
-            query_rows=query_rows.to(device),
-            query_cols=query_cols.to(device),
+            tokens=tokens,
+            block_table=table[idx, :num_blocks],
+            mask=mask.unsqueeze(1),
+            query_rows=query_rows,
+            query_cols=query_cols,
             max_q=max_q,
         )
 

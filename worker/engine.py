@@ -75,4 +75,4 @@ class Worker:
         plan = StepPlan(-1, [NewRequest(WARMUP_RID, list(range(1, n + 1)), n, greedy)], [WARMUP_RID], [n], [[0]])
         for _ in self.runner.execute(plan):
             pass
-        self.runner.seqs.pop(WARMUP_RID, None)
+        self.runner.forget(WARMUP_RID)

@@ -34,6 +34,7 @@ import torch
 from protocol.messages import CancelRows, StepPlan, StepTokens
 from worker.attention import AttentionBackend
 from worker.host_copy import HostCopier, PendingCopy
+from worker.input_batch import InputBatch
 from worker.kv_cache import KVCache, SwapSpace
 from worker.llama import LlamaForCausalLM
 from worker.sampler import Sampler, SamplerOutput, SamplingRow, TopLogprobs
@@ -77,6 +78,8 @@ class ModelRunner:
         self.attention = AttentionBackend.select(device, cache.keys[0].dtype, cfg.num_heads, cfg.num_kv_heads,
                                                  cfg.head_dim, cache.block_size)
         self.seqs: dict[int, SequenceState] = {}
+        max_blocks = -(-max_model_len // cache.block_size)
+        self.batch = InputBatch(max_num_seqs, max_blocks, pin_memory=device.type == "cuda")
         self.sampler = Sampler(device, eos_token_ids, seed)
         self.copier = HostCopier(device, max_num_seqs)
         self.swap_space = SwapSpace(cache)
@@ -88,7 +91,8 @@ class ModelRunner:
     def reset(self) -> int:
         """Forget every request (a new scheduler knows none of them); returns how many."""
         dropped = len(self.seqs)
-        self.seqs.clear()
+        for rid in list(self.seqs):
+            self.forget(rid)
         self.cancelled = set()
         self.cancels_ahead.clear()
         return dropped
@@ -102,9 +106,15 @@ class ModelRunner:
             self.cancels_ahead.setdefault(msg.plan_id, set()).update(msg.rids)
         if msg.forget:
             for rid in msg.rids:
-                seq = self.seqs.pop(rid, None)
-                if seq is not None:
-                    seq.stopped = True
+                self.forget(rid)
+
+    def forget(self, rid: int) -> None:
+        """Drop a request's state and free its slot in the input batch; rows of a plan in
+        progress that hold it see it stopped."""
+        seq = self.seqs.pop(rid, None)
+        if seq is not None:
+            seq.stopped = True
+        self.batch.remove(rid)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> Iterator[StepTokens]:
@@ -191,17 +201,18 @@ class ModelRunner:
             if wire is not None:
                 logprobs.append(wire[i])
             if seq.append(token, self.eos_token_ids, self.max_model_len):
-                seq.stopped = True
-                self.seqs.pop(seq.rid, None)
+                self.forget(seq.rid)
         return StepTokens(plan_id, launched.step, rids, kept, False, 0.0, logprobs if wire is not None else None)
 
     # ------------------------------------------------------------------ plan application
 
     def _apply_deltas(self, plan: StepPlan) -> None:
         for rid in plan.forget:
-            self.seqs.pop(rid, None)
+            self.forget(rid)
         for new in plan.new_requests:
+            self.forget(new.rid)  # a request sent again (after a preemption) starts over
             self.seqs[new.rid] = SequenceState.from_new(new)
+            self.batch.add(new.rid)
         # Block moves come before the forward pass that may read them, in the protocol's order.
         self.swap_space.swap_out(plan.swap_out)
         self.swap_space.swap_in(plan.swap_in)
@@ -220,10 +231,10 @@ class ModelRunner:
                 if plan.speculative:
                     continue  # stopped or aborted after this plan was made
                 raise PlanError(f"plan {plan.plan_id}: unknown rid {rid} (never sent, or forgotten)")
-            seq.block_table.extend(new_blocks)  # the scheduler counts them as sent, run or not
+            self.batch.append_blocks(rid, new_blocks)  # the scheduler counts them as sent, run or not
             if plan.speculative and rid in self.cancelled:
                 continue  # paused after this plan was made
-            start = seq.schedule(n, self.cache.block_size)
+            start = seq.schedule(n, self.cache.block_size, self.batch.blocks_of(rid))
             ids.extend(seq.token_ids[start : start + n])
             seqs.append(seq)
             starts.append(start)
@@ -243,13 +254,13 @@ class ModelRunner:
         sampled = prev.token_ids
         if len(keep) < len(prev.samplers):
             sampled = sampled[torch.tensor(keep, device=sampled.device)]
-        starts = [seq.schedule(1, self.cache.block_size) for seq in seqs]
+        starts = [seq.schedule(1, self.cache.block_size, self.batch.blocks_of(seq.rid)) for seq in seqs]
         return StepBatch(sampled, seqs, starts, [1] * len(seqs), seqs, list(range(len(seqs))))
 
     # ------------------------------------------------------------------ one step
 
     def _forward(self, batch: StepBatch) -> SamplerOutput | None:
-        meta = self.attention.metadata(self.cache, [s.block_table for s in batch.seqs], batch.starts,
+        meta = self.attention.metadata(self.cache, self.batch.rows([s.rid for s in batch.seqs]), batch.starts,
                                        batch.lengths, batch.logits_indices, self.device, self.sliding_window)
         logits = self.model(batch.input_ids, meta)
         if not batch.samplers:

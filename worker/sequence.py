@@ -25,8 +25,7 @@ class SequenceState:
     token_ids: list[int]  # prompt + outputs so far
     num_prompt_tokens: int
     sampling: SamplingParams
-    num_computed: int = 0  # tokens whose KV is in the cache
-    block_table: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache (its blocks: the runner's input batch)
     # Tokens sampled on the device whose ids have not reached the host yet (multi-step with a
     # copy in flight). They count as known for scheduling: the device feeds them forward itself.
     num_in_flight: int = 0
@@ -61,15 +60,16 @@ class SequenceState:
         length): decidable without waiting for in-flight ids."""
         return length_reached(self.num_sampled, self.num_known, self.sampling, max_model_len)
 
-    def schedule(self, num_tokens: int, block_size: int) -> int:
-        """Claim the next ``num_tokens`` tokens for computation; returns their first position."""
+    def schedule(self, num_tokens: int, block_size: int, num_blocks: int) -> int:
+        """Claim the next ``num_tokens`` tokens for computation, the sequence holding
+        ``num_blocks`` blocks; returns their first position."""
         start = self.num_computed
         end = start + num_tokens
         if num_tokens < 1 or end > self.num_known:
             raise PlanError(f"rid {self.rid}: cannot compute {num_tokens} tokens from position {start} "
                             f"of {self.num_known} known")
-        if end > len(self.block_table) * block_size:
-            raise PlanError(f"rid {self.rid}: position {end - 1} lies beyond its {len(self.block_table)} blocks")
+        if end > num_blocks * block_size:
+            raise PlanError(f"rid {self.rid}: position {end - 1} lies beyond its {num_blocks} blocks")
         self.num_computed = end
         return start
 
