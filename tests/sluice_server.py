@@ -27,6 +27,8 @@ class SluiceServer:
     def __init__(self, *flags: str, log_dir: Path) -> None:
         if "--model" not in flags:
             flags = ("--model", "tiny", *flags)  # tests run the built-in model unless they say otherwise
+        if "--dtype" not in flags:
+            flags = ("--dtype", "float32", *flags)  # exact greedy parity on any CPU, AMX or not
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"sluice-{self.port}.log"

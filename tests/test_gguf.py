@@ -218,7 +218,7 @@ def test_bad_gguf_files_fail_with_one_clear_line(tmp_path: Path) -> None:
     (tmp_path / "empty.gguf").write_bytes(b"")
     for path, reason in cases.items():
         with pytest.raises(ModelLoadError, match=reason) as err:
-            Worker(WorkerConfig(model=str(path), num_kv_blocks=4))
+            Worker(WorkerConfig(model=str(path), num_kv_blocks=4, dtype="float32"))
         assert str(path) in str(err.value) and "\n" not in str(err.value)
 
 

@@ -34,11 +34,11 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def from_gguf() -> Worker:
-    return Worker(WorkerConfig(model="smollm2", num_kv_blocks=8))
+    return Worker(WorkerConfig(model="smollm2", num_kv_blocks=8, dtype="float32"))
 
 
 def test_sluice_loads_the_directory_as_the_gguf_file(converted: Path, from_gguf: Worker) -> None:
-    from_dir = Worker(WorkerConfig(model=str(converted), num_kv_blocks=8))
+    from_dir = Worker(WorkerConfig(model=str(converted), num_kv_blocks=8, dtype="float32"))
     theirs = from_gguf.runner.model.checkpoint_state()
     ours = from_dir.runner.model.checkpoint_state()
     assert theirs.keys() == ours.keys()

@@ -89,7 +89,7 @@ def test_parameters_equal_transformers_loading_the_same_file(model_file: Path) -
 
     theirs = AutoModelForCausalLM.from_pretrained(str(model_file.parent), gguf_file=model_file.name,
                                                   dtype=torch.float32).state_dict()
-    worker = Worker(WorkerConfig(model=str(model_file), num_kv_blocks=8))
+    worker = Worker(WorkerConfig(model=str(model_file), num_kv_blocks=8, dtype="float32"))
     ours = worker.runner.model.checkpoint_state()
     assert set(ours) == set(theirs)
     for name, p in ours.items():

@@ -43,7 +43,7 @@ def test_tiny_is_a_small_llama_with_a_byte_level_tokenizer(tiny: Path) -> None:
     assert [tok.token_to_id(t) for t in ("<unk>", "<s>", "</s>")] == [0, 1, 2]
     for text in ("Héllo, 日本語 🦊!", "The quick brown fox", " leading spaces\tand tabs\n"):
         assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text
-    w = Worker(WorkerConfig(model=str(tiny), num_kv_blocks=16))
+    w = Worker(WorkerConfig(model=str(tiny), num_kv_blocks=16, dtype="float32"))
     assert 2_000_000 < sum(p.numel() for p in w.runner.model.parameters()) < 10_000_000
     info = w.info
     assert (info.bos_token_id, info.eos_token_ids, info.add_bos_token) == (1, [2], True)
@@ -118,7 +118,7 @@ def test_a_model_that_cannot_load_fails_with_one_clear_line(tiny: Path, tmp_path
     d = _model_dir(tiny, tmp_path)
     damage(d)
     with pytest.raises(ModelLoadError, match=message) as err:
-        Worker(WorkerConfig(model=str(d), num_kv_blocks=4, max_model_len=128))
+        Worker(WorkerConfig(model=str(d), num_kv_blocks=4, max_model_len=128, dtype="float32"))
     assert "\n" not in str(err.value)
 
 
@@ -133,17 +133,17 @@ def test_bos_follows_what_transformers_would_do(tiny: Path, tmp_path: Path, toke
                                                 bos: int | None, add_bos: bool) -> None:
     d = _model_dir(tiny, tmp_path)
     (d / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    info = Worker(WorkerConfig(model=str(d), num_kv_blocks=4)).info
+    info = Worker(WorkerConfig(model=str(d), num_kv_blocks=4, dtype="float32")).info
     assert (info.bos_token_id, info.add_bos_token, info.chat_template) == (bos, add_bos, None)
 
 
 def test_eos_ids_come_from_generation_config_then_config(tiny: Path, tmp_path: Path) -> None:
     d = _model_dir(tiny, tmp_path)
     _edit_json(d / "generation_config.json", eos_token_id=[2, 5])
-    assert Worker(WorkerConfig(model=str(d), num_kv_blocks=4)).info.eos_token_ids == [2, 5]
+    assert Worker(WorkerConfig(model=str(d), num_kv_blocks=4, dtype="float32")).info.eos_token_ids == [2, 5]
     (d / "generation_config.json").unlink()
     _edit_json(d / "config.json", eos_token_id=7)
-    assert Worker(WorkerConfig(model=str(d), num_kv_blocks=4)).info.eos_token_ids == [7]
+    assert Worker(WorkerConfig(model=str(d), num_kv_blocks=4, dtype="float32")).info.eos_token_ids == [7]
 
 
 def test_kv_cache_size_from_flags() -> None:
@@ -186,8 +186,8 @@ def test_dtype_auto_follows_the_device_and_the_cpus_instructions() -> None:
     from worker.loader import resolve_dtype
 
     cpu = torch.device("cpu")
-    assert resolve_dtype("auto", cpu, cpu_has_bf16=False) == torch.float32
-    assert resolve_dtype("auto", cpu, cpu_has_bf16=True) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, cpu_has_amx=False) == torch.float32
+    assert resolve_dtype("auto", cpu, cpu_has_amx=True) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert resolve_dtype("float32", cpu, cpu_has_bf16=True) == torch.float32
-    assert resolve_dtype("bfloat16", cpu, cpu_has_bf16=False) == torch.bfloat16
+    assert resolve_dtype("float32", cpu, cpu_has_amx=True) == torch.float32
+    assert resolve_dtype("bfloat16", cpu, cpu_has_amx=False) == torch.bfloat16

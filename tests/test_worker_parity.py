@@ -46,7 +46,7 @@ def expected(checkpoint: Path) -> dict[int, list[int]]:
 
 @pytest.fixture(scope="module")
 def worker(checkpoint: Path) -> Worker:
-    return Worker(WorkerConfig(model=str(checkpoint), num_kv_blocks=512, block_size=8))
+    return Worker(WorkerConfig(model=str(checkpoint), num_kv_blocks=512, block_size=8, dtype="float32"))
 
 
 @pytest.mark.parametrize("steps", [1, 8])
@@ -216,7 +216,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
     ckpt = save_llama_checkpoint(tmp_path / "l3", seed=1, rope_scaling=scaling, max_position_embeddings=512)
     prompt = PROMPTS[3] * 2  # 138 tokens: well past the original 64 positions
     want = hf_greedy(ckpt, [prompt], 16)[0]
-    d = Driver(Worker(WorkerConfig(model=str(ckpt), num_kv_blocks=64, block_size=8)).runner)
+    d = Driver(Worker(WorkerConfig(model=str(ckpt), num_kv_blocks=64, block_size=8, dtype="float32")).runner)
     d.prefill({0: prompt}, greedy(16), 16)
     assert d.outputs[0] == want
 
@@ -230,7 +230,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
            ) -> tuple[Worker, dict[int, list[int]]]:
     ckpt = FAMILIES[request.param](tmp_path_factory.mktemp(request.param) / "ckpt")
     want = dict(zip(PROMPTS, hf_greedy(ckpt, list(PROMPTS.values()), FAMILY_NEW), strict=True))
-    return Worker(WorkerConfig(model=str(ckpt), num_kv_blocks=128, block_size=8)), want
+    return Worker(WorkerConfig(model=str(ckpt), num_kv_blocks=128, block_size=8, dtype="float32")), want
 
 
 def test_family_loads_what_its_files_say(family: tuple[Worker, dict[int, list[int]]]) -> None:

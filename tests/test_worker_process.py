@@ -107,7 +107,7 @@ def test_worker_serves_a_plan_and_shuts_down(tiny: Path, scheduler_for: Any) -> 
     assert s.proc.wait(timeout=60) == 0
     assert [m.step for m in steps] == list(range(6)) and all(m.rids == [7] for m in steps)
     with one_cpu_thread():
-        local = Worker(WorkerConfig(model=str(tiny), num_kv_blocks=16))
+        local = Worker(WorkerConfig(model=str(tiny), num_kv_blocks=16, dtype="float32"))
         expected = [t for m in local.runner.execute(plan) for t in m.token_ids]
     assert [t for m in steps for t in m.token_ids] == expected
 

@@ -31,7 +31,7 @@ def _one_thread() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Worker:
     model = materialize_tiny(tmp_path_factory.mktemp("cache"))
-    return Worker(WorkerConfig(model=str(model), num_kv_blocks=512, block_size=BS))
+    return Worker(WorkerConfig(model=str(model), num_kv_blocks=512, block_size=BS, dtype="float32"))
 
 
 def runner_like(worker: Worker, eos: list[int] | None = None, max_model_len: int = 8192,
@@ -206,7 +206,7 @@ def test_plans_the_runner_cannot_follow_fail_clearly(worker: Worker) -> None:
 
 
 def test_warm_up_leaves_no_state(tmp_path: Path) -> None:
-    w = Worker(WorkerConfig(model=str(materialize_tiny(tmp_path)), num_kv_blocks=8))
+    w = Worker(WorkerConfig(model=str(materialize_tiny(tmp_path)), num_kv_blocks=8, dtype="float32"))
     w.warm_up()
     assert w.runner.seqs == {}
 

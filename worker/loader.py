@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from worker.layers import store_weights_column_major
 from worker.llama import LlamaForCausalLM
 from worker.model_config import LlamaConfig, ModelLoadError
 from worker.tiny import materialize_tiny
@@ -73,25 +74,27 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, cpu_has_bf16: bool | None = None) -> torch.dtype:
-    """``auto``, whatever the checkpoint stores: bfloat16 on CUDA and on CPUs with bfloat16
-    arithmetic (AVX512-BF16 or AMX), float32 on other CPUs. Without those instructions oneDNN
-    emulates bfloat16 and a 64-row matmul runs ~4x slower than float32 (measured on an
-    AVX-512 Xeon without them), so float32 is the fast choice there, not only the exact one."""
+def resolve_dtype(name: str, device: torch.device, cpu_has_amx: bool | None = None) -> torch.dtype:
+    """``auto``, whatever the checkpoint stores: bfloat16 on CUDA and on CPUs with AMX tiles,
+    float32 on other CPUs. Measured on SmolLM2's decode step (2 threads): without any bfloat16
+    instructions oneDNN emulates them and a 64-row matmul runs ~4x slower than float32; with
+    AVX512-BF16 but no AMX, bfloat16 is no faster at 1 and 16 rows and ~17% slower at 64
+    (oneDNN's AVX512-BF16 matmul runs 64-row products 1.4x slower than MKL's float32 one), so
+    there float32 is the fast choice as well as the exact one."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16
-    if cpu_has_bf16 is None:
-        cpu_has_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return torch.bfloat16 if cpu_has_bf16 else torch.float32
+    if cpu_has_amx is None:
+        cpu_has_amx = torch.cpu._is_amx_tile_supported()
+    return torch.bfloat16 if cpu_has_amx else torch.float32
 
 
 def auto_dtype_reason(dtype: torch.dtype, device: torch.device) -> str:
     """Why ``resolve_dtype("auto", ...)`` chose ``dtype``, for the start-up log line."""
     if device.type == "cuda":
         return "CUDA"
-    return "the CPU has bfloat16 instructions" if dtype == torch.bfloat16 else "the CPU has no AVX512-BF16/AMX"
+    return "the CPU has AMX" if dtype == torch.bfloat16 else "the CPU has no AMX: float32 is faster there"
 
 
 def resolve_max_model_len(cfg: LlamaConfig, requested: int | None, config_file: Path) -> int:
@@ -168,5 +171,8 @@ def load_model(model_dir: Path, cfg: LlamaConfig, dtype: torch.dtype, device: to
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelLoadError(f"{model_dir}: weights missing: {', '.join(missing[:3])}{more}")
     model.load_checkpoint(state)
+    del state  # the fused weights are copies: let the separate ones go before another copy
+    if device.type == "cpu" and dtype == torch.float32:
+        store_weights_column_major(model)
     model.rotary.to(device)  # computed tables, not weights
     return model.eval()
