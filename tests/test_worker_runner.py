@@ -247,3 +247,15 @@ def test_penalties_see_every_token_inside_a_multi_step_window(worker: Worker, la
     single = run_alone(runner_like(worker), PROMPT, penalised, steps=1).outputs[0]
     assert run_alone(runner_like(worker, lag=lag), PROMPT, penalised, steps=8).outputs[0] == single
     assert single != run_alone(runner_like(worker), PROMPT, greedy(24), steps=1).outputs[0]
+
+
+def test_penalties_with_the_ids_still_in_flight(worker: Worker) -> None:
+    """Penalised requests no longer force the host to read every id before the next step: in
+    multi-step windows with a lagged read (the CUDA pipeline's logic), their greedy tokens are
+    those of single steps read at once."""
+    params = greedy(20, repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.2)
+    single = run_alone(runner_like(worker), PROMPT, params, steps=1).outputs[0]
+    lagged = run_alone(runner_like(worker, lag=1), PROMPT, params, steps=8).outputs[0]
+    plain = run_alone(runner_like(worker), PROMPT, greedy(20), steps=1).outputs[0]
+    assert lagged == single
+    assert single != plain  # the penalties changed the text, so the comparison means something

@@ -194,3 +194,27 @@ def test_top_k_by_topk_keeps_what_a_full_sort_keeps() -> None:
         for row in range(6):
             kept = set(torch.nonzero(out[row] > -torch.inf).flatten().tolist())
             assert kept == by_sort(logits[row], ks[row], ps[row]), (ks[row], ps[row])
+
+
+def test_running_counts_equal_a_rebuild_from_the_history() -> None:
+    """A request's penalties read counts the sampler keeps and bumps with each token it samples;
+    at every step they must equal the counts rebuilt from the whole history, with another
+    penalised request and an unpenalised one in the batch, until the request is forgotten and
+    its counts rebuilt from its tokens (a preemption)."""
+    s = sampler(seed=3)
+    p = SamplingParams(temperature=1.0, repetition_penalty=1.4, frequency_penalty=0.6, presence_penalty=0.3)
+    histories = {10: [5, 6, 7, 5], 11: [1, 2]}
+    prompts = {10: 3, 11: 2}
+    for step in range(12):
+        if step == 6:
+            s.forget(10)
+        logits = random_logits(3, 40, seed=step)
+        rows = [SamplingRow(p, len(h) - prompts[rid], h, prompts[rid], rid) for rid, h in histories.items()]
+        rebuilt = [SamplingRow(p, len(h) - prompts[rid], h, prompts[rid]) for rid, h in histories.items()]
+        plain = SamplingRow(SamplingParams(temperature=1.0), step)
+        torch.testing.assert_close(s._penalize(logits, [*rows, plain]), s._penalize(logits, [*rebuilt, plain]),
+                                   rtol=0, atol=0)
+        out = s(logits, [*rows, plain]).token_ids.tolist()
+        for rid, token in zip(histories, out, strict=False):
+            histories[rid].append(token)
+    assert set(s.counts) == {10, 11}

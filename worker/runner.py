@@ -15,8 +15,8 @@ The host reads a step's ids ``finalize_lag`` steps after launching it: 0 on the 
 copy is synchronous anyway; 1 on CUDA, so the next step is already queued on the device while
 the host waits for the previous copy, and the device never idles on the host. With lag 1, a row
 that stopped on EOS computes one more (discarded) token before the host knows; stops that need
-no token value (max_tokens, the model length) are always known in time. Rows whose sampling
-reads their own history (penalties) force lag 0: they need every id on the host.
+no token value (max_tokens, the model length) are always known in time. Penalties need no id on
+the host either: the sampler keeps each penalised request's token counts on the device.
 
 Between steps, the caller may ``cancel`` rows (an abort or a pause that arrived mid-plan): they
 leave the batch at the next step.
@@ -115,6 +115,7 @@ class ModelRunner:
         if seq is not None:
             seq.stopped = True
         self.batch.remove(rid)
+        self.sampler.forget(rid)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> Iterator[StepTokens]:
@@ -134,7 +135,7 @@ class ModelRunner:
         step, ended = 0, False
         while batch is not None:
             final_step = step == num_steps - 1
-            lag = 0 if final_step else self._lag(batch)
+            lag = 0 if final_step else self.finalize_lag
             launched = self._launch(step, batch)
             if launched is None:  # only prefill chunks that sample nothing
                 break
@@ -163,11 +164,6 @@ class ModelRunner:
             yield StepTokens(plan.plan_id, step if step == 0 else step - 1, [], [], True,
                              time.perf_counter() - resumed)
         self.plan_id = None
-
-    def _lag(self, batch: StepBatch) -> int:
-        if any(_reads_history(seq) for seq in batch.samplers):
-            return 0
-        return self.finalize_lag
 
     def _runs_on(self, seq: SequenceState) -> bool:
         return not seq.stopped and seq.rid not in self.cancelled
@@ -266,11 +262,5 @@ class ModelRunner:
         if not batch.samplers:
             return None
         return self.sampler(logits, [
-            SamplingRow(s.sampling, s.num_sampled, s.token_ids, s.num_prompt_tokens) if s.sampling.reads_history
+            SamplingRow(s.sampling, s.num_sampled, s.token_ids, s.num_prompt_tokens, s.rid) if s.sampling.reads_history
             else SamplingRow(s.sampling, s.num_sampled) for s in batch.samplers])
-
-
-def _reads_history(seq: SequenceState) -> bool:
-    """Sampling that depends on the sequence's own earlier tokens (penalties) needs their ids on
-    the host before it samples again."""
-    return seq.sampling.reads_history

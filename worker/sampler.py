@@ -4,7 +4,10 @@ min-p, min_tokens, per-request seeds, and optional logprobs.
 In order, on the raw logits: ``logit_bias`` is added; EOS and stop ids are banned until
 ``min_tokens``; the repetition penalty divides positive (multiplies negative) logits of tokens
 seen in the prompt or the output (vLLM's rule), then the frequency and presence penalties
-subtract per occurrence / once for tokens of the output (OpenAI's). Greedy rows take the argmax
+subtract per occurrence / once for tokens of the output (OpenAI's). A request's counts are kept
+on the device from its first penalised step on (``TokenCounts``) and bumped with each token it
+samples, on the device too: a step costs the same at output 1,000 as at output 1, and the host
+need not know a sampled id before the next step samples. Greedy rows take the argmax
 of that; random rows divide by the temperature, keep their top-k / top-p nucleus and the tokens
 at least ``min_p`` times as likely as the most likely one, and sample. Every step is batched;
 rows that use none of an option cost it nothing, and a batch where nobody does skips it whole.
@@ -47,9 +50,28 @@ class SamplingRow:
     params: SamplingParams
     num_outputs: int  # outputs so far: the index of the token being sampled
     # Prompt + outputs so far, for the penalties; only rows whose params read their history
-    # need it (the runner passes it to those alone).
+    # need it (the runner passes it to those alone), and with a ``rid`` only the first time.
     token_ids: Sequence[int] = ()
     num_prompt_tokens: int = 0
+    rid: int | None = None  # set: the sampler keeps this request's counts between steps
+
+
+@dataclasses.dataclass
+class TokenCounts:
+    """What the penalties read of one request's history, on the device."""
+
+    output_counts: torch.Tensor  # [V] float: occurrences of each token among the outputs
+    seen: torch.Tensor  # [V] bool: in the prompt or the outputs
+
+    @classmethod
+    def of(cls, row: SamplingRow, vocab: int, device: torch.device) -> TokenCounts:
+        ids = torch.tensor(list(row.token_ids), dtype=torch.long, device=device)
+        outputs = ids[row.num_prompt_tokens :]
+        counts = torch.zeros(vocab, device=device)
+        counts.index_add_(0, outputs, torch.ones_like(outputs, dtype=counts.dtype))
+        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        seen[ids] = True
+        return cls(counts, seen)
 
 
 @dataclasses.dataclass
@@ -82,6 +104,7 @@ class Sampler:
         self.device = device
         self.eos_token_ids = tuple(eos_token_ids)
         self.generator = torch.Generator(device=device)
+        self.counts: dict[int, TokenCounts] = {}  # by rid: penalised requests seen so far
         if seed is None:
             self.generator.seed()
         else:
@@ -102,11 +125,33 @@ class Sampler:
             token_ids = self._sample_random(logits, rows)
             if any(greedy):
                 token_ids = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), token_ids)
+        self._count(rows, token_ids)
         logprobs = None
         if raw_logprobs is not None:
             counts = [min(int(rows[i].params.logprobs or 0), logits.shape[-1]) for i in wanted]
             logprobs = _top_logprobs(raw_logprobs, wanted, counts, token_ids)
         return SamplerOutput(token_ids, logprobs)
+
+    def forget(self, rid: int) -> None:
+        """Drop a request's counts (it stopped, or will be sent again from its tokens)."""
+        self.counts.pop(rid, None)
+
+    def _history(self, row: SamplingRow, vocab: int) -> TokenCounts:
+        if row.rid is None:
+            return TokenCounts.of(row, vocab, self.device)
+        counts = self.counts.get(row.rid)
+        if counts is None:
+            counts = self.counts[row.rid] = TokenCounts.of(row, vocab, self.device)
+        return counts
+
+    def _count(self, rows: list[SamplingRow], token_ids: torch.Tensor) -> None:
+        """Each kept history takes the token its row just sampled, without leaving the device."""
+        for i, row in enumerate(rows):
+            kept = self.counts.get(row.rid) if row.rid is not None else None
+            if kept is not None:
+                token = token_ids[i : i + 1]
+                kept.output_counts.index_add_(0, token, torch.ones(1, device=token_ids.device))
+                kept.seen[token] = True
 
     def _add_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         row_idx: list[int] = []
@@ -128,13 +173,9 @@ class Sampler:
         if not which:
             return logits
         device, vocab = logits.device, logits.shape[-1]
-        counts = torch.zeros((len(which), vocab), device=device)  # occurrences in the output
-        seen = torch.zeros((len(which), vocab), dtype=torch.bool, device=device)  # in prompt or output
-        for j, i in enumerate(which):
-            ids = torch.tensor(list(rows[i].token_ids), dtype=torch.long, device=device)
-            outputs = ids[rows[i].num_prompt_tokens :]
-            counts[j].index_add_(0, outputs, torch.ones_like(outputs, dtype=counts.dtype))
-            seen[j, ids] = True
+        histories = [self._history(rows[i], vocab) for i in which]
+        counts = torch.stack([h.output_counts for h in histories])  # [R, V]
+        seen = torch.stack([h.seen for h in histories])
         params = [rows[i].params for i in which]
         rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
         freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
