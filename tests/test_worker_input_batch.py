@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker import paged_decode
+from worker import cpu_kernels
 from worker.attention import AttentionMetadata
 from worker.input_batch import InputBatch
 from worker.kv_cache import KVCache
@@ -23,7 +23,7 @@ from worker.staging import HostToDevice
 BS = 4
 CPU = torch.device("cpu")
 CACHE = KVCache(1, 64, BS, 1, 8, torch.float32, CPU)
-KERNEL = paged_decode.load() if paged_decode.supports(torch.float32, 1, 1, 8, BS) else None
+KERNEL = cpu_kernels.load() if cpu_kernels.supports(torch.float32, 1, 1, 8, BS) else None
 
 
 def assert_same(a: AttentionMetadata, b: AttentionMetadata) -> None:

@@ -33,7 +33,7 @@ Two backends, chosen once at start-up (``AttentionBackend.select``) and logged:
 * ``torch`` — the gather and ``scaled_dot_product_attention`` described above, for every step
   on every device: the reference.
 * ``cpu-paged`` — on the CPU in float32, steps where every row decodes one token (multi-step
-  decode windows: the bulk of serving) go to a C kernel (``worker/paged_decode.py``) that writes
+  decode windows: the bulk of serving) go to a C kernel (``worker/cpu_kernels.py``) that writes
   the new keys and values and attends reading the paged cache in place, no gathered copy;
   steps with prefill chunks keep the torch path, whose blocked SDPA suits many queries.
   Measured on SmolLM2 at 64 streams: the gather and SDPA were 41% of a decode step.
@@ -52,7 +52,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from worker import paged_decode
+from worker import cpu_kernels
 from worker.input_batch import RowTables
 from worker.staging import HostToDevice
 from worker.kv_cache import KVCache
@@ -179,8 +179,8 @@ class AttentionBackend:
     def select(cls, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                block_size: int) -> AttentionBackend:
         kernel = None
-        if device.type == "cpu" and paged_decode.supports(dtype, num_heads, num_kv_heads, head_dim, block_size):
-            kernel = paged_decode.load()
+        if device.type == "cpu" and cpu_kernels.supports(dtype, num_heads, num_kv_heads, head_dim, block_size):
+            kernel = cpu_kernels.load()
         backend = cls(kernel, device)
         log.info("attention backend: %s", backend.name)
         return backend
@@ -294,9 +294,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
     if meta.decode is not None:
         rows = meta.decode
         with torch.profiler.record_function("sluice::paged_decode"):  # ctypes calls are invisible to profiles
-            paged_decode.write_kv(rows.kernel, k, v, cache.key_slots[layer], cache.value_slots[layer],
+            cpu_kernels.write_kv(rows.kernel, k, v, cache.key_slots[layer], cache.value_slots[layer],
                                   meta.slot_mapping)
-            return paged_decode.decode(rows.kernel, q, cache.key_slots[layer], cache.value_slots[layer],
+            return cpu_kernels.decode(rows.kernel, q, cache.key_slots[layer], cache.value_slots[layer],
                                        rows.block_table, rows.context_lens, rows.first_positions, cache.block_size,
                                        scale)
     cache.key_slots[layer].index_copy_(0, meta.slot_mapping, k)

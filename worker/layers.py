@@ -8,12 +8,14 @@ cheap (torch's random initialisers on meta tensors pull in its compiler stack, ~
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker import cpu_kernels
 from worker.model_config import LlamaConfig
 
 
@@ -44,6 +46,14 @@ def store_weights_column_major(model: nn.Module) -> None:
             module.weight.data = module.weight.data.t().contiguous().t()
 
 
+def use_cpu_kernels(model: nn.Module) -> None:
+    """RMSNorm through the C kernel (float32 on the CPU), when it can be built here."""
+    kernels = cpu_kernels.load()
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.kernel = kernels
+
+
 class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int) -> None:
         super().__init__()
@@ -58,8 +68,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel: ctypes.CDLL | None = None  # the C kernels, for float32 on the CPU (use_cpu_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.dtype == torch.float32 and x.stride(-1) == 1:
+            return cpu_kernels.rms_norm(self.kernel, x, self.weight, self.eps)  # one call instead of six operators
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one kernel instead of six
         # Half precision normalises in float32 and rounds before the weight, as transformers does.

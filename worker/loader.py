@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from worker.layers import store_weights_column_major
+from worker.layers import store_weights_column_major, use_cpu_kernels
 from worker.llama import LlamaForCausalLM
 from worker.model_config import LlamaConfig, ModelLoadError
 from worker.tiny import materialize_tiny
@@ -174,5 +174,6 @@ def load_model(model_dir: Path, cfg: LlamaConfig, dtype: torch.dtype, device: to
     del state  # the fused weights are copies: let the separate ones go before another copy
     if device.type == "cpu" and dtype == torch.float32:
         store_weights_column_major(model)
+        use_cpu_kernels(model)
     model.rotary.to(device)  # computed tables, not weights
     return model.eval()

@@ -1,6 +1,7 @@
-"""The CPU decode-attention kernel (``csrc/paged_decode.c``): built, loaded and called.
+"""The worker's C kernels for the CPU, built, loaded and called: decode attention over the paged
+cache (``csrc/paged_decode.c``) and RMSNorm (``csrc/rms_norm.c``).
 
-The kernel is plain C, compiled on first use by the system C compiler into Sluice's cache
+The kernels are plain C, compiled on first use by the system C compiler into Sluice's cache
 directory (a second or two, once per machine and source version) and called through ctypes:
 no torch headers, no build step at install time. ``-march=native`` makes it fast on the
 machine that built it, so the file name carries a digest of the CPU's flags as well as of the
@@ -28,7 +29,7 @@ from worker.tiny import default_cache_dir
 
 log = logging.getLogger("sluice.worker")
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "rms_norm.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math"]
 # What the kernel's fixed-size scratch holds (see the #defines in the source).
@@ -47,8 +48,9 @@ def _cpu_signature() -> str:
 
 
 def _library_path() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_signature().encode())
-    return default_cache_dir() / "kernels" / f"paged_decode-{digest.hexdigest()[:16]}.so"
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + _cpu_signature().encode())
+    return default_cache_dir() / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
 
 def _build(target: Path) -> None:
@@ -60,7 +62,7 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
                               timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1:]}")
@@ -78,7 +80,7 @@ def load() -> ctypes.CDLL | None:
         return _loaded
     _tried = True
     if os.environ.get("SLUICE_NO_C_KERNELS"):
-        log.info("paged decode kernel: off (SLUICE_NO_C_KERNELS)")
+        log.info("C kernels: off (SLUICE_NO_C_KERNELS)")
         return None
     target = _library_path()
     try:
@@ -86,13 +88,16 @@ def load() -> ctypes.CDLL | None:
             _build(target)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("paged decode kernel unavailable (%s); decode attention gathers the context instead", e)
+        log.warning("C kernels unavailable (%s); decode attention gathers the context and RMSNorm runs "
+                    "in torch instead", e)
         return None
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.write_kv.argtypes = [p, p, i64, i64, p, p, p, i32, i32, i32]
     lib.write_kv.restype = None
     lib.paged_decode.argtypes = [p, i64, p, p, p, i32, p, p, p, i32, i32, i32, i32, i32, f32, i32]
     lib.paged_decode.restype = None
+    lib.rms_norm.argtypes = [p, i64, p, p, i32, i32, f32, i32]
+    lib.rms_norm.restype = None
     _loaded = lib
     return lib
 
@@ -126,4 +131,12 @@ def decode(lib: ctypes.CDLL, q: torch.Tensor, key_slots: torch.Tensor, value_slo
     lib.paged_decode(_ptr(q), q.stride(0), _ptr(key_slots), _ptr(value_slots), _ptr(block_table),
                      block_table.shape[1], _ptr(context_lens), _ptr(first_positions), _ptr(out), rows, heads,
                      key_slots.shape[1], head_dim, block_size, scale, torch.get_num_threads())
+    return out
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, D] float32 (rows may be strided, values contiguous) -> RMSNorm(x) * weight, [T, D]."""
+    rows, dim = x.shape
+    out = torch.empty((rows, dim), dtype=x.dtype)
+    lib.rms_norm(_ptr(x), x.stride(0), _ptr(weight), _ptr(out), rows, dim, eps, torch.get_num_threads())
     return out

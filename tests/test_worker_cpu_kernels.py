@@ -1,6 +1,7 @@
-"""The C decode kernel against the torch reference path (gather + SDPA), on random paged layouts:
-shuffled block tables, mixed context lengths, grouped-query heads, sliding windows, a context
-ending exactly on a block boundary, strided q/k/v as the model passes them."""
+"""The C kernels against torch: decode attention against the reference path (gather + SDPA), on
+random paged layouts — shuffled block tables, mixed context lengths, grouped-query heads, sliding
+windows, a context ending exactly on a block boundary, strided q/k/v as the model passes them —
+and RMSNorm against ``F.rms_norm``."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import random
 import pytest
 import torch
 
-from worker import paged_decode
+from worker import cpu_kernels
 from worker.attention import AttentionBackend, AttentionMetadata, paged_attention
 from worker.kv_cache import KVCache
 
-kernel = paged_decode.load()
+kernel = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler: the kernel cannot be built here")
 
 
@@ -75,7 +76,23 @@ def test_steps_with_prefill_chunks_keep_the_torch_path() -> None:
 
 
 def test_geometries_outside_the_kernels_scratch_are_refused() -> None:
-    assert paged_decode.supports(torch.float32, 9, 3, 64, 16)
-    assert not paged_decode.supports(torch.bfloat16, 9, 3, 64, 16)
-    assert not paged_decode.supports(torch.float32, 64, 2, 64, 16)  # 32 query heads per kv head
-    assert not paged_decode.supports(torch.float32, 8, 8, 512, 16)
+    assert cpu_kernels.supports(torch.float32, 9, 3, 64, 16)
+    assert not cpu_kernels.supports(torch.bfloat16, 9, 3, 64, 16)
+    assert not cpu_kernels.supports(torch.float32, 64, 2, 64, 16)  # 32 query heads per kv head
+    assert not cpu_kernels.supports(torch.float32, 8, 8, 512, 16)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_rms_norm_matches_torch(rows: int) -> None:
+    """One row and many (threaded), a strided input (rows of a wider tensor) included."""
+    from worker.layers import RMSNorm
+
+    torch.manual_seed(rows)
+    wide = torch.randn(rows, 700) * 3
+    x = wide[:, :576]  # rows strided by 700, values contiguous
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576)
+    want = norm(x.contiguous())
+    norm.kernel = kernel
+    got = norm(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
