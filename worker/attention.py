@@ -32,7 +32,7 @@ Two backends, chosen once at start-up (``AttentionBackend.select``) and logged:
 
 * ``torch`` — the gather and ``scaled_dot_product_attention`` described above, for every step
   on every device: the reference.
-* ``cpu-paged`` — on the CPU in float32, steps where every row decodes one token (multi-step
+* ``cpu-paged`` — on the CPU in float32 or bfloat16, steps where every row decodes one token (multi-step
   decode windows: the bulk of serving) go to a C kernel (``worker/cpu_kernels.py``) that writes
   the new keys and values and attends reading the paged cache in place, no gathered copy;
   steps with prefill chunks keep the torch path, whose blocked SDPA suits many queries.

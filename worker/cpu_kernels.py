@@ -92,10 +92,12 @@ def load() -> ctypes.CDLL | None:
                     "in torch instead", e)
         return None
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.write_kv.argtypes = [p, p, i64, i64, p, p, p, i32, i32, i32]
+    lib.write_kv.argtypes = [p, p, i64, i64, p, p, p, i32, i32, i32, i32]
     lib.write_kv.restype = None
     lib.paged_decode.argtypes = [p, i64, p, p, p, i32, p, p, p, i32, i32, i32, i32, i32, f32, i32]
     lib.paged_decode.restype = None
+    lib.paged_decode_bf16.argtypes = lib.paged_decode.argtypes
+    lib.paged_decode_bf16.restype = None
     lib.rms_norm.argtypes = [p, i64, p, p, i32, i32, f32, i32]
     lib.rms_norm.restype = None
     _loaded = lib
@@ -103,8 +105,8 @@ def load() -> ctypes.CDLL | None:
 
 
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
-    """Whether the kernel handles this geometry (float32 on the CPU, within its scratch sizes)."""
-    return (dtype == torch.float32 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
+    """Whether the kernel handles this geometry (float32 or bfloat16, within its scratch sizes)."""
+    return (dtype in (torch.float32, torch.bfloat16) and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
             and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK)
 
 
@@ -116,21 +118,23 @@ def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, key_slots: torc
              slots: torch.Tensor) -> None:
     """k, v [B, KVH, D] (rows may be strided, heads contiguous) into the flat caches at ``slots`` (int64)."""
     lib.write_kv(_ptr(k), _ptr(v), k.stride(0), v.stride(0), _ptr(key_slots), _ptr(value_slots), _ptr(slots),
-                 k.shape[0], k.shape[1], k.shape[2])
+                 k.shape[0], k.shape[1], k.shape[2], k.element_size())
 
 
 def decode(lib: ctypes.CDLL, q: torch.Tensor, key_slots: torch.Tensor, value_slots: torch.Tensor,
            block_table: torch.Tensor, context_lens: torch.Tensor, first_positions: torch.Tensor, block_size: int,
            scale: float) -> torch.Tensor:
-    """q [B, H, D] (rows may be strided) against each row's context -> [B, H, D].
+    """q [B, H, D] (rows may be strided) against each row's context -> [B, H, D], all float32
+    or all bfloat16 (q, the caches, the result; the arithmetic is float32).
 
     ``block_table`` [B, max blocks] int32 contiguous; ``context_lens`` / ``first_positions`` [B]
     int32: row b attends positions first_positions[b] .. context_lens[b] - 1."""
     rows, heads, head_dim = q.shape
     out = torch.empty((rows, heads, head_dim), dtype=q.dtype)
-    lib.paged_decode(_ptr(q), q.stride(0), _ptr(key_slots), _ptr(value_slots), _ptr(block_table),
-                     block_table.shape[1], _ptr(context_lens), _ptr(first_positions), _ptr(out), rows, heads,
-                     key_slots.shape[1], head_dim, block_size, scale, torch.get_num_threads())
+    entry = lib.paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode
+    entry(_ptr(q), q.stride(0), _ptr(key_slots), _ptr(value_slots), _ptr(block_table), block_table.shape[1],
+          _ptr(context_lens), _ptr(first_positions), _ptr(out), rows, heads, key_slots.shape[1], head_dim, block_size,
+          scale, torch.get_num_threads())
     return out
 
 

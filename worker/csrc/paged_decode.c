@@ -1,4 +1,4 @@
-/* Decode attention straight from the paged KV cache (float32, CPU).
+/* Decode attention straight from the paged KV cache (float32 or bfloat16, CPU).
  *
  * One query token per row. Each row first writes its new key and value into its cache slot,
  * then each (row, kv head) pair attends over the row's context block by block, reading keys
@@ -19,20 +19,41 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 128     /* tokens per KV block */
 
-void write_kv(const float *k_new, const float *v_new, int64_t k_stride, int64_t v_stride,
-              float *k_cache, float *v_cache, const int64_t *slots, int num_rows, int kv_heads,
-              int head_dim) {
-    const int64_t width = (int64_t)kv_heads * head_dim;
+/* Strides are in elements of elem_size bytes (4: float32, 2: bfloat16): the bytes are copied. */
+void write_kv(const char *k_new, const char *v_new, int64_t k_stride, int64_t v_stride, char *k_cache,
+              char *v_cache, const int64_t *slots, int num_rows, int kv_heads, int head_dim, int elem_size) {
+    const int64_t width = (int64_t)kv_heads * head_dim * elem_size;
     for (int b = 0; b < num_rows; b++) {
-        memcpy(k_cache + slots[b] * width, k_new + b * k_stride, width * sizeof(float));
-        memcpy(v_cache + slots[b] * width, v_new + b * v_stride, width * sizeof(float));
+        memcpy(k_cache + slots[b] * width, k_new + b * k_stride * elem_size, width);
+        memcpy(v_cache + slots[b] * width, v_new + b * v_stride * elem_size, width);
     }
 }
 
-void paged_decode(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                  const int32_t *block_table, int max_blocks, const int32_t *context_lens,
-                  const int32_t *first_positions, float *out, int num_rows, int num_heads,
-                  int kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+static inline float bf16_to_f32(uint16_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does; values are finite */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+/* Element i of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array, as a float. */
+static inline float load(const void *base, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* q, the caches and out are all float32 or all bfloat16; scores, softmax and the accumulators
+ * are float32 either way. Inlined into the two entry points below with bf16 a constant, so each
+ * is compiled for its own type with no branch left in the loops. */
+static inline __attribute__((always_inline)) void decode_rows(
+        const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int32_t *block_table,
+        int max_blocks, const int32_t *context_lens, const int32_t *first_positions, void *out, int num_rows,
+        int num_heads, int kv_heads, int head_dim, int block_size, float scale, int num_threads, const int bf16) {
     const int group = num_heads / kv_heads;
     const int64_t slot_width = (int64_t)kv_heads * head_dim;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
@@ -43,9 +64,9 @@ void paged_decode(const float *q, int64_t q_stride, const float *k_cache, const 
             float running_max[MAX_GROUP], running_sum[MAX_GROUP];
             float scores[MAX_GROUP][MAX_BLOCK];
             for (int g = 0; g < group; g++) {
-                const float *qg = q + b * q_stride + (int64_t)(h * group + g) * head_dim;
+                const int64_t qg = b * q_stride + (int64_t)(h * group + g) * head_dim;
                 for (int d = 0; d < head_dim; d++) {
-                    qs[g][d] = qg[d] * scale;
+                    qs[g][d] = load(q, qg + d, bf16) * scale;
                     acc[g][d] = 0.0f;
                 }
                 running_max[g] = -INFINITY;
@@ -58,14 +79,13 @@ void paged_decode(const float *q, int64_t q_stride, const float *k_cache, const 
                 const int offset = pos % block_size;
                 const int n = (block_size - offset < end - pos) ? block_size - offset : end - pos;
                 const int64_t first_slot = (int64_t)block * block_size + offset;
-                const float *keys = k_cache + first_slot * slot_width + (int64_t)h * head_dim;
-                const float *values = v_cache + first_slot * slot_width + (int64_t)h * head_dim;
+                const int64_t kv_base = first_slot * slot_width + (int64_t)h * head_dim;
                 for (int g = 0; g < group; g++) {
                     float block_max = running_max[g];
                     for (int i = 0; i < n; i++) {
-                        const float *k = keys + i * slot_width;
+                        const int64_t k = kv_base + i * slot_width;
                         float s = 0.0f;
-                        for (int d = 0; d < head_dim; d++) s += qs[g][d] * k[d];
+                        for (int d = 0; d < head_dim; d++) s += qs[g][d] * load(k_cache, k + d, bf16);
                         scores[g][i] = s;
                         if (s > block_max) block_max = s;
                     }
@@ -76,17 +96,38 @@ void paged_decode(const float *q, int64_t q_stride, const float *k_cache, const 
                     for (int i = 0; i < n; i++) {
                         const float p = expf(scores[g][i] - block_max);
                         running_sum[g] += p;
-                        const float *v = values + i * slot_width;
-                        for (int d = 0; d < head_dim; d++) acc[g][d] += p * v[d];
+                        const int64_t v = kv_base + i * slot_width;
+                        for (int d = 0; d < head_dim; d++) acc[g][d] += p * load(v_cache, v + d, bf16);
                     }
                 }
                 pos += n;
             }
             for (int g = 0; g < group; g++) {
-                float *o = out + ((int64_t)b * num_heads + h * group + g) * head_dim;
+                const int64_t o = ((int64_t)b * num_heads + h * group + g) * head_dim;
                 const float inv = 1.0f / running_sum[g];
-                for (int d = 0; d < head_dim; d++) o[d] = acc[g][d] * inv;
+                for (int d = 0; d < head_dim; d++) {
+                    if (bf16)
+                        ((uint16_t *)out)[o + d] = f32_to_bf16(acc[g][d] * inv);
+                    else
+                        ((float *)out)[o + d] = acc[g][d] * inv;
+                }
             }
         }
     }
+}
+
+void paged_decode(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                  const int32_t *block_table, int max_blocks, const int32_t *context_lens,
+                  const int32_t *first_positions, float *out, int num_rows, int num_heads,
+                  int kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+    decode_rows(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out,
+                num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, 0);
+}
+
+void paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int32_t *block_table, int max_blocks, const int32_t *context_lens,
+                       const int32_t *first_positions, uint16_t *out, int num_rows, int num_heads,
+                       int kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+    decode_rows(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out,
+                num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, 1);
 }
