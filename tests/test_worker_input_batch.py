@@ -5,7 +5,8 @@ blocks, finished, preempted and sent again (a fresh slot, new blocks), more requ
 initial slots, reservations past the model's length — and, at random points, a step over a
 random subset of the live requests. The step's attention metadata built from the batch must be
 exactly the metadata the builder makes from plain lists kept beside it (the builder the worker
-used before the batch existed), on the torch path and on the C decode kernel's path.
+used before the batch existed), on the torch path and on the C decode kernel's path; and the
+sampling parameter rows it gathers must be the parameters each request was added with.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from protocol.messages import SamplingParams
 from worker import cpu_kernels
 from worker.attention import AttentionMetadata
 from worker.input_batch import InputBatch
 from worker.kv_cache import KVCache
+from worker.sampler import param_row
 from worker.staging import HostToDevice
 
 BS = 4
@@ -46,6 +49,13 @@ def assert_same(a: AttentionMetadata, b: AttentionMetadata) -> None:
             assert torch.equal(ga.tokens, gb.tokens)
 
 
+def params_for(rid: int, epoch: int) -> SamplingParams:
+    """Parameters that differ per request and per incarnation (a preempted request is re-sent)."""
+    return SamplingParams(temperature=0.1 * (rid % 7), top_p=1 - 0.01 * epoch, top_k=rid % 5, min_p=0.01 * (rid % 3),
+                          repetition_penalty=1 + 0.1 * epoch, frequency_penalty=0.2 * (rid % 4),
+                          presence_penalty=-0.1 * epoch)
+
+
 ops = st.lists(st.tuples(st.sampled_from(["add", "blocks", "finish", "preempt", "step"]),
                          st.integers(0, 2**16)), min_size=1, max_size=60)
 
@@ -56,12 +66,14 @@ def test_batch_metadata_matches_the_list_builder(history: list[tuple[str, int]],
                                                  decode_only: bool) -> None:
     batch = InputBatch(max_num_seqs=2, max_blocks=3)  # small: growth in rows and columns is common
     lists: dict[int, list[int]] = {}
+    params: dict[int, SamplingParams] = {}
     next_rid = 0
     for op, r in history:
         live = sorted(lists)
         pick = live[r % len(live)] if live else None
         if op == "add" or pick is None:
-            batch.add(next_rid)
+            params[next_rid] = params_for(next_rid, 0)
+            batch.add(next_rid, params[next_rid])
             lists[next_rid] = []
             next_rid += 1
         elif op == "blocks":
@@ -74,7 +86,8 @@ def test_batch_metadata_matches_the_list_builder(history: list[tuple[str, int]],
             del lists[pick]
         elif op == "preempt":  # forgotten, then sent again under the same rid with new blocks
             batch.remove(pick)
-            batch.add(pick)
+            params[pick] = params_for(pick, r % 5 + 1)
+            batch.add(pick, params[pick])
             lists[pick] = [(r + 7) % 64]
             batch.append_blocks(pick, lists[pick])
         else:
@@ -90,7 +103,9 @@ def test_batch_metadata_matches_the_list_builder(history: list[tuple[str, int]],
                 lengths.append(n)
             logits = list(range(sum(lengths)))[-len(rows):]
             kernel = KERNEL if decode_only else None
-            got = AttentionMetadata.build(CACHE, batch.rows(rows), starts, lengths, logits, CPU, window, kernel)
+            tables, sampling = batch.gather(rows, rows[::-1])
+            assert torch.equal(sampling, torch.tensor([param_row(params[rid]) for rid in rows[::-1]]))
+            got = AttentionMetadata.build(CACHE, tables, starts, lengths, logits, CPU, window, kernel)
             want = AttentionMetadata.build(CACHE, [lists[rid] for rid in rows], starts, lengths, logits, CPU,
                                            window, kernel)
             assert_same(got, want)

@@ -259,3 +259,35 @@ def test_penalties_with_the_ids_still_in_flight(worker: Worker) -> None:
     plain = run_alone(runner_like(worker), PROMPT, greedy(20), steps=1).outputs[0]
     assert lagged == single
     assert single != plain  # the penalties changed the text, so the comparison means something
+
+
+def test_one_staged_copy_per_step_carries_every_input(worker: Worker) -> None:
+    """What a CUDA worker does with a step's host inputs — the ids, the attention metadata and
+    every sampling tensor packed byte for byte into one buffer and read back as views — run on
+    the CPU, gives the tokens and logprobs of the direct path, for a batch that uses every
+    sampling option at once, in multi-step windows whose rows stop at different steps (so later
+    steps select rows of the previous step's ids)."""
+    from worker.staging import HostToDevice
+
+    mixed = {
+        0: greedy(9),
+        1: SamplingParams(max_tokens=14, temperature=0.8, top_k=5, top_p=0.9, seed=3, logprobs=2, ignore_eos=True),
+        2: SamplingParams(max_tokens=6, temperature=1.1, min_p=0.05, seed=8, ignore_eos=True,
+                          repetition_penalty=1.2, frequency_penalty=0.3),
+        3: greedy(11, logit_bias=[(72, 5.0)], min_tokens=4, presence_penalty=0.4),
+        4: SamplingParams(max_tokens=8, temperature=0.7, top_p=0.5, seed=21, ignore_eos=True),
+    }
+
+    def run(staged: bool) -> tuple[dict[int, list[int]], list]:
+        runner = runner_like(worker)
+        if staged:
+            runner.attention.to_device = HostToDevice(runner.device, always=True)
+        d = Driver(runner)
+        news = [NewRequest(rid, PROMPT[: 6 + rid], 6 + rid, p) for rid, p in mixed.items()]
+        d.plan([(n.rid, len(n.token_ids)) for n in news], news, steps=4)
+        d.decode_to_end(4)
+        return dict(d.outputs), [m.logprobs for m in d.messages]
+
+    direct, staged = run(False), run(True)
+    assert staged == direct
+    assert [len(direct[0][rid]) for rid in mixed] == [9, 14, 6, 11, 8]

@@ -136,7 +136,8 @@ def test_penalties_follow_the_rules_row_by_row() -> None:
               SamplingParams(temperature=0.0),  # no penalties: untouched
               SamplingParams(temperature=0.0, repetition_penalty=0.8, frequency_penalty=0.7, presence_penalty=-0.4)]
     batch = [SamplingRow(p, len(h) - n, h, n) for p, (h, n) in zip(params, histories, strict=True)]
-    got = sampler()._penalize(logits, batch)
+    s = sampler()
+    got = s._penalize(logits, s.prepare(batch))
     for i, (p, (h, n)) in enumerate(zip(params, histories, strict=True)):
         torch.testing.assert_close(got[i], _reference_penalties(logits[i], h, n, p))
 
@@ -190,7 +191,7 @@ def test_top_k_by_topk_keeps_what_a_full_sort_keeps() -> None:
     logits = torch.randn(6, 1000, generator=gen) * 3
     for ks, ps in [([5, 40, 1, 7, 20, 3], [1.0] * 6), ([50, 10, 200, 2, 9, 30], [0.5, 0.9, 0.3, 1.0, 0.7, 0.95]),
                    ([0, 10, 0, 5, 0, 1], [0.6, 1.0, 0.2, 0.8, 0.9, 1.0])]:
-        out = _filter_top_k_top_p(logits, ks, torch.tensor(ps))
+        out = _filter_top_k_top_p(logits, ks, torch.tensor(ks, dtype=torch.float32), torch.tensor(ps))
         for row in range(6):
             kept = set(torch.nonzero(out[row] > -torch.inf).flatten().tolist())
             assert kept == by_sort(logits[row], ks[row], ps[row]), (ks[row], ps[row])
@@ -212,7 +213,8 @@ def test_running_counts_equal_a_rebuild_from_the_history() -> None:
         rows = [SamplingRow(p, len(h) - prompts[rid], h, prompts[rid], rid) for rid, h in histories.items()]
         rebuilt = [SamplingRow(p, len(h) - prompts[rid], h, prompts[rid]) for rid, h in histories.items()]
         plain = SamplingRow(SamplingParams(temperature=1.0), step)
-        torch.testing.assert_close(s._penalize(logits, [*rows, plain]), s._penalize(logits, [*rebuilt, plain]),
+        torch.testing.assert_close(s._penalize(logits, s.prepare([*rows, plain])),
+                                   s._penalize(logits, s.prepare([*rebuilt, plain])),
                                    rtol=0, atol=0)
         out = s(logits, [*rows, plain]).token_ids.tolist()
         for rid, token in zip(histories, out, strict=False):

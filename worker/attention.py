@@ -54,8 +54,8 @@ import torch.nn.functional as F
 
 from worker import cpu_kernels
 from worker.input_batch import RowTables
-from worker.staging import HostToDevice
 from worker.kv_cache import KVCache
+from worker.staging import HostToDevice
 
 log = logging.getLogger("sluice.worker")
 
@@ -92,20 +92,27 @@ class AttentionMetadata:
     key_scratch: torch.Tensor | None  # [blocks, block numel]: every group of every layer gathers into these
     value_scratch: torch.Tensor | None
     decode: DecodeRows | None = None  # set: the C kernel runs this step, no groups, no scratch
+    # The step's other inputs (input ids, sampling tensors), moved to the device in the same copy.
+    extra: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     @classmethod
     def build(cls, cache: KVCache, block_tables: RowTables | list[list[int]], starts: list[int], lengths: list[int],
               logits_indices: list[int], device: torch.device, sliding_window: int | None = None,
-              decode_kernel: ctypes.CDLL | None = None, to_device: HostToDevice | None = None) -> AttentionMetadata:
+              decode_kernel: ctypes.CDLL | None = None, to_device: HostToDevice | None = None,
+              extra: list[torch.Tensor] | None = None) -> AttentionMetadata:
         """Sequence b computes ``lengths[b]`` (>= 1) tokens at positions ``starts[b]`` onwards,
         reading its context through its block table (row b of ``block_tables``: the input
         batch's ``RowTables``, or plain lists), which must cover them. With a sliding window, a
         query at position i sees only positions > i - window (Mistral's rule).
         ``decode_kernel``: the C kernel to use when every row computes one token. Everything is
-        built on the host and moved by ``to_device`` (one copy; the backend keeps one across steps)."""
+        built on the host and moved by ``to_device`` (one copy; the backend keeps one across steps),
+        with the host tensors ``extra``, whose device copies are the result's ``extra``."""
         tables = block_tables if isinstance(block_tables, RowTables) else RowTables.from_lists(block_tables)
+        extra = extra or []
+        to_device = to_device or HostToDevice(device)
         if decode_kernel is not None and all(n == 1 for n in lengths):
-            return cls._for_kernel(decode_kernel, cache, tables, starts, logits_indices, device, sliding_window)
+            return cls._for_kernel(decode_kernel, cache, tables, starts, logits_indices, sliding_window, to_device,
+                                   extra)
         bs = cache.block_size
         rows = _Rows(starts, lengths, bs, sliding_window)
         table = rows.table(tables)
@@ -117,11 +124,10 @@ class AttentionMetadata:
         key_scratch, value_scratch = _scratch(cache, max(g.block_table.numel() for g in groups))
         if len(groups) == 1:
             groups[0].tokens = None
-        to_device = to_device or HostToDevice(device)
         host = [positions, slots, torch.tensor(logits_indices, dtype=torch.long)]
         for g in groups:
             host += [g.block_table, g.mask, g.query_rows, g.query_cols] + ([g.tokens] if g.tokens is not None else [])
-        moved = iter(to_device(host))
+        moved = iter(to_device(host + extra))
         positions, slots, logits = next(moved), next(moved), next(moved)
         for g in groups:
             g.block_table, g.mask, g.query_rows, g.query_cols = next(moved), next(moved), next(moved), next(moved)
@@ -135,11 +141,14 @@ class AttentionMetadata:
             cache=cache,
             key_scratch=key_scratch,
             value_scratch=value_scratch,
+            extra=list(moved),
         )
 
     @classmethod
     def _for_kernel(cls, kernel: ctypes.CDLL, cache: KVCache, tables: RowTables, starts: list[int],
-                    logits_indices: list[int], device: torch.device, sliding_window: int | None) -> AttentionMetadata:
+                    logits_indices: list[int], sliding_window: int | None, to_device: HostToDevice,
+                    extra: list[torch.Tensor]) -> AttentionMetadata:
+        """The C kernel's metadata: its tables stay on the host, where the kernel reads them."""
         bs = cache.block_size
         positions = torch.tensor(starts)
         used = positions // bs + 1  # blocks up to the one this step's token goes into
@@ -147,15 +156,17 @@ class AttentionMetadata:
         table = tables.table[:, : int(used.max())].contiguous()
         slots = table[torch.arange(len(starts)), positions // bs].long() * bs + positions % bs
         first = (positions - sliding_window + 1).clamp(min=0) if sliding_window is not None else torch.zeros_like(positions)
+        logits, *moved = to_device([torch.tensor(logits_indices, dtype=torch.long), *extra])
         return cls(
             positions=positions,
             slot_mapping=slots,
             groups=[],
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+            logits_indices=logits,
             cache=cache,
             key_scratch=None,
             value_scratch=None,
             decode=DecodeRows(kernel, table, (positions + 1).to(torch.int32), first.to(torch.int32)),
+            extra=moved,
         )
 
 
@@ -186,9 +197,10 @@ class AttentionBackend:
         return backend
 
     def metadata(self, cache: KVCache, block_tables: RowTables | list[list[int]], starts: list[int], lengths: list[int],
-                 logits_indices: list[int], device: torch.device, sliding_window: int | None) -> AttentionMetadata:
+                 logits_indices: list[int], device: torch.device, sliding_window: int | None,
+                 extra: list[torch.Tensor] | None = None) -> AttentionMetadata:
         return AttentionMetadata.build(cache, block_tables, starts, lengths, logits_indices, device, sliding_window,
-                                       self.decode_kernel, self.to_device)
+                                       self.decode_kernel, self.to_device, extra)
 
 
 class _Rows:

@@ -1,5 +1,6 @@
 """The worker's persistent input batch: one slot per running request, its block table a row of
-one int32 tensor that lives across steps and changes only by the plans' deltas.
+one int32 tensor and its sampling parameters a row of one float32 tensor, both living across
+steps and changed only by the plans' deltas.
 
 A request takes a free slot when it arrives (``add``), its row grows as plans send it blocks
 (``append_blocks``), and the slot is freed when the request stops, is aborted or is forgotten
@@ -8,9 +9,14 @@ step's block tables are then one ``index_select`` of the rows it runs, cut to th
 row (``rows``) — no Python list per row per step, which at 64 rows and a 4k context was a
 list-to-tensor conversion of every row's whole table on every step of a decode window.
 
-The table sits in pinned memory on a CUDA worker, so the metadata built from it reaches the
-device in one non-blocking copy (``attention.AttentionMetadata``), and in plain memory on the
-CPU, where the metadata is used where it is built.
+A step's sampling parameters are likewise one ``index_select`` of the parameter rows
+(``sampler.PARAM_COLUMNS``), written once when the request takes its slot: no per-row Python
+list per step.
+
+The tables sit in pinned memory on a CUDA worker, so what a step slices from them reaches the
+device in the step's one non-blocking copy (``staging.HostToDevice``, with the attention
+metadata and the input ids), and in plain memory on the CPU, where they are used where they are
+built.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+from protocol.messages import SamplingParams
+from worker.sampler import PARAM_COLUMNS, param_row
 
 
 @dataclasses.dataclass
@@ -47,6 +56,7 @@ class InputBatch:
     def __init__(self, max_num_seqs: int, max_blocks: int, pin_memory: bool = False) -> None:
         self.max_blocks, self.pin_memory = max_blocks, pin_memory
         self.block_table = torch.zeros((max_num_seqs, max_blocks), dtype=torch.int32, pin_memory=pin_memory)
+        self.params = torch.zeros((max_num_seqs, len(PARAM_COLUMNS)), dtype=torch.float32, pin_memory=pin_memory)
         self.num_blocks = [0] * max_num_seqs  # a list: read per row per step, cheaper than tensor items
         self.slot_of: dict[int, int] = {}
         self._free = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest slot first
@@ -57,7 +67,7 @@ class InputBatch:
     def __contains__(self, rid: int) -> bool:
         return rid in self.slot_of
 
-    def add(self, rid: int) -> int:
+    def add(self, rid: int, sampling: SamplingParams) -> int:
         """A slot for a new request, with an empty table; returns it."""
         if rid in self.slot_of:
             raise ValueError(f"rid {rid} already has slot {self.slot_of[rid]}")
@@ -66,6 +76,7 @@ class InputBatch:
         slot = self._free.pop()
         self.slot_of[rid] = slot
         self.num_blocks[slot] = 0
+        self.params[slot] = torch.tensor(param_row(sampling))
         return slot
 
     def _grow(self) -> None:
@@ -79,6 +90,10 @@ class InputBatch:
         self.block_table = torch.zeros((rows, max_blocks), dtype=torch.int32, pin_memory=self.pin_memory)
         self.block_table[: old.shape[0], : old.shape[1]] = old
         self.max_blocks = max_blocks
+        if rows > self.params.shape[0]:
+            params = torch.zeros((rows, self.params.shape[1]), dtype=torch.float32, pin_memory=self.pin_memory)
+            params[: self.params.shape[0]] = self.params
+            self.params = params
 
     def remove(self, rid: int) -> None:
         """Free the request's slot; a rid without one is ignored (already gone)."""
@@ -101,8 +116,16 @@ class InputBatch:
 
     def rows(self, rids: list[int]) -> RowTables:
         """The tables of a step's rows, in the step's order."""
+        return self.gather(rids)[0]
+
+    def gather(self, rids: list[int], sampling_rids: list[int] | None = None) -> tuple[RowTables, torch.Tensor]:
+        """The block tables of a step's rows ``rids`` and the sampling parameter rows of those
+        that sample (``sampling_rids``, in logits order; default: all of ``rids``)."""
         slots = [self.slot_of[rid] for rid in rids]
         counts = [self.num_blocks[s] for s in slots]
         widest = max(max(counts, default=0), 1)
         idx = torch.tensor(slots, dtype=torch.long)
-        return RowTables(self.block_table[:, :widest].index_select(0, idx), torch.tensor(counts, dtype=torch.long))
+        tables = RowTables(self.block_table[:, :widest].index_select(0, idx), torch.tensor(counts, dtype=torch.long))
+        if sampling_rids is not None and sampling_rids != rids:
+            idx = torch.tensor([self.slot_of[rid] for rid in sampling_rids], dtype=torch.long)
+        return tables, self.params.index_select(0, idx)

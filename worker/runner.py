@@ -43,14 +43,21 @@ from worker.sequence import PlanError, SequenceState
 
 @dataclasses.dataclass
 class StepBatch:
-    """One forward pass: who computes which positions, and which rows then sample."""
+    """One forward pass: who computes which positions, and which rows then sample.
 
-    input_ids: torch.Tensor  # [T] flattened tokens of every row, on the device
+    The input ids are ``host_ids`` (a plan's first step: its tokens, from the requests' lists),
+    or ``device_ids`` (a later step of a window: the ids the previous step sampled, never seen
+    by the host), of which rows ``keep`` (a host index; None: all) compute. Host tensors reach
+    the device in the step's one staged copy."""
+
     seqs: list[SequenceState]
     starts: list[int]
     lengths: list[int]
     samplers: list[SequenceState]  # rows that sample, in logits order
     logits_indices: list[int]  # flat index of each sampler's last token
+    host_ids: torch.Tensor | None = None  # [T] flattened tokens of every row
+    device_ids: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -208,7 +215,7 @@ class ModelRunner:
         for new in plan.new_requests:
             self.forget(new.rid)  # a request sent again (after a preemption) starts over
             self.seqs[new.rid] = SequenceState.from_new(new)
-            self.batch.add(new.rid)
+            self.batch.add(new.rid, new.sampling)
         # Block moves come before the forward pass that may read them, in the protocol's order.
         self.swap_space.swap_out(plan.swap_out)
         self.swap_space.swap_in(plan.swap_in)
@@ -240,27 +247,38 @@ class ModelRunner:
                 logits_indices.append(len(ids) - 1)
         if not seqs:
             return None
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return StepBatch(input_ids, seqs, starts, lengths, samplers, logits_indices)
+        return StepBatch(seqs, starts, lengths, samplers, logits_indices, host_ids=torch.tensor(ids, dtype=torch.long))
 
     def _decode_batch(self, prev: LaunchedStep, keep: list[int]) -> StepBatch:
         """The next multi-step step: rows ``keep`` of the previous step each compute the token
         they just sampled, taken from the device without a host round trip."""
         seqs = [prev.samplers[i] for i in keep]
-        sampled = prev.token_ids
-        if len(keep) < len(prev.samplers):
-            sampled = sampled[torch.tensor(keep, device=sampled.device)]
         starts = [seq.schedule(1, self.cache.block_size, self.batch.blocks_of(seq.rid)) for seq in seqs]
-        return StepBatch(sampled, seqs, starts, [1] * len(seqs), seqs, list(range(len(seqs))))
+        index = torch.tensor(keep, dtype=torch.long) if len(keep) < len(prev.samplers) else None
+        return StepBatch(seqs, starts, [1] * len(seqs), seqs, list(range(len(seqs))), device_ids=prev.token_ids,
+                         keep=index)
 
     # ------------------------------------------------------------------ one step
 
     def _forward(self, batch: StepBatch) -> SamplerOutput | None:
-        meta = self.attention.metadata(self.cache, self.batch.rows([s.rid for s in batch.seqs]), batch.starts,
-                                       batch.lengths, batch.logits_indices, self.device, self.sliding_window)
-        logits = self.model(batch.input_ids, meta)
-        if not batch.samplers:
-            return None
-        return self.sampler(logits, [
+        """Build the step's inputs on the host, send them in one copy, run the model, sample."""
+        tables, params = self.batch.gather([s.rid for s in batch.seqs], [s.rid for s in batch.samplers])
+        sampling = self.sampler.prepare([
             SamplingRow(s.sampling, s.num_sampled, s.token_ids, s.num_prompt_tokens, s.rid) if s.sampling.reads_history
-            else SamplingRow(s.sampling, s.num_sampled) for s in batch.samplers])
+            else SamplingRow(s.sampling, s.num_sampled) for s in batch.samplers], params) if batch.samplers else None
+        ids = batch.host_ids if batch.host_ids is not None else batch.keep
+        host = ([ids] if ids is not None else []) + (sampling.tensors() if sampling is not None else [])
+        meta = self.attention.metadata(self.cache, tables, batch.starts, batch.lengths, batch.logits_indices,
+                                       self.device, self.sliding_window, host)
+        moved = meta.extra
+        if batch.host_ids is not None:
+            input_ids, moved = moved[0], moved[1:]
+        else:
+            assert batch.device_ids is not None
+            input_ids = batch.device_ids
+            if batch.keep is not None:
+                input_ids, moved = input_ids[moved[0]], moved[1:]
+        logits = self.model(input_ids, meta)
+        if sampling is None:
+            return None
+        return self.sampler(logits, sampling.moved(moved))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -99,6 +100,89 @@ class SamplerOutput:
     logprobs: TopLogprobs | None
 
 
+PARAM_COLUMNS = ("temperature", "top_p", "min_p", "top_k", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty")
+_TOP_K_CAP = 1 << 24  # a float32 holds every integer up to here; larger k means "the whole vocabulary"
+
+
+def param_row(p: SamplingParams) -> list[float]:
+    """A request's numeric parameters, in ``PARAM_COLUMNS`` order (the input batch keeps one such
+    row per slot)."""
+    return [max(p.temperature, GREEDY_BELOW), p.top_p, p.min_p, float(min(p.top_k, _TOP_K_CAP)),
+            p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
+
+
+def _index(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
+
+
+@dataclasses.dataclass
+class StepSampling:
+    """What one step's sampling reads besides the logits, made on the host before the forward pass.
+
+    Everything the device needs is a tensor field: each row's parameters (``params``, a slice of
+    the input batch's per-slot table or built from the rows) and the index tensors of the options
+    only some rows use (None where no row does). ``tensors``/``moved`` let the runner send them
+    to the device in the step's one staged copy with the attention metadata, so sampling makes
+    no host-to-device transfer of its own. Decisions that shape the work (all greedy? any top-k?
+    the widest k?) are read from the rows on the host: the host never waits on the device."""
+
+    rows: list[SamplingRow]
+    params: torch.Tensor  # [B, len(PARAM_COLUMNS)] float32
+    greedy: torch.Tensor | None = None  # [B] bool, when greedy and random rows mix
+    wanted: torch.Tensor | None = None  # rows that asked for logprobs
+    penalised: torch.Tensor | None = None  # rows whose penalties read their history
+    bias_rows: torch.Tensor | None = None  # logit_bias entries: row, token, value
+    bias_tokens: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    banned_rows: torch.Tensor | None = None  # (row, token) pairs banned by min_tokens
+    banned_tokens: torch.Tensor | None = None
+    unseeded: torch.Tensor | None = None  # random rows without a seed, when seeded ones are present
+
+    @classmethod
+    def build(cls, rows: list[SamplingRow], eos_token_ids: tuple[int, ...], params: torch.Tensor | None = None
+              ) -> StepSampling:
+        """``params``: the rows' ``param_row``s already gathered (the input batch's slice)."""
+        if params is None:
+            params = torch.tensor([param_row(r.params) for r in rows], dtype=torch.float32).view(len(rows), -1)
+        step = cls(rows, params)
+        greedy = [r.params.temperature < GREEDY_BELOW for r in rows]
+        if any(greedy) and not all(greedy):
+            step.greedy = torch.tensor(greedy)
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if wanted:
+            step.wanted = _index(wanted)
+        penalised = [i for i, r in enumerate(rows) if r.params.reads_history]
+        if penalised:
+            step.penalised = _index(penalised)
+        bias = [(i, token, value) for i, r in enumerate(rows) for token, value in r.params.logit_bias]
+        if bias:
+            step.bias_rows, step.bias_tokens = _index([b[0] for b in bias]), _index([b[1] for b in bias])
+            step.bias_values = torch.tensor([b[2] for b in bias], dtype=torch.float32)
+        banned = [(i, token) for i, r in enumerate(rows) if r.num_outputs < r.params.min_tokens
+                  for token in (*r.params.stop_token_ids, *(() if r.params.ignore_eos else eos_token_ids))]
+        if banned:
+            step.banned_rows, step.banned_tokens = _index([b[0] for b in banned]), _index([b[1] for b in banned])
+        seeded = [r.params.seed is not None for r in rows]
+        if any(seeded):
+            step.unseeded = _index([i for i, s in enumerate(seeded) if not s])
+        return step
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensor fields that are set, in field order."""
+        return [v for f in dataclasses.fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)]
+
+    def moved(self, tensors: list[torch.Tensor]) -> StepSampling:
+        """The same step with ``tensors`` (the device copies of ``tensors()``) in their places."""
+        it = iter(tensors)
+        fields: dict[str, Any] = {f.name: next(it) for f in dataclasses.fields(self)
+                                  if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **fields)
+
+    def column(self, name: str) -> torch.Tensor:
+        return self.params[:, PARAM_COLUMNS.index(name)]
+
+
 class Sampler:
     def __init__(self, device: torch.device, eos_token_ids: list[int], seed: int | None = None) -> None:
         self.device = device
@@ -110,26 +194,35 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """One token per row of ``logits`` [B, V] (float32; not modified)."""
-        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    def prepare(self, rows: list[SamplingRow], params: torch.Tensor | None = None) -> StepSampling:
+        """The host half of sampling ``rows`` (see ``StepSampling``); move it, then call."""
+        return StepSampling.build(rows, self.eos_token_ids, params)
+
+    def __call__(self, logits: torch.Tensor, step: StepSampling | list[SamplingRow]) -> SamplerOutput:
+        """One token per row of ``logits`` [B, V] (float32; not modified). ``step``: prepared and
+        on the logits' device, or plain rows (prepared and moved here, a transfer of its own)."""
+        if not isinstance(step, StepSampling):
+            prepared = self.prepare(step)
+            step = prepared.moved([t.to(logits.device) for t in prepared.tensors()])
+        rows = step.rows
         # Computed before the ban, from the raw logits (see the module docstring).
-        raw_logprobs = logits[torch.tensor(wanted, device=logits.device)].log_softmax(dim=-1) if wanted else None
-        logits = self._add_bias(logits, rows)
-        logits = self._ban_stop_tokens(logits, rows)
-        logits = self._penalize(logits, rows)
-        greedy = [r.params.temperature < GREEDY_BELOW for r in rows]
-        if all(greedy):
+        raw_logprobs = logits[step.wanted].log_softmax(dim=-1) if step.wanted is not None else None
+        logits = self._add_bias(logits, step)
+        logits = self._ban_stop_tokens(logits, step)
+        logits = self._penalize(logits, step)
+        if all(r.params.temperature < GREEDY_BELOW for r in rows):
             token_ids = logits.argmax(dim=-1)
         else:
-            token_ids = self._sample_random(logits, rows)
-            if any(greedy):
-                token_ids = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), token_ids)
+            token_ids = self._sample_random(logits, step)
+            if step.greedy is not None:
+                token_ids = torch.where(step.greedy, logits.argmax(dim=-1), token_ids)
         self._count(rows, token_ids)
         logprobs = None
         if raw_logprobs is not None:
+            assert step.wanted is not None
+            wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
             counts = [min(int(rows[i].params.logprobs or 0), logits.shape[-1]) for i in wanted]
-            logprobs = _top_logprobs(raw_logprobs, wanted, counts, token_ids)
+            logprobs = _top_logprobs(raw_logprobs, wanted, step.wanted, counts, token_ids)
         return SamplerOutput(token_ids, logprobs)
 
     def forget(self, rid: int) -> None:
@@ -153,97 +246,79 @@ class Sampler:
                 kept.output_counts.index_add_(0, token, torch.ones(1, device=token_ids.device))
                 kept.seen[token] = True
 
-    def _add_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        row_idx: list[int] = []
-        tok_idx: list[int] = []
-        bias: list[float] = []
-        for i, row in enumerate(rows):
-            for token, value in row.params.logit_bias:
-                row_idx.append(i)
-                tok_idx.append(token)
-                bias.append(value)
-        if not row_idx:
+    def _add_bias(self, logits: torch.Tensor, step: StepSampling) -> torch.Tensor:
+        if step.bias_rows is None:
             return logits
-        device = logits.device
-        return logits.index_put((torch.tensor(row_idx, device=device), torch.tensor(tok_idx, device=device)),
-                                torch.tensor(bias, device=device, dtype=logits.dtype), accumulate=True)
+        assert step.bias_tokens is not None and step.bias_values is not None
+        return logits.index_put((step.bias_rows, step.bias_tokens), step.bias_values.to(logits.dtype),
+                                accumulate=True)
 
-    def _penalize(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        which = [i for i, r in enumerate(rows) if r.params.reads_history]
-        if not which:
+    def _penalize(self, logits: torch.Tensor, step: StepSampling) -> torch.Tensor:
+        if step.penalised is None:
             return logits
-        device, vocab = logits.device, logits.shape[-1]
-        histories = [self._history(rows[i], vocab) for i in which]
+        vocab = logits.shape[-1]
+        histories = [self._history(r, vocab) for r in step.rows if r.params.reads_history]
         counts = torch.stack([h.output_counts for h in histories])  # [R, V]
         seen = torch.stack([h.seen for h in histories])
-        params = [rows[i].params for i in which]
-        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-        picked = logits[torch.tensor(which, device=device)]
+        rep, freq, pres = (step.column(name)[step.penalised][:, None]
+                           for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+        picked = logits[step.penalised]
         picked = torch.where(seen, torch.where(picked > 0, picked / rep, picked * rep), picked)
         picked = picked - freq * counts - pres * (counts > 0)
         logits = logits.clone()
-        logits[torch.tensor(which, device=device)] = picked
+        logits[step.penalised] = picked
         return logits
 
-    def _ban_stop_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _ban_stop_tokens(self, logits: torch.Tensor, step: StepSampling) -> torch.Tensor:
         """Until a request has min_tokens outputs, EOS and its stop ids may not be sampled."""
-        row_idx: list[int] = []
-        tok_idx: list[int] = []
-        for i, row in enumerate(rows):
-            p = row.params
-            if row.num_outputs < p.min_tokens:
-                banned = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
-                row_idx += [i] * len(banned)
-                tok_idx += banned
-        if not row_idx:
+        if step.banned_rows is None:
             return logits
         logits = logits.clone()
-        logits[torch.tensor(row_idx, device=logits.device), torch.tensor(tok_idx, device=logits.device)] = -torch.inf
+        logits[step.banned_rows, step.banned_tokens] = -torch.inf
         return logits
 
-    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        device = logits.device
-        temps = torch.tensor([max(r.params.temperature, GREEDY_BELOW) for r in rows], device=device)
-        scaled = logits / temps[:, None]
+    def _sample_random(self, logits: torch.Tensor, step: StepSampling) -> torch.Tensor:
+        rows = step.rows
+        scaled = logits / step.column("temperature")[:, None]
         top_k = [r.params.top_k for r in rows]
-        top_p = [r.params.top_p for r in rows]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            scaled = _filter_top_k_top_p(scaled, top_k, torch.tensor(top_p, device=device))
+        if any(k > 0 for k in top_k) or any(r.params.top_p < 1.0 for r in rows):
+            scaled = _filter_top_k_top_p(scaled, top_k, step.column("top_k"), step.column("top_p"))
         probs = scaled.softmax(dim=-1)
-        min_p = [r.params.min_p for r in rows]
-        if any(m > 0.0 for m in min_p):
-            floor = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        if any(r.params.min_p > 0.0 for r in rows):
+            floor = step.column("min_p")[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)  # the most likely token always stays
-        return (probs / self._exponentials(rows, logits.shape[-1])).argmax(dim=-1)
+        return (probs / self._exponentials(step, logits.shape[-1])).argmax(dim=-1)
 
-    def _exponentials(self, rows: list[SamplingRow], vocab: int) -> torch.Tensor:
-        e = torch.empty((len(rows), vocab), device=self.device)
-        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
-        if unseeded:
-            idx = torch.tensor(unseeded, device=self.device)
-            e[idx] = torch.empty((len(unseeded), vocab), device=self.device).exponential_(generator=self.generator)
-        for i, row in enumerate(rows):
-            if row.params.seed is not None:
-                g = torch.Generator(device=self.device)
-                g.manual_seed(seed_for(row.params.seed, row.num_outputs))
-                e[i].exponential_(generator=g)
+    def _exponentials(self, step: StepSampling, vocab: int) -> torch.Tensor:
+        rows = step.rows
+        if step.unseeded is None:  # nobody is seeded: one draw for the whole batch
+            e = torch.empty((len(rows), vocab), device=self.device).exponential_(generator=self.generator)
+        else:
+            e = torch.empty((len(rows), vocab), device=self.device)
+            if step.unseeded.numel():
+                e[step.unseeded] = torch.empty((step.unseeded.numel(), vocab), device=self.device).exponential_(
+                    generator=self.generator)
+            for i, row in enumerate(rows):
+                if row.params.seed is not None:
+                    g = torch.Generator(device=self.device)
+                    g.manual_seed(seed_for(row.params.seed, row.num_outputs))
+                    e[i].exponential_(generator=g)
         # A zero draw would turn a masked token's 0 / 0 into NaN, which argmax then picks.
         return e.clamp_(min=torch.finfo(e.dtype).tiny)
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -> torch.Tensor:
-    """Mask to -inf what lies outside each row's top-k, then outside the top-p nucleus of what is
-    left. The most likely token always survives.
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], k: torch.Tensor, top_p: torch.Tensor
+                         ) -> torch.Tensor:
+    """Mask to -inf what lies outside each row's top-k (``top_k`` on the host, ``k`` the same
+    on the device; 0: off), then outside the top-p nucleus of what is left. The most likely
+    token always survives.
 
     Top-k comes first and bounds the work: when every row has a k, only the largest k columns
     are ranked (``topk``, linear in the vocabulary) instead of sorting the whole vocabulary per
     row; a row with top-p and no top-k needs the full sort."""
     vocab = logits.shape[-1]
-    ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
-    width = max(ks)
-    k = torch.tensor(ks, device=logits.device)
+    width = max(min(n, vocab) if n > 0 else vocab for n in top_k)
+    k = torch.where(k > 0, k.clamp(max=vocab), vocab).long()
     if width < vocab:
         head, order = logits.topk(width, dim=-1)  # sorted, descending
     else:
@@ -256,8 +331,10 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: torch.Ten
     return torch.full_like(logits, -torch.inf).scatter(-1, order, head)
 
 
-def _top_logprobs(raw: torch.Tensor, rows: list[int], counts: list[int], token_ids: torch.Tensor) -> TopLogprobs:
-    """``raw`` [R, V]: log-softmax of batch ``rows``; ``counts``: top-k size each row asked for."""
-    picked = token_ids[torch.tensor(rows, device=raw.device)]
+def _top_logprobs(raw: torch.Tensor, rows: list[int], index: torch.Tensor, counts: list[int],
+                  token_ids: torch.Tensor) -> TopLogprobs:
+    """``raw`` [R, V]: log-softmax of batch ``rows`` (``index``: the same, on the device);
+    ``counts``: top-k size each row asked for."""
+    picked = token_ids[index]
     top_values, top_ids = raw.topk(max(counts), dim=-1)
     return TopLogprobs(rows, counts, raw.gather(1, picked[:, None]).squeeze(1), top_ids, top_values)
