@@ -77,7 +77,7 @@ class Server:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "frontend", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--admin-token", TOKEN, *flags]
+               "--admin-token", TOKEN, "--dtype", "float32", *flags]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
 

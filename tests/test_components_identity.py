@@ -113,7 +113,7 @@ def open_paused_stream(url: str) -> tuple[httpx.Client, httpx.Response, str]:
 def test_frontends_own_their_requests_across_restarts(components: Components) -> None:
     c = components
     c.start("scheduler", "scheduler")
-    c.start("worker", "worker", "--model", "tiny", "--num-kv-blocks", "256")
+    c.start("worker", "worker", "--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "256")
     a, b = c.frontend("frontend-a"), c.frontend("frontend-b")
     wait_for(lambda: ready(a) and ready(b), 180, "both frontends ready", c)
 
@@ -160,7 +160,7 @@ def test_frontends_own_their_requests_across_restarts(components: Components) ->
 def test_bad_frames_on_the_scheduler_socket_are_dropped(components: Components) -> None:
     c = components
     c.start("scheduler", "scheduler")
-    c.start("worker", "worker", "--model", "tiny", "--num-kv-blocks", "64")
+    c.start("worker", "worker", "--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64")
     url = c.frontend("frontend")
     wait_for(lambda: ready(url), 180, "ready", c)
     ctx = zmq.Context()
@@ -188,7 +188,7 @@ def test_bad_frames_on_the_scheduler_socket_are_dropped(components: Components) 
 def test_components_wait_for_the_scheduler_saying_so_and_recover_from_a_new_worker(components: Components) -> None:
     c = components
     url = c.frontend("frontend")
-    c.start("worker", "worker", "--model", "tiny", "--num-kv-blocks", "64")
+    c.start("worker", "worker", "--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64")
 
     def said_waiting(name: str) -> bool:
         return "waiting for the scheduler at" in (c.tmp_path / f"{name}.log").read_text(errors="replace")
@@ -199,6 +199,6 @@ def test_components_wait_for_the_scheduler_saying_so_and_recover_from_a_new_work
     assert complete(url, "first")[1] == 24
     # A worker killed and a new one started by hand: the frontend recovers by itself.
     c.kill("worker")
-    c.start("worker", "worker", "--model", "tiny", "--num-kv-blocks", "64")
+    c.start("worker", "worker", "--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64")
     wait_for(lambda: ready(url), 120, "ready again with the new worker", c)
     assert complete(url, "second")[1] == 24

@@ -55,7 +55,8 @@ def test_three_components_over_tcp(tmp_path: Path) -> None:
         # No worker yet: not ready, and requests get a clear 503.
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["message"]
-        procs.append(subprocess.Popen([*sluice, "worker", "--address", address, "--model", "tiny", "--num-kv-blocks", "64"],
+        procs.append(subprocess.Popen([*sluice, "worker", "--address", address, "--model", "tiny", "--dtype", "float32",
+                                       "--num-kv-blocks", "64"],
                                       stdout=logs[2], stderr=logs[2]))
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and httpx.get(f"{url}/ready").status_code != 200:

@@ -182,12 +182,58 @@ def test_swap_space_grows_on_demand_and_keeps_what_it_holds() -> None:
         assert torch.equal(got[11], before[3]) and torch.equal(got[12], before[7]) and torch.equal(got[13], before[9])
 
 
-def test_dtype_auto_follows_the_device_and_the_cpus_instructions() -> None:
+def test_dtype_auto_follows_the_device_and_what_the_cpu_measures() -> None:
+    from worker import cpu_matmul
     from worker.loader import resolve_dtype
+    from worker.model_config import LlamaConfig
 
+    cfg = LlamaConfig.from_file(materialize_tiny() / "config.json")
+    size = (cfg.hidden_size, cfg.intermediate_size)
+    seen: list[tuple[int, int, int]] = []
+
+    def timer(faster_bf16_rows: set[int]):
+        def fake(in_features: int, out_features: int, rows: int) -> tuple[float, float]:
+            seen.append((in_features, out_features, rows))
+            return (2.0, 1.0) if rows in faster_bf16_rows else (1.0, 2.0)
+        return fake
+
+    assert cpu_matmul.choose_dtype(*size, bf16_instructions=False, timer=timer({1, 16})).dtype == torch.float32
+    assert not seen  # no bfloat16 instructions: nothing worth timing
+    assert cpu_matmul.choose_dtype(*size, bf16_instructions=True, timer=timer({1, 16})).dtype == torch.bfloat16
+    assert seen == [(cfg.hidden_size, 2 * cfg.intermediate_size, rows) for rows in (1, 16)]  # the model's own gate/up shape
+    assert cpu_matmul.choose_dtype(*size, bf16_instructions=True, timer=timer({16})).dtype == torch.float32
+    # The real timer runs (and says what it measured) wherever the torch build can pack.
+    if cpu_matmul.can_pack():
+        assert "us" in cpu_matmul.choose_dtype(*size, bf16_instructions=True).reason
     cpu = torch.device("cpu")
-    assert resolve_dtype("auto", cpu, cpu_has_amx=False) == torch.float32
-    assert resolve_dtype("auto", cpu, cpu_has_amx=True) == torch.bfloat16
-    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert resolve_dtype("float32", cpu, cpu_has_amx=True) == torch.float32
-    assert resolve_dtype("bfloat16", cpu, cpu_has_amx=False) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda"), cfg)[0] == torch.bfloat16
+    assert resolve_dtype("float32", cpu, cfg)[0] == torch.float32
+    assert resolve_dtype("bfloat16", cpu, cfg)[0] == torch.bfloat16
+
+
+def test_packed_bfloat16_linear_matches_f_linear() -> None:
+    """The packed path (weights reordered for oneDNN) computes what F.linear computes, with and
+    without a bias, at decode and prefill row counts, and from a strided input."""
+    from worker import cpu_matmul
+    from worker.layers import Linear
+
+    if not cpu_matmul.can_pack():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    gen = torch.Generator().manual_seed(5)
+    for bias in (False, True):
+        layer = Linear(96, 80, bias=bias)
+        layer.weight.data = torch.randn(80, 96, generator=gen).bfloat16()
+        if layer.bias is not None:
+            layer.bias.data = torch.randn(80, generator=gen).bfloat16()
+        for rows in (1, 5, 70):
+            x = torch.randn(rows, 2 * 96, generator=gen).bfloat16()[:, ::2]
+            want = torch.nn.functional.linear(x.float(), layer.weight.float(),
+                                              None if layer.bias is None else layer.bias.float())
+            plain = layer(x.contiguous())
+            packed_layer = Linear(96, 80, bias=bias)
+            packed_layer.weight, packed_layer.bias = layer.weight, layer.bias
+            cpu_matmul.pack_weights(packed_layer)
+            assert packed_layer.weight.numel() == 0  # the plain copy is released
+            got = packed_layer(x.contiguous())
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(got, plain, rtol=2e-2, atol=2e-2)

@@ -89,7 +89,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_worker_serves_a_plan_and_shuts_down(tiny: Path, scheduler_for: Any) -> None:
-    s = scheduler_for(model=str(tiny), num_kv_blocks=16)
+    s = scheduler_for(model=str(tiny), num_kv_blocks=16, dtype="float32")
     ready = s.receive()
     assert isinstance(ready, WorkerReady) and ready.rank == 0
     assert (ready.model.num_kv_blocks, ready.model.block_size, ready.model.vocab_size) == (16, 16, 512)

@@ -28,7 +28,7 @@ position ``first_block[g] * block_size + c``.
 A decode step is the special case max_q = 1, and a prefill chunk after an already computed
 prefix is the general case: its queries start at position ``start`` and see everything before.
 
-Two backends, chosen once at start-up (``AttentionBackend.select``) and logged:
+Three backends, chosen once at start-up (``AttentionBackend.select``) and logged:
 
 * ``torch`` — the gather and ``scaled_dot_product_attention`` described above, for every step
   on every device: the reference.
@@ -37,6 +37,8 @@ Two backends, chosen once at start-up (``AttentionBackend.select``) and logged:
   the new keys and values and attends reading the paged cache in place, no gathered copy;
   steps with prefill chunks keep the torch path, whose blocked SDPA suits many queries.
   Measured on SmolLM2 at 64 streams: the gather and SDPA were 41% of a decode step.
+* ``flashinfer`` — on CUDA where ``flashinfer`` is installed: its paged decode and prefill
+  kernels read the cache in place (``worker/attention_flashinfer.py``).
 Positions a sequence reads were always written by that same sequence first (in this step or an
 earlier one); the rest of a gathered block (stale data of a recycled block, or block 0's) is
 masked, and the cache only ever holds finite values, so masked columns contribute nothing.
@@ -48,6 +50,7 @@ import ctypes
 import dataclasses
 import logging
 import weakref
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +61,13 @@ from worker.kv_cache import KVCache
 from worker.staging import HostToDevice
 
 log = logging.getLogger("sluice.worker")
+
+
+class PagedKernelStep(Protocol):
+    """A backend's planned step whose kernels read the paged cache in place."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, layer: int
+               ) -> torch.Tensor: ...
 
 
 @dataclasses.dataclass
@@ -94,6 +104,7 @@ class AttentionMetadata:
     decode: DecodeRows | None = None  # set: the C kernel runs this step, no groups, no scratch
     # The step's other inputs (input ids, sampling tensors), moved to the device in the same copy.
     extra: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    paged: PagedKernelStep | None = None  # set: a paged-kernel backend (FlashInfer) attends this step
 
     @classmethod
     def build(cls, cache: KVCache, block_tables: RowTables | list[list[int]], starts: list[int], lengths: list[int],
@@ -188,11 +199,23 @@ class AttentionBackend:
 
     @classmethod
     def select(cls, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-               block_size: int) -> AttentionBackend:
-        kernel = None
-        if device.type == "cpu" and cpu_kernels.supports(dtype, num_heads, num_kv_heads, head_dim, block_size):
-            kernel = cpu_kernels.load()
-        backend = cls(kernel, device)
+               block_size: int, sliding_window: int | None = None) -> AttentionBackend:
+        """CPU: the C decode kernel where it builds. CUDA: FlashInfer's paged kernels where
+        flashinfer is installed. Elsewhere, and as the fallback: the torch path."""
+        backend: AttentionBackend | None = None
+        if device.type == "cuda":
+            from worker.attention_flashinfer import FlashInferBackend
+
+            backend = FlashInferBackend.create(device, dtype, num_heads, num_kv_heads, head_dim, block_size,
+                                               sliding_window)
+            if backend is None:
+                log.info("flashinfer is not installed: attention gathers the context for SDPA "
+                         "(pip install flashinfer-python for paged kernels)")
+        if backend is None:
+            kernel = None
+            if device.type == "cpu" and cpu_kernels.supports(dtype, num_heads, num_kv_heads, head_dim, block_size):
+                kernel = cpu_kernels.load()
+            backend = cls(kernel, device)
         log.info("attention backend: %s", backend.name)
         return backend
 
@@ -303,6 +326,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
                     scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] of this step's tokens -> attention output [T, H, D]."""
     cache = meta.cache
+    if meta.paged is not None:
+        return meta.paged.attend(q, k, v, meta, layer)
     if meta.decode is not None:
         rows = meta.decode
         with torch.profiler.record_function("sluice::paged_decode"):  # ctypes calls are invisible to profiles

@@ -9,10 +9,11 @@ import time
 
 from protocol.config import WorkerConfig
 from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
+from worker import cpu_matmul
 from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.kv_cache import KVCache, bytes_per_block, num_blocks_for, sizing_reason
+from worker.layers import use_cpu_kernels
 from worker.loader import (
-    auto_dtype_reason,
     is_gguf,
     load_model,
     resolve_device,
@@ -39,14 +40,16 @@ class Worker:
         config_file = source if gguf is not None else source / "config.json"
         cfg = gguf.config if gguf is not None else LlamaConfig.from_file(config_file)
         self.max_model_len = resolve_max_model_len(cfg, config.max_model_len, config_file)
-        dtype = resolve_dtype(config.dtype, self.device)
-        if config.dtype == "auto":
-            log.info("dtype auto: %s (%s)", str(dtype).removeprefix("torch."), auto_dtype_reason(dtype, self.device))
+        dtype, why = resolve_dtype(config.dtype, self.device, cfg)
+        log.info("dtype: %s (%s)", str(dtype).removeprefix("torch."), why)
         model = load_model(source, cfg, dtype, self.device, max_positions=self.max_model_len,
                            weights=gguf.weights if gguf is not None else None)
         unique = {p.data_ptr(): p for p in model.parameters()}.values()  # tied weights counted once
         self.num_params = sum(p.numel() for p in unique)
         weight_bytes = sum(p.numel() * p.element_size() for p in unique)
+        if self.device.type == "cpu":
+            use_cpu_kernels(model)
+            log.info("linear layers: %s", cpu_matmul.prepare(model, dtype))
         log.info("loaded %s (%s, %.1fM parameters) on %s as %s in %.1f s", source, cfg.architecture,
                  self.num_params / 1e6, self.device, str(dtype).removeprefix("torch."), time.perf_counter() - began)
         per_block = bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)

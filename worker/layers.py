@@ -20,30 +20,19 @@ from worker.model_config import LlamaConfig
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)``, parameter names as ``torch.nn.Linear``."""
+    """``y = x W^T (+ b)``, parameter names as ``torch.nn.Linear``. On a CPU in bfloat16 the
+    weight may be replaced by a packed copy (``cpu_matmul.pack_weights``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None  # oneDNN's blocked layout of the weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-
-def store_weights_column_major(model: nn.Module) -> None:
-    """Keep every ``Linear`` weight [out, in] as the transpose of a contiguous [in, out] matrix
-    (same shape, same values, other strides), so ``F.linear`` becomes a plain ``x @ W`` product.
-
-    For float32 on the CPU, MKL runs that layout faster once a batch has rows to share a weight
-    tile: measured with one thread on SmolLM2's shapes, a 16-row product of the gate/up weight
-    took 0.27 instead of 0.45 ms, a 64-row one 0.76 instead of 1.00 ms, the 64-row vocabulary
-    projection 27.8 instead of 34.9 ms; one row costs the same either way. (bfloat16 products go
-    to oneDNN, which gains nothing from it.) A tied embedding shares the matrix and reads its
-    rows strided, a cost only prefill notices (one row per prompt token)."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.weight.data = module.weight.data.t().contiguous().t()
 
 
 def use_cpu_kernels(model: nn.Module) -> None:

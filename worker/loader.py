@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from worker.layers import store_weights_column_major, use_cpu_kernels
+from worker import cpu_matmul
 from worker.llama import LlamaForCausalLM
 from worker.model_config import LlamaConfig, ModelLoadError
 from worker.tiny import materialize_tiny
@@ -74,27 +74,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, cpu_has_amx: bool | None = None) -> torch.dtype:
-    """``auto``, whatever the checkpoint stores: bfloat16 on CUDA and on CPUs with AMX tiles,
-    float32 on other CPUs. Measured on SmolLM2's decode step (2 threads): without any bfloat16
-    instructions oneDNN emulates them and a 64-row matmul runs ~4x slower than float32; with
-    AVX512-BF16 but no AMX, bfloat16 is no faster at 1 and 16 rows and ~17% slower at 64
-    (oneDNN's AVX512-BF16 matmul runs 64-row products 1.4x slower than MKL's float32 one), so
-    there float32 is the fast choice as well as the exact one."""
+def resolve_dtype(name: str, device: torch.device, cfg: LlamaConfig) -> tuple[torch.dtype, str]:
+    """The dtype ``--dtype`` names, whatever the checkpoint stores; ``auto`` is bfloat16 on CUDA
+    and, on a CPU, what ``cpu_matmul.choose_dtype`` measures faster. With the reason, for the log."""
     if name != "auto":
-        return DTYPES[name]
+        return DTYPES[name], "--dtype"
     if device.type == "cuda":
-        return torch.bfloat16
-    if cpu_has_amx is None:
-        cpu_has_amx = torch.cpu._is_amx_tile_supported()
-    return torch.bfloat16 if cpu_has_amx else torch.float32
-
-
-def auto_dtype_reason(dtype: torch.dtype, device: torch.device) -> str:
-    """Why ``resolve_dtype("auto", ...)`` chose ``dtype``, for the start-up log line."""
-    if device.type == "cuda":
-        return "CUDA"
-    return "the CPU has AMX" if dtype == torch.bfloat16 else "the CPU has no AMX: float32 is faster there"
+        return torch.bfloat16, "auto: CUDA"
+    choice = cpu_matmul.choose_dtype(cfg.hidden_size, cfg.intermediate_size)
+    return choice.dtype, f"auto: {choice.reason}"
 
 
 def resolve_max_model_len(cfg: LlamaConfig, requested: int | None, config_file: Path) -> int:
@@ -172,8 +160,5 @@ def load_model(model_dir: Path, cfg: LlamaConfig, dtype: torch.dtype, device: to
         raise ModelLoadError(f"{model_dir}: weights missing: {', '.join(missing[:3])}{more}")
     model.load_checkpoint(state)
     del state  # the fused weights are copies: let the separate ones go before another copy
-    if device.type == "cpu" and dtype == torch.float32:
-        store_weights_column_major(model)
-        use_cpu_kernels(model)
     model.rotary.to(device)  # computed tables, not weights
     return model.eval()

@@ -83,7 +83,7 @@ class ModelRunner:
         self.sliding_window = model.config.sliding_window
         cfg = model.config
         self.attention = AttentionBackend.select(device, cache.keys[0].dtype, cfg.num_heads, cfg.num_kv_heads,
-                                                 cfg.head_dim, cache.block_size)
+                                                 cfg.head_dim, cache.block_size, cfg.sliding_window)
         self.seqs: dict[int, SequenceState] = {}
         max_blocks = -(-max_model_len // cache.block_size)
         self.batch = InputBatch(max_num_seqs, max_blocks, pin_memory=device.type == "cuda")

@@ -1,0 +1,108 @@
+"""Time and profile the worker's decode steps, no server: the runner driven in this process.
+
+    python scripts/profile_step.py                              # SmolLM2, float32, 1 16 64 rows
+    python scripts/profile_step.py --dtype float32 bfloat16     # both dtypes, interleaved
+    python scripts/profile_step.py --rows 64 --profile          # + torch.profiler's table
+
+For each dtype a worker is loaded once; every round, each (dtype, rows) cell prefills ``rows``
+prompts of ``--context`` tokens (not timed) and then times ``--steps`` decode steps in plans of
+``--window`` steps (multi-step, as the server runs them). A figure is the median over
+``--rounds`` of the per-step time; cells are interleaved, so drift on a noisy machine hits
+every cell alike. ``--profile`` prints the profiler's table of one more window per cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch
+
+from protocol.config import WorkerConfig
+from protocol.messages import NewRequest, SamplingParams, StepPlan
+from worker.cpu_threads import configure_cpu_threads
+from worker.engine import Worker
+
+
+class StepTimer:
+    def __init__(self, model: str, dtype: str, biggest: int, context: int, steps: int, threads: int) -> None:
+        self.bs, self.context, self.steps = 16, context, steps
+        self.per_seq = -(-(context + steps + 64) // self.bs)
+        self.worker = Worker(WorkerConfig(model=model, dtype=dtype, num_kv_blocks=biggest * self.per_seq + 1,
+                                          block_size=self.bs, log_level="warning"))
+        configure_cpu_threads(self.worker.device, threads, self.worker.num_params)
+        self.worker.warm_up()
+        self.plan_ids = itertools.count(1)
+        self.rids = itertools.count(0)
+
+    def _prefill(self, rows: int) -> list[int]:
+        runner = self.worker.runner
+        params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+        rids = [next(self.rids) for _ in range(rows)]
+        tables = [list(range(1 + i * self.per_seq, 1 + (i + 1) * self.per_seq)) for i in range(rows)]
+        news = [NewRequest(rid, [(7 * rid + 13 * j) % 30_000 + 100 for j in range(self.context)], self.context, params)
+                for rid in rids]
+        for _ in runner.execute(StepPlan(next(self.plan_ids), news, rids, [self.context] * rows, tables)):
+            pass
+        return rids
+
+    def _decode(self, rids: list[int], steps: int, window: int) -> None:
+        runner = self.worker.runner
+        done = 0
+        while done < steps:
+            n = min(window, steps - done)
+            plan = StepPlan(next(self.plan_ids), [], rids, [1] * len(rids), [[] for _ in rids], num_steps=n)
+            for _ in runner.execute(plan):
+                pass
+            done += n
+
+    def step_ms(self, rows: int, window: int, profile: bool) -> float:
+        rids = self._prefill(rows)
+        self._decode(rids, window, window)  # first touch of the cells it reads
+        start = time.perf_counter()
+        self._decode(rids, self.steps, window)
+        ms = (time.perf_counter() - start) * 1000 / self.steps
+        if profile:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                self._decode(rids, window, window)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), file=sys.stderr)
+        for rid in rids:
+            self.worker.runner.forget(rid)
+        return ms
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", nargs="+", default=["float32"])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--context", type=int, default=128, help="prompt tokens per row")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per cell")
+    p.add_argument("--window", type=int, default=8, help="steps per plan")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="0: the worker's default")
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+
+    timers = {d: StepTimer(args.model, d, max(args.rows), args.context, args.steps, args.threads) for d in args.dtype}
+    print(f"{torch.get_num_threads()} torch thread(s), context {args.context}, window {args.window}", file=sys.stderr)
+    times: dict[tuple[str, int], list[float]] = {}
+    for r in range(args.rounds):
+        for rows in args.rows:
+            for d, timer in timers.items():
+                last = r == args.rounds - 1
+                times.setdefault((d, rows), []).append(timer.step_ms(rows, args.window, args.profile and last))
+    print(f"{'dtype':<10} {'rows':>5} {'ms/step':>9} {'tok/s':>8}   (median of {args.rounds})")
+    for (d, rows), ms in times.items():
+        med = statistics.median(ms)
+        print(f"{d:<10} {rows:>5} {med:>9.2f} {rows * 1000 / med:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The FlashInfer backend's host half, on the CPU: the CSR page table it plans from.
+
+FlashInfer itself needs a GPU. What it is handed does not: ``PagedLayout`` turns a step's rows
+(block tables, starts, lengths) into ``qo_indptr``/``kv_indptr``/``kv_indices``/
+``last_page_len`` plus positions and slots. Here a plain-torch reading of that table, written
+from FlashInfer's documented semantics (row b's pages in order, the last one holding
+``last_page_len[b]`` tokens, queries aligned to the end of the context, causal, a window of
+``window_left + 1`` positions), must attend exactly as the torch path (gather + SDPA) does, on
+shuffled tables with prefill chunks, decodes and spare blocks mixed, with and without a window.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from worker.attention import AttentionMetadata, paged_attention
+from worker.attention_flashinfer import PagedLayout
+from worker.input_batch import RowTables
+from worker.kv_cache import KVCache
+
+CPU = torch.device("cpu")
+
+
+def _attend_by_layout(q: torch.Tensor, layout: PagedLayout, cache: KVCache, window: int | None,
+                      scale: float) -> torch.Tensor:
+    """What FlashInfer's run computes from ``layout``, one row and one query at a time."""
+    keys, values = cache.keys[0], cache.values[0]  # [blocks, bs, KVH, D]
+    bs, heads, kv_heads = keys.shape[1], q.shape[1], keys.shape[2]
+    out = torch.empty_like(q)
+    for b in range(len(layout.last_page_len)):
+        pages = layout.kv_indices[layout.kv_indptr[b] : layout.kv_indptr[b + 1]].long()
+        kv_len = (len(pages) - 1) * bs + int(layout.last_page_len[b])
+        k = keys[pages].reshape(-1, kv_heads, keys.shape[-1])[:kv_len]
+        v = values[pages].reshape(-1, kv_heads, keys.shape[-1])[:kv_len]
+        k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+        first, last = int(layout.qo_indptr[b]), int(layout.qo_indptr[b + 1])
+        for i in range(first, last):
+            pos = kv_len - (last - first) + (i - first)  # aligned to the end of the context
+            lo = max(0, pos - window + 1) if window is not None else 0
+            scores = torch.einsum("hd,thd->ht", q[i].float(), k[lo : pos + 1].float()) * scale
+            out[i] = torch.einsum("ht,thd->hd", scores.softmax(-1), v[lo : pos + 1].float()).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_the_csr_layout_attends_as_the_torch_path(seed: int, window: int | None) -> None:
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    bs, heads, kv_heads, head_dim = 4, 6, 2, 16
+    num_blocks = 120
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables, starts, lengths = [], [], []
+    for _ in range(7):
+        n = rng.choice([1, 1, rng.randrange(2, 12)])  # decodes and prefill chunks
+        start = rng.randrange(0, 40)
+        tables.append([free.pop() for _ in range((start + n - 1) // bs + 1 + rng.randrange(0, 2))])
+        starts.append(start)
+        lengths.append(n)
+    caches = [KVCache(1, num_blocks, bs, kv_heads, head_dim, torch.float32, CPU) for _ in range(2)]
+    fill = torch.randn_like(caches[0].keys[0]), torch.randn_like(caches[0].values[0])
+    for cache in caches:
+        cache.keys[0].copy_(fill[0])
+        cache.values[0].copy_(fill[1])
+    total = sum(lengths)
+    q, k, v = torch.randn(total, heads, head_dim), torch.randn(total, kv_heads, head_dim), torch.randn(
+        total, kv_heads, head_dim)
+    scale = head_dim**-0.5
+
+    meta = AttentionMetadata.build(caches[0], tables, starts, lengths, [total - 1], CPU, window)
+    want = paged_attention(q, k, v, meta, 0, scale)
+
+    layout = PagedLayout.build(RowTables.from_lists(tables), starts, lengths, bs)
+    assert torch.equal(layout.positions, meta.positions)
+    assert torch.equal(layout.slot_mapping, meta.slot_mapping)
+    assert layout.kv_indptr[-1] == len(layout.kv_indices) and layout.qo_indptr[-1] == total
+    assert ((layout.last_page_len >= 1) & (layout.last_page_len <= bs)).all()
+    caches[1].key_slots[0].index_copy_(0, layout.slot_mapping, k)  # what attend() writes first
+    caches[1].value_slots[0].index_copy_(0, layout.slot_mapping, v)
+    got = _attend_by_layout(q, layout, caches[1], window, scale)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_table_that_does_not_cover_the_tokens_is_refused() -> None:
+    with pytest.raises(ValueError, match="do not cover"):
+        PagedLayout.build(RowTables.from_lists([[3]]), [2], [5], 4)
