@@ -86,17 +86,31 @@ def test_geometries_outside_the_kernels_scratch_are_refused() -> None:
     assert not cpu_kernels.supports(torch.float32, 8, 8, 512, 16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 64])
-def test_rms_norm_matches_torch(rows: int) -> None:
-    """One row and many (threaded), a strided input (rows of a wider tensor) included."""
+def test_rms_norm_matches_torch(rows: int, dtype: torch.dtype) -> None:
+    """One row and many (threaded), a strided input (rows of a wider tensor) included, with and
+    without the residual add fused before it. In bfloat16 the kernel rounds where torch rounds
+    (the sum, the normalised value, the product), so it must agree to the last bit but for the
+    odd tie its float32 arithmetic breaks otherwise: at most one bfloat16 step apart."""
     from worker.layers import RMSNorm
 
     torch.manual_seed(rows)
-    wide = torch.randn(rows, 700) * 3
+    wide = (torch.randn(rows, 700) * 3).to(dtype)
     x = wide[:, :576]  # rows strided by 700, values contiguous
+    residual = (torch.randn(rows, 576) * 2).to(dtype)
     norm = RMSNorm(576, 1e-5)
-    norm.weight.data = torch.randn(576)
+    norm.weight.data = torch.randn(576).to(dtype)
     want = norm(x.contiguous())
+    want_added, want_residual = norm.add_and_norm(x.contiguous(), residual.clone())
     norm.kernel = kernel
     got = norm(x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    kernel_residual = residual.clone()
+    got_added, got_residual = norm.add_and_norm(x, kernel_residual)
+    assert got_residual.data_ptr() == kernel_residual.data_ptr()  # updated in place, no new tensor
+    assert torch.equal(got_residual, want_residual)  # one rounding of one sum: exact
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-2}
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got_added, want_added, **tol)
+    if dtype == torch.bfloat16:
+        assert (got.float() != want.float()).float().mean() < 0.01  # nearly all bit-identical

@@ -1,5 +1,6 @@
 """The worker's C kernels for the CPU, built, loaded and called: decode attention over the paged
-cache (``csrc/paged_decode.c``) and RMSNorm (``csrc/rms_norm.c``).
+cache (``csrc/paged_decode.c``) and RMSNorm with the residual add before it (``csrc/rms_norm.c``),
+each in float32 and bfloat16.
 
 The kernels are plain C, compiled on first use by the system C compiler into Sluice's cache
 directory (a second or two, once per machine and source version) and called through ctypes:
@@ -29,7 +30,9 @@ from worker.tiny import default_cache_dir
 
 log = logging.getLogger("sluice.worker")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "rms_norm.c")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("paged_decode.c", "rms_norm.c")]
+HEADERS = [CSRC / "bf16.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math"]
 # What the kernel's fixed-size scratch holds (see the #defines in the source).
@@ -48,7 +51,7 @@ def _cpu_signature() -> str:
 
 
 def _library_path() -> Path:
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
     digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + _cpu_signature().encode())
     return default_cache_dir() / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
@@ -98,8 +101,10 @@ def load() -> ctypes.CDLL | None:
     lib.paged_decode.restype = None
     lib.paged_decode_bf16.argtypes = lib.paged_decode.argtypes
     lib.paged_decode_bf16.restype = None
-    lib.rms_norm.argtypes = [p, i64, p, p, i32, i32, f32, i32]
+    lib.rms_norm.argtypes = [p, i64, p, p, p, i32, i32, f32, i32]
     lib.rms_norm.restype = None
+    lib.rms_norm_bf16.argtypes = lib.rms_norm.argtypes
+    lib.rms_norm_bf16.restype = None
     _loaded = lib
     return lib
 
@@ -138,9 +143,14 @@ def decode(lib: ctypes.CDLL, q: torch.Tensor, key_slots: torch.Tensor, value_slo
     return out
 
 
-def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, D] float32 (rows may be strided, values contiguous) -> RMSNorm(x) * weight, [T, D]."""
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, D] float32 or bfloat16 (rows may be strided, values contiguous) -> RMSNorm(x) *
+    weight, [T, D]. With ``residual`` (contiguous [T, D], same dtype): it becomes x + residual,
+    in place, and is what is normalised."""
     rows, dim = x.shape
     out = torch.empty((rows, dim), dtype=x.dtype)
-    lib.rms_norm(_ptr(x), x.stride(0), _ptr(weight), _ptr(out), rows, dim, eps, torch.get_num_threads())
+    entry = lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm
+    entry(_ptr(x), x.stride(0), None if residual is None else _ptr(residual), _ptr(weight), _ptr(out), rows, dim, eps,
+          torch.get_num_threads())
     return out

@@ -36,7 +36,7 @@ class Linear(nn.Module):
 
 
 def use_cpu_kernels(model: nn.Module) -> None:
-    """RMSNorm through the C kernel (float32 on the CPU), when it can be built here."""
+    """RMSNorm through the C kernel (float32 or bfloat16 on the CPU), when it can be built here."""
     kernels = cpu_kernels.load()
     for module in model.modules():
         if isinstance(module, RMSNorm):
@@ -57,15 +57,28 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernel: ctypes.CDLL | None = None  # the C kernels, for float32 on the CPU (use_cpu_kernels)
+        self.kernel: ctypes.CDLL | None = None  # the C kernels, on the CPU (use_cpu_kernels)
+
+    def _kernel_takes(self, x: torch.Tensor) -> bool:
+        return self.kernel is not None and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.dtype == torch.float32 and x.stride(-1) == 1:
+        if self._kernel_takes(x):
+            assert self.kernel is not None
             return cpu_kernels.rms_norm(self.kernel, x, self.weight, self.eps)  # one call instead of six operators
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one kernel instead of six
         # Half precision normalises in float32 and rounds before the weight, as transformers does.
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(RMSNorm(x + residual), x + residual)``: the residual stream's add fused with the
+        norm that reads it. ``residual`` is the worker's own buffer and may be updated in place."""
+        if self._kernel_takes(x) and residual.dtype == x.dtype and residual.is_contiguous():
+            assert self.kernel is not None
+            return cpu_kernels.rms_norm(self.kernel, x, self.weight, self.eps, residual), residual
+        residual = x + residual
+        return self(residual), residual
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:

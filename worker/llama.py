@@ -64,9 +64,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the previous layer's output, not yet added to the residual stream (the first
+        layer: the embeddings, and no stream yet). Returns this layer's output and the stream."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, meta, rope)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaBody(nn.Module):
@@ -89,9 +97,11 @@ class LlamaForCausalLM(nn.Module):
         """Logits of the positions in ``meta.logits_indices`` only (the ones that sample)."""
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.lookup(meta.positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, meta, rope)
-        x = self.model.norm(x[meta.logits_indices])
+            x, residual = layer(x, residual, meta, rope)
+        assert residual is not None
+        x = self.model.norm(x[meta.logits_indices] + residual[meta.logits_indices])
         return self.lm_head(x).float()
 
     # ------------------------------------------------------------------ checkpoint names

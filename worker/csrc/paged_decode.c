@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_GROUP 16      /* query heads per kv head */
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 128     /* tokens per KV block */
@@ -27,19 +29,6 @@ void write_kv(const char *k_new, const char *v_new, int64_t k_stride, int64_t v_
         memcpy(k_cache + slots[b] * width, k_new + b * k_stride * elem_size, width);
         memcpy(v_cache + slots[b] * width, v_new + b * v_stride * elem_size, width);
     }
-}
-
-static inline float bf16_to_f32(uint16_t x) {
-    const uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does; values are finite */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
 /* Element i of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array, as a float. */
