@@ -32,7 +32,8 @@ def _layout(seed: int, rows: int, block_size: int, num_blocks: int, longest: int
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "window"),
-                         [(9, 3, 64, 16, None), (4, 4, 32, 8, None), (8, 2, 16, 16, 37), (6, 1, 128, 4, 5)])
+                         [(9, 3, 64, 16, None), (4, 4, 32, 8, None), (8, 2, 16, 16, 37), (6, 1, 128, 4, 5),
+                          (4, 2, 24, 8, 11)])  # head_dim 24: the plain loops, not the AVX-512 path
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_matches_the_torch_path(heads: int, kv_heads: int, head_dim: int, block_size: int,
