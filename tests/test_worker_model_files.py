@@ -211,29 +211,37 @@ def test_dtype_auto_follows_the_device_and_what_the_cpu_measures() -> None:
     assert resolve_dtype("bfloat16", cpu, cfg)[0] == torch.bfloat16
 
 
-def test_packed_bfloat16_linear_matches_f_linear() -> None:
-    """The packed path (weights reordered for oneDNN) computes what F.linear computes, with and
-    without a bias, at decode and prefill row counts, and from a strided input."""
-    from worker import cpu_matmul
+@pytest.mark.parametrize("own_kernel", [True, False])
+def test_packed_bfloat16_linear_matches_f_linear(own_kernel: bool) -> None:
+    """Both packed paths (Sluice's AVX512-BF16 kernel, oneDNN's blocked weights) compute what
+    F.linear computes, with and without a bias, at row counts that fill the kernel's 6-row tiles
+    and leave every remainder, output sizes off its 64-output tiles, an odd input size (which
+    the kernel leaves to oneDNN), and a strided input."""
+    from worker import cpu_kernels, cpu_matmul
     from worker.layers import Linear
 
-    if not cpu_matmul.can_pack():
+    if own_kernel and not cpu_kernels.has_linear_bf16(cpu_kernels.load()):
+        pytest.skip("no AVX512-BF16 on this CPU (or no C compiler): the kernel is not built")
+    if not own_kernel and not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         pytest.skip("this torch build has no oneDNN packed linear")
     gen = torch.Generator().manual_seed(5)
-    for bias in (False, True):
-        layer = Linear(96, 80, bias=bias)
-        layer.weight.data = torch.randn(80, 96, generator=gen).bfloat16()
-        if layer.bias is not None:
-            layer.bias.data = torch.randn(80, generator=gen).bfloat16()
-        for rows in (1, 5, 70):
-            x = torch.randn(rows, 2 * 96, generator=gen).bfloat16()[:, ::2]
-            want = torch.nn.functional.linear(x.float(), layer.weight.float(),
-                                              None if layer.bias is None else layer.bias.float())
-            plain = layer(x.contiguous())
-            packed_layer = Linear(96, 80, bias=bias)
-            packed_layer.weight, packed_layer.bias = layer.weight, layer.bias
-            cpu_matmul.pack_weights(packed_layer)
-            assert packed_layer.weight.numel() == 0  # the plain copy is released
-            got = packed_layer(x.contiguous())
-            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
-            torch.testing.assert_close(got, plain, rtol=2e-2, atol=2e-2)
+    for in_features, out_features in ((96, 80), (95, 130), (64, 64)):
+        for bias in (False, True):
+            weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+            bias_t = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+            layer = Linear(in_features, out_features, bias=bias)
+            layer.weight.data = weight
+            if bias_t is not None:
+                assert layer.bias is not None
+                layer.bias.data = bias_t
+            cpu_matmul.pack_layer(layer, own_kernel=own_kernel)
+            assert layer.weight.numel() == 0  # the plain copy is released
+            assert (layer.kernels is not None) == (own_kernel and in_features % 2 == 0)
+            for rows in (1, 2, 5, 6, 7, 13, 70):
+                x = torch.randn(rows, 2 * in_features, generator=gen).bfloat16()[:, ::2]
+                want = torch.nn.functional.linear(x.float(), weight.float(), None if bias_t is None else bias_t.float())
+                plain = torch.nn.functional.linear(x, weight, bias_t)
+                got = layer(x)
+                assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+                torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=3e-2)
+                torch.testing.assert_close(got, plain, rtol=2e-2, atol=3e-2)

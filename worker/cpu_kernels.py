@@ -1,6 +1,7 @@
 """The worker's C kernels for the CPU, built, loaded and called: decode attention over the paged
 cache (``csrc/paged_decode.c``) and RMSNorm with the residual add before it (``csrc/rms_norm.c``),
-each in float32 and bfloat16.
+each in float32 and bfloat16; and bfloat16 linear layers on CPUs with AVX512-BF16
+(``csrc/linear_bf16.c``).
 
 The kernels are plain C, compiled on first use by the system C compiler into Sluice's cache
 directory (a second or two, once per machine and source version) and called through ctypes:
@@ -31,7 +32,7 @@ from worker.tiny import default_cache_dir
 log = logging.getLogger("sluice.worker")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_decode.c", "rms_norm.c")]
+SOURCES = [CSRC / name for name in ("paged_decode.c", "rms_norm.c", "linear_bf16.c")]
 HEADERS = [CSRC / "bf16.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math"]
@@ -105,6 +106,10 @@ def load() -> ctypes.CDLL | None:
     lib.rms_norm.restype = None
     lib.rms_norm_bf16.argtypes = lib.rms_norm.argtypes
     lib.rms_norm_bf16.restype = None
+    lib.linear_bf16.argtypes = [p, i64, p, p, p, i32, i32, i32, i32]
+    lib.linear_bf16.restype = None
+    lib.linear_bf16_available.argtypes = []
+    lib.linear_bf16_available.restype = i32
     _loaded = lib
     return lib
 
@@ -154,3 +159,34 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
     entry(_ptr(x), x.stride(0), None if residual is None else _ptr(residual), _ptr(weight), _ptr(out), rows, dim, eps,
           torch.get_num_threads())
     return out
+
+
+LINEAR_TILE = 64  # outputs per tile of the linear kernel: its packed weights are padded to this
+
+
+def has_linear_bf16(lib: ctypes.CDLL | None) -> bool:
+    """The bfloat16 linear kernel was compiled for this CPU (it has AVX512-BF16)."""
+    return lib is not None and bool(lib.linear_bf16_available())
+
+
+def pack_linear_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight [out, in] (in even) in the kernel's layout: [out / 16, in / 2, 16, 2],
+    16 outputs by 2 inputs per 64 bytes, out padded with zero rows to a multiple of 64."""
+    out_features, in_features = weight.shape
+    if in_features % 2:
+        raise ValueError(f"the bfloat16 linear kernel needs an even input size, not {in_features}")
+    padded = -(-out_features // LINEAR_TILE) * LINEAR_TILE
+    w = torch.zeros((padded, in_features), dtype=torch.bfloat16)
+    w[:out_features] = weight.detach()
+    return w.view(padded // 16, 16, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear_bf16(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                out_features: int) -> torch.Tensor:
+    """x [T, in] bfloat16 (rows may be strided, values contiguous) times the packed weight
+    (``pack_linear_bf16``), plus ``bias`` [out] -> [T, out] bfloat16."""
+    rows, in_features = x.shape
+    y = torch.empty((rows, out_features), dtype=torch.bfloat16)
+    lib.linear_bf16(_ptr(x), x.stride(0), _ptr(packed), None if bias is None else _ptr(bias), _ptr(y), rows,
+                    out_features, in_features, torch.get_num_threads())
+    return y

@@ -5,11 +5,13 @@ paths, each kept because it measured faster than the plain ``F.linear`` of its d
 
 * **float32**: MKL, with each weight stored column-major (``store_weights_column_major``): a
   16-row product of SmolLM2's gate/up weight took 0.27 instead of 0.45 ms (one thread).
-* **bfloat16 with packed weights**: each weight reordered once, at start-up, into oneDNN's
-  blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) and multiplied by
-  ``mkldnn._linear_pointwise``; the plain weight is then released. On an AMD Zen 5 (AVX512-BF16,
-  2 threads) a SmolLM2 decode step took 10.4 instead of 18.4 ms at 1 row, 21.8 instead of
-  29.9 at 16, 57 instead of 71 at 64 (float32: 29, 69, 162 ms).
+* **bfloat16 with packed weights**: each weight reordered once, at start-up, and the plain one
+  released. Where the CPU has AVX512-BF16, into the layout of Sluice's own kernel
+  (``csrc/linear_bf16.c``: 16 outputs by 2 inputs per 64 bytes, no horizontal sums, weights
+  streamed once); elsewhere into oneDNN's blocked layout (``mkldnn._reorder_linear_weight``,
+  multiplied by ``mkldnn._linear_pointwise``). On an AMD Zen 5 (2 threads), a SmolLM2 decode
+  step with plain bfloat16 weights took 18.4 ms at 1 row, 29.9 at 16, 71 at 64 (float32: 29,
+  69, 162 ms); oneDNN's packed weights made that 10.4, 21.8, 57.
 
 ``--dtype auto`` on the CPU is float32 unless the CPU has bfloat16 instructions (AVX512-BF16 or
 AMX): without them oneDNN emulates bfloat16 (~4x slower than float32). With them, what wins
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker import cpu_kernels
 from worker.layers import Linear
 
 MEASURE_ROWS = (1, 16)  # a stream decoding alone, and a batch
@@ -41,17 +44,26 @@ def has_bf16_instructions() -> bool:
 
 
 def can_pack() -> bool:
-    """oneDNN's packed bfloat16 linear is in this torch build."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """A packed bfloat16 linear is at hand: Sluice's kernel, or oneDNN's in this torch build."""
+    return cpu_kernels.has_linear_bf16(cpu_kernels.load()) or (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] in oneDNN's blocked layout (an opaque mkldnn tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), MEASURE_ROWS[-1])
+def pack_layer(layer: Linear, own_kernel: bool = True) -> None:
+    """``layer`` multiplies by a packed copy of its weight (Sluice's kernel where it runs, the
+    input size is even and ``own_kernel``; else oneDNN); its plain weight is released (a tied
+    embedding keeps its own reference, so the lookup still reads it)."""
+    kernels = cpu_kernels.load()
+    weight = layer.weight.detach()
+    if own_kernel and cpu_kernels.has_linear_bf16(kernels) and weight.shape[1] % 2 == 0:
+        layer.packed, layer.kernels = cpu_kernels.pack_linear_bf16(weight), kernels
+    else:
+        layer.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), MEASURE_ROWS[-1])
+    layer.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def packed_path() -> str:
+    return "Sluice's AVX512-BF16 kernel" if cpu_kernels.has_linear_bf16(cpu_kernels.load()) else "oneDNN"
 
 
 @dataclasses.dataclass
@@ -71,15 +83,18 @@ def _per_call_s(fn: Callable[[], object], budget_s: float = 0.02) -> float:
 
 def measure(in_features: int, out_features: int, rows: int) -> tuple[float, float]:
     """Seconds per product of ``rows`` rows by an [out, in] weight: float32 column-major (MKL),
-    then bfloat16 packed (oneDNN)."""
+    then bfloat16 packed (``pack_layer``)."""
     out_features = min(out_features, MAX_MEASURED_OUT)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen)
     x = torch.randn(rows, in_features, generator=gen)
     column_major = weight.t().contiguous().t()
-    packed, xb = pack(weight.bfloat16()), x.bfloat16()
-    return (_per_call_s(lambda: F.linear(x, column_major)),
-            _per_call_s(lambda: packed_linear(xb, packed, None)))
+    layer = Linear(in_features, out_features)
+    layer.weight = nn.Parameter(weight.bfloat16(), requires_grad=False)
+    pack_layer(layer)
+    xb = x.bfloat16()
+    with torch.inference_mode():
+        return (_per_call_s(lambda: F.linear(x, column_major)), _per_call_s(lambda: layer(xb)))
 
 
 def choose_dtype(hidden_size: int, intermediate_size: int, bf16_instructions: bool | None = None,
@@ -111,12 +126,10 @@ def store_weights_column_major(model: nn.Module) -> None:
 
 
 def pack_weights(model: nn.Module) -> None:
-    """Every ``Linear`` multiplies by a packed copy of its weight; the plain one is released (a
-    tied embedding keeps its own reference, so the lookup still reads it)."""
+    """Every ``Linear`` of ``model`` through ``pack_layer``."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.packed = pack(module.weight)
-            module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+            pack_layer(module)
 
 
 def prepare(model: nn.Module, dtype: torch.dtype) -> str:
@@ -126,5 +139,5 @@ def prepare(model: nn.Module, dtype: torch.dtype) -> str:
         return "float32 linears through MKL, weights column-major"
     if dtype == torch.bfloat16 and can_pack():
         pack_weights(model)
-        return "bfloat16 linears through oneDNN, weights packed"
+        return f"bfloat16 linears through {packed_path()}, weights packed"
     return f"{str(dtype).removeprefix('torch.')} linears through F.linear"

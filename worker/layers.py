@@ -21,18 +21,25 @@ from worker.model_config import LlamaConfig
 
 class Linear(nn.Module):
     """``y = x W^T (+ b)``, parameter names as ``torch.nn.Linear``. On a CPU in bfloat16 the
-    weight may be replaced by a packed copy (``cpu_matmul.pack_weights``)."""
+    weight may be replaced by a packed copy (``cpu_matmul.pack_weights``): in the C kernel's
+    layout when ``kernels`` is set, else in oneDNN's."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: torch.Tensor | None = None  # oneDNN's blocked layout of the weight
+        self.packed: torch.Tensor | None = None
+        self.kernels: ctypes.CDLL | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.kernels is not None:
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            return cpu_kernels.linear_bf16(self.kernels, x, self.packed, self.bias, self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def use_cpu_kernels(model: nn.Module) -> None:
