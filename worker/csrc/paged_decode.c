@@ -31,6 +31,16 @@ void write_kv(const char *k_new, const char *v_new, int64_t k_stride, int64_t v_
     }
 }
 
+/* The positions from pos on that lie in pos's block, up to end: how many (*n), and the element
+ * offset of the first one's key (or value) for kv head h in the flat cache. */
+static inline int64_t block_run(const int32_t *table_row, int pos, int end, int block_size, int64_t slot_width,
+                                int64_t head_offset, int *n) {
+    const int block = table_row[pos / block_size];
+    const int offset = pos % block_size;
+    *n = (block_size - offset < end - pos) ? block_size - offset : end - pos;
+    return ((int64_t)block * block_size + offset) * slot_width + head_offset;
+}
+
 /* Element i of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array, as a float. */
 static inline float load(const void *base, int64_t i, const int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
@@ -64,11 +74,9 @@ static inline __attribute__((always_inline)) void decode_rows(
             const int end = context_lens[b];
             int pos = first_positions[b];
             while (pos < end) {
-                const int block = block_table[(int64_t)b * max_blocks + pos / block_size];
-                const int offset = pos % block_size;
-                const int n = (block_size - offset < end - pos) ? block_size - offset : end - pos;
-                const int64_t first_slot = (int64_t)block * block_size + offset;
-                const int64_t kv_base = first_slot * slot_width + (int64_t)h * head_dim;
+                int n;
+                const int64_t kv_base = block_run(block_table + (int64_t)b * max_blocks, pos, end, block_size,
+                                                  slot_width, (int64_t)h * head_dim, &n);
                 for (int g = 0; g < group; g++) {
                     float block_max = running_max[g];
                     for (int i = 0; i < n; i++) {
@@ -175,10 +183,9 @@ static inline __attribute__((always_inline)) void decode_rows_avx512(
             const int end = context_lens[b];
             int pos = first_positions[b];
             while (pos < end) {
-                const int block = block_table[(int64_t)b * max_blocks + pos / block_size];
-                const int offset = pos % block_size;
-                const int n = (block_size - offset < end - pos) ? block_size - offset : end - pos;
-                const int64_t kv_base = ((int64_t)block * block_size + offset) * slot_width + (int64_t)h * head_dim;
+                int n;
+                const int64_t kv_base = block_run(block_table + (int64_t)b * max_blocks, pos, end, block_size,
+                                                  slot_width, (int64_t)h * head_dim, &n);
                 for (int i = 0; i < n; i++) {
                     __m512 key[MAX_HEAD_DIM / 16];
                     for (int c = 0; c < chunks; c++) key[c] = load16(k_cache, kv_base + i * slot_width + 16 * c, bf16);
@@ -230,50 +237,44 @@ static inline __attribute__((always_inline)) void decode_rows_avx512(
 #define HAVE_AVX512_DECODE 0
 #endif
 
-void paged_decode(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                  const int32_t *block_table, int max_blocks, const int32_t *context_lens,
-                  const int32_t *first_positions, float *out, int num_rows, int num_heads,
-                  int kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+/* The AVX-512 path where it applies (common head sizes with constant trip counts), else the plain
+ * loops; inlined into both entry points with bf16 a constant. */
+static inline __attribute__((always_inline)) void decode(
+        const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int32_t *block_table,
+        int max_blocks, const int32_t *context_lens, const int32_t *first_positions, void *out, int num_rows,
+        int num_heads, int kv_heads, int head_dim, int block_size, float scale, int num_threads, const int bf16) {
 #if HAVE_AVX512_DECODE
-    if (head_dim % 16 == 0) { /* the common head sizes get their loops' trip counts as constants */
+    if (head_dim % 16 == 0) {
         const int chunks = head_dim / 16;
         if (chunks == 4)
             decode_rows_avx512(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions,
-                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, 0, 4);
+                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, bf16, 4);
         else if (chunks == 8)
             decode_rows_avx512(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions,
-                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, 0, 8);
+                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, bf16, 8);
         else
             decode_rows_avx512(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions,
-                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, 0,
+                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, bf16,
                                chunks);
         return;
     }
 #endif
     decode_rows(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out,
-                num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, 0);
+                num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, bf16);
+}
+
+void paged_decode(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                  const int32_t *block_table, int max_blocks, const int32_t *context_lens,
+                  const int32_t *first_positions, float *out, int num_rows, int num_heads,
+                  int kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+    decode(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out, num_rows,
+           num_heads, kv_heads, head_dim, block_size, scale, num_threads, 0);
 }
 
 void paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *block_table, int max_blocks, const int32_t *context_lens,
                        const int32_t *first_positions, uint16_t *out, int num_rows, int num_heads,
                        int kv_heads, int head_dim, int block_size, float scale, int num_threads) {
-#if HAVE_AVX512_DECODE
-    if (head_dim % 16 == 0) { /* the common head sizes get their loops' trip counts as constants */
-        const int chunks = head_dim / 16;
-        if (chunks == 4)
-            decode_rows_avx512(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions,
-                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, 1, 4);
-        else if (chunks == 8)
-            decode_rows_avx512(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions,
-                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, 1, 8);
-        else
-            decode_rows_avx512(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions,
-                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, 1,
-                               chunks);
-        return;
-    }
-#endif
-    decode_rows(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out,
-                num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, 1);
+    decode(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out, num_rows,
+           num_heads, kv_heads, head_dim, block_size, scale, num_threads, 1);
 }
