@@ -44,7 +44,7 @@ def test_tiny_is_a_small_llama_with_a_byte_level_tokenizer(tiny: Path) -> None:
     for text in ("Héllo, 日本語 🦊!", "The quick brown fox", " leading spaces\tand tabs\n"):
         assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text
     w = Worker(WorkerConfig(model=str(tiny), num_kv_blocks=16, dtype="float32"))
-    assert 2_000_000 < sum(p.numel() for p in w.runner.model.parameters()) < 10_000_000
+    assert 2_000_000 < w.num_params < 10_000_000  # counted before packing released the plain weights
     info = w.info
     assert (info.bos_token_id, info.eos_token_ids, info.add_bos_token) == (1, [2], True)
     assert info.vocab_size == 512 and info.max_model_len == 8192 and info.chat_template
@@ -211,24 +211,27 @@ def test_dtype_auto_follows_the_device_and_what_the_cpu_measures() -> None:
     assert resolve_dtype("bfloat16", cpu, cfg)[0] == torch.bfloat16
 
 
-@pytest.mark.parametrize("own_kernel", [True, False])
-def test_packed_bfloat16_linear_matches_f_linear(own_kernel: bool) -> None:
-    """Both packed paths (Sluice's AVX512-BF16 kernel, oneDNN's blocked weights) compute what
-    F.linear computes, with and without a bias, at row counts that fill the kernel's 6-row tiles
-    and leave every remainder, output sizes off its 64-output tiles, an odd input size (which
-    the kernel leaves to oneDNN), and a strided input."""
+@pytest.mark.parametrize(("dtype", "own_kernel"),
+                         [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)])
+def test_packed_linear_matches_f_linear(dtype: torch.dtype, own_kernel: bool) -> None:
+    """Every packed path (Sluice's kernel in float32 and bfloat16, oneDNN's blocked bfloat16
+    weights) computes what F.linear computes, with and without a bias, at row counts that fill
+    the kernel's 6-row tiles and leave every remainder, output sizes off its 64-output tiles, an
+    odd input size (which the bfloat16 kernel leaves to oneDNN), and a strided input. The
+    kernel's float32 rows do not depend on the batch: each row alone gives the same bits."""
     from worker import cpu_kernels, cpu_matmul
     from worker.layers import Linear
 
-    if own_kernel and not cpu_kernels.has_linear_bf16(cpu_kernels.load()):
-        pytest.skip("no AVX512-BF16 on this CPU (or no C compiler): the kernel is not built")
+    if own_kernel and not cpu_kernels.has_linear(cpu_kernels.load(), dtype):
+        pytest.skip(f"the {dtype} kernel is not built on this CPU (no AVX-512 / AVX512-BF16, or no compiler)")
     if not own_kernel and not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         pytest.skip("this torch build has no oneDNN packed linear")
+    tol = {"rtol": 2e-2, "atol": 3e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-4}
     gen = torch.Generator().manual_seed(5)
     for in_features, out_features in ((96, 80), (95, 130), (64, 64)):
         for bias in (False, True):
-            weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
-            bias_t = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+            weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+            bias_t = torch.randn(out_features, generator=gen).to(dtype) if bias else None
             layer = Linear(in_features, out_features, bias=bias)
             layer.weight.data = weight
             if bias_t is not None:
@@ -236,12 +239,17 @@ def test_packed_bfloat16_linear_matches_f_linear(own_kernel: bool) -> None:
                 layer.bias.data = bias_t
             cpu_matmul.pack_layer(layer, own_kernel=own_kernel)
             assert layer.weight.numel() == 0  # the plain copy is released
-            assert (layer.kernels is not None) == (own_kernel and in_features % 2 == 0)
+            kernel_runs = own_kernel and (in_features % 2 == 0 or dtype == torch.float32)
+            assert (layer.kernels is not None) == kernel_runs
+            if kernel_runs:
+                assert torch.equal(layer.dense_weight(), weight)  # a checkpoint can still be read back
             for rows in (1, 2, 5, 6, 7, 13, 70):
-                x = torch.randn(rows, 2 * in_features, generator=gen).bfloat16()[:, ::2]
+                x = torch.randn(rows, 2 * in_features, generator=gen).to(dtype)[:, ::2]
                 want = torch.nn.functional.linear(x.float(), weight.float(), None if bias_t is None else bias_t.float())
                 plain = torch.nn.functional.linear(x, weight, bias_t)
                 got = layer(x)
-                assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
-                torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=3e-2)
-                torch.testing.assert_close(got, plain, rtol=2e-2, atol=3e-2)
+                assert got.shape == (rows, out_features) and got.dtype == dtype
+                torch.testing.assert_close(got.float(), want, **tol)
+                torch.testing.assert_close(got, plain, **tol)
+                if kernel_runs:
+                    assert all(torch.equal(layer(x[r : r + 1])[0], got[r]) for r in range(rows))

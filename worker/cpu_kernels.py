@@ -1,7 +1,7 @@
 """The worker's C kernels for the CPU, built, loaded and called: decode attention over the paged
 cache (``csrc/paged_decode.c``) and RMSNorm with the residual add before it (``csrc/rms_norm.c``),
-each in float32 and bfloat16; and bfloat16 linear layers on CPUs with AVX512-BF16
-(``csrc/linear_bf16.c``).
+each in float32 and bfloat16; and linear layers on CPUs with AVX-512, float32 and (with
+AVX512-BF16) bfloat16 (``csrc/linear.c``).
 
 The kernels are plain C, compiled on first use by the system C compiler into Sluice's cache
 directory (a second or two, once per machine and source version) and called through ctypes:
@@ -32,7 +32,7 @@ from worker.tiny import default_cache_dir
 log = logging.getLogger("sluice.worker")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_decode.c", "rms_norm.c", "linear_bf16.c")]
+SOURCES = [CSRC / name for name in ("paged_decode.c", "rms_norm.c", "linear.c")]
 HEADERS = [CSRC / "bf16.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math"]
@@ -106,10 +106,12 @@ def load() -> ctypes.CDLL | None:
     lib.rms_norm.restype = None
     lib.rms_norm_bf16.argtypes = lib.rms_norm.argtypes
     lib.rms_norm_bf16.restype = None
-    lib.linear_bf16.argtypes = [p, i64, p, p, p, i32, i32, i32, i32]
-    lib.linear_bf16.restype = None
-    lib.linear_bf16_available.argtypes = []
-    lib.linear_bf16_available.restype = i32
+    for entry in (lib.linear_f32, lib.linear_bf16):
+        entry.argtypes = [p, i64, p, p, p, i32, i32, i32, i32]
+        entry.restype = None
+    for available in (lib.linear_f32_available, lib.linear_bf16_available):
+        available.argtypes = []
+        available.restype = i32
     _loaded = lib
     return lib
 
@@ -164,29 +166,44 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
 LINEAR_TILE = 64  # outputs per tile of the linear kernel: its packed weights are padded to this
 
 
-def has_linear_bf16(lib: ctypes.CDLL | None) -> bool:
-    """The bfloat16 linear kernel was compiled for this CPU (it has AVX512-BF16)."""
-    return lib is not None and bool(lib.linear_bf16_available())
+def has_linear(lib: ctypes.CDLL | None, dtype: torch.dtype) -> bool:
+    """The linear kernel was compiled for this CPU in ``dtype`` (float32: AVX-512; bfloat16:
+    AVX512-BF16 too)."""
+    if lib is None:
+        return False
+    if dtype == torch.float32:
+        return bool(lib.linear_f32_available())
+    return dtype == torch.bfloat16 and bool(lib.linear_bf16_available())
 
 
-def pack_linear_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 weight [out, in] (in even) in the kernel's layout: [out / 16, in / 2, 16, 2],
-    16 outputs by 2 inputs per 64 bytes, out padded with zero rows to a multiple of 64."""
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 or bfloat16 weight [out, in] in the kernel's layout: 16 outputs by one input
+    (float32: [out / 16, in, 16]) or by two (bfloat16, in even: [out / 16, in / 2, 16, 2]) per
+    64 bytes, out padded with zero rows to a multiple of 64."""
     out_features, in_features = weight.shape
-    if in_features % 2:
+    per_load = 2 if weight.dtype == torch.bfloat16 else 1
+    if in_features % per_load:
         raise ValueError(f"the bfloat16 linear kernel needs an even input size, not {in_features}")
     padded = -(-out_features // LINEAR_TILE) * LINEAR_TILE
-    w = torch.zeros((padded, in_features), dtype=torch.bfloat16)
+    w = weight.new_zeros((padded, in_features))
     w[:out_features] = weight.detach()
-    return w.view(padded // 16, 16, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return w.view(padded // 16, 16, in_features // per_load, per_load).permute(0, 2, 1, 3).contiguous()
 
 
-def linear_bf16(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                out_features: int) -> torch.Tensor:
-    """x [T, in] bfloat16 (rows may be strided, values contiguous) times the packed weight
-    (``pack_linear_bf16``), plus ``bias`` [out] -> [T, out] bfloat16."""
+def unpack_linear(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The plain [out, in] weight ``pack_linear`` packed (a copy)."""
+    blocks, loads, lanes, per_load = packed.shape if packed.dim() == 4 else (*packed.shape, 1)
+    weight = packed.view(blocks, loads, lanes, per_load).permute(0, 2, 1, 3).reshape(blocks * lanes, loads * per_load)
+    return weight[:out_features].clone()
+
+
+def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+           out_features: int) -> torch.Tensor:
+    """x [T, in] (rows may be strided, values contiguous) times the packed weight
+    (``pack_linear``, same dtype), plus ``bias`` [out] -> [T, out]."""
     rows, in_features = x.shape
-    y = torch.empty((rows, out_features), dtype=torch.bfloat16)
-    lib.linear_bf16(_ptr(x), x.stride(0), _ptr(packed), None if bias is None else _ptr(bias), _ptr(y), rows,
-                    out_features, in_features, torch.get_num_threads())
+    y = torch.empty((rows, out_features), dtype=x.dtype)
+    entry = lib.linear_bf16 if x.dtype == torch.bfloat16 else lib.linear_f32
+    entry(_ptr(x), x.stride(0), _ptr(packed), None if bias is None else _ptr(bias), _ptr(y), rows, out_features,
+          in_features, torch.get_num_threads())
     return y

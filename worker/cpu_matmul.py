@@ -1,25 +1,29 @@
 """How a CPU worker runs its linear layers, and in which dtype.
 
-Linear layers are most of a decode step on a CPU (SmolLM2 at one stream: 80% of it). Two
-paths, each kept because it measured faster than the plain ``F.linear`` of its dtype:
+Linear layers are most of a decode step on a CPU (SmolLM2 at one stream: 80% of it). Each path
+below was kept because it measured faster than the plain ``F.linear`` of its dtype:
 
-* **float32**: MKL, with each weight stored column-major (``store_weights_column_major``): a
-  16-row product of SmolLM2's gate/up weight took 0.27 instead of 0.45 ms (one thread).
-* **bfloat16 with packed weights**: each weight reordered once, at start-up, and the plain one
-  released. Where the CPU has AVX512-BF16, into the layout of Sluice's own kernel
-  (``csrc/linear_bf16.c``: 16 outputs by 2 inputs per 64 bytes, no horizontal sums, weights
-  streamed once); elsewhere into oneDNN's blocked layout (``mkldnn._reorder_linear_weight``,
-  multiplied by ``mkldnn._linear_pointwise``). On an AMD Zen 5 (2 threads), a SmolLM2 decode
-  step with plain bfloat16 weights took 18.4 ms at 1 row, 29.9 at 16, 71 at 64 (float32: 29,
-  69, 162 ms); oneDNN's packed weights made that 10.4, 21.8, 57.
+* **Sluice's kernel** (``csrc/linear.c``), float32 on CPUs with AVX-512, bfloat16 on those with
+  AVX512-BF16 too: each weight packed once, at start-up, as 16 outputs by 1 (float32) or 2
+  (bfloat16) inputs per 64 bytes, the plain weight released; no horizontal sums, weights
+  streamed once, and a row's result independent of its batch.
+* Without the kernel, **bfloat16** weights are packed for oneDNN (``mkldnn._reorder_linear_weight``,
+  multiplied by ``mkldnn._linear_pointwise``), and **float32** ones go to MKL stored column-major
+  (a 16-row product of SmolLM2's gate/up weight: 0.27 instead of 0.45 ms, one thread).
+
+On an AMD Zen 5 (2 threads), SmolLM2 decode steps at 1 / 16 / 64 rows took 29 / 69 / 162 ms in
+float32 through MKL and 18.4 / 29.9 / 71 ms in bfloat16 through ``F.linear``; oneDNN's packed
+bfloat16 made those 10.4 / 21.8 / 57 ms, and the rest of the worker's kernels plus this one
+7.0 / 15.4 / 41.
 
 ``--dtype auto`` on the CPU is float32 unless the CPU has bfloat16 instructions (AVX512-BF16 or
 AMX): without them oneDNN emulates bfloat16 (~4x slower than float32). With them, what wins
 still depends on the CPU (on a Xeon with AVX512-BF16 and no AMX, unpacked bfloat16 measured no
 faster than float32), so both paths are timed at start-up on a product of the model's own
 shape (its gate/up projection at 1 and 16 rows; ~0.1 s; the fastest of alternating trials) and
-bfloat16 is chosen only where it is faster at both; the figures are logged. float32 is also the exact choice: SPEC's promise of
-identical greedy output however a request is batched holds exactly in float32 only.
+bfloat16 is chosen only where it is faster at both; the figures are logged. float32 is also the
+exact choice: SPEC's promise of identical greedy output however a request is batched holds
+exactly in float32 only.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker import cpu_kernels
@@ -45,25 +48,35 @@ def has_bf16_instructions() -> bool:
 
 def can_pack() -> bool:
     """A packed bfloat16 linear is at hand: Sluice's kernel, or oneDNN's in this torch build."""
-    return cpu_kernels.has_linear_bf16(cpu_kernels.load()) or (
+    return cpu_kernels.has_linear(cpu_kernels.load(), torch.bfloat16) or (
         torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 def pack_layer(layer: Linear, own_kernel: bool = True) -> None:
-    """``layer`` multiplies by a packed copy of its weight (Sluice's kernel where it runs, the
-    input size is even and ``own_kernel``; else oneDNN); its plain weight is released (a tied
-    embedding keeps its own reference, so the lookup still reads it)."""
+    """Put ``layer`` on its fast path (see the module docstring): Sluice's kernel where it runs
+    for the weight's dtype (bfloat16: an even input size too) and ``own_kernel``; else oneDNN's
+    packed bfloat16 or MKL's column-major float32. A packed layer's plain weight is released (a
+    tied embedding keeps its own reference, so the lookup still reads it)."""
     kernels = cpu_kernels.load()
     weight = layer.weight.detach()
-    if own_kernel and cpu_kernels.has_linear_bf16(kernels) and weight.shape[1] % 2 == 0:
-        layer.packed, layer.kernels = cpu_kernels.pack_linear_bf16(weight), kernels
-    else:
+    even = weight.shape[1] % 2 == 0 or weight.dtype != torch.bfloat16
+    if own_kernel and cpu_kernels.has_linear(kernels, weight.dtype) and even:
+        layer.packed, layer.kernels = cpu_kernels.pack_linear(weight), kernels
+    elif weight.dtype == torch.bfloat16:
         layer.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), MEASURE_ROWS[-1])
+    else:
+        layer.weight.data = weight.t().contiguous().t()  # column-major: MKL's faster layout
+        return
     layer.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
 
 
-def packed_path() -> str:
-    return "Sluice's AVX512-BF16 kernel" if cpu_kernels.has_linear_bf16(cpu_kernels.load()) else "oneDNN"
+def path(dtype: torch.dtype) -> str:
+    """Which path ``pack_layer`` takes for ``dtype``, in words."""
+    if cpu_kernels.has_linear(cpu_kernels.load(), dtype):
+        return f"{str(dtype).removeprefix('torch.')} linears through Sluice's AVX-512 kernel, weights packed"
+    if dtype == torch.bfloat16:
+        return "bfloat16 linears through oneDNN, weights packed"
+    return "float32 linears through MKL, weights column-major"
 
 
 @dataclasses.dataclass
@@ -97,19 +110,21 @@ def _fastest(a: Callable[[], object], b: Callable[[], object]) -> tuple[float, f
 
 
 def measure(in_features: int, out_features: int, rows: int) -> tuple[float, float]:
-    """Seconds per product of ``rows`` rows by an [out, in] weight: float32 column-major (MKL),
-    then bfloat16 packed (``pack_layer``)."""
+    """Seconds per product of ``rows`` rows by an [out, in] weight, float32 then bfloat16, each
+    on its ``pack_layer`` path."""
     out_features = min(out_features, MAX_MEASURED_OUT)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen)
     x = torch.randn(rows, in_features, generator=gen)
-    column_major = weight.t().contiguous().t()
-    layer = Linear(in_features, out_features)
-    layer.weight = nn.Parameter(weight.bfloat16(), requires_grad=False)
-    pack_layer(layer)
+    layers = []
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = Linear(in_features, out_features)
+        layer.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+        pack_layer(layer)
+        layers.append(layer)
     xb = x.bfloat16()
     with torch.inference_mode():
-        return _fastest(lambda: F.linear(x, column_major), lambda: layer(xb))
+        return _fastest(lambda: layers[0](x), lambda: layers[1](xb))
 
 
 def choose_dtype(hidden_size: int, intermediate_size: int, bf16_instructions: bool | None = None,
@@ -129,30 +144,11 @@ def choose_dtype(hidden_size: int, intermediate_size: int, bf16_instructions: bo
     return DtypeChoice(torch.float32, f"float32 measured as fast or faster ({figures})")
 
 
-def store_weights_column_major(model: nn.Module) -> None:
-    """Keep every ``Linear`` weight [out, in] as the transpose of a contiguous [in, out] matrix
-    (same shape, same values, other strides), so ``F.linear`` becomes a plain ``x @ W`` product,
-    which MKL runs faster once a batch has rows to share a weight tile (one row costs the same
-    either way). A tied embedding shares the matrix and reads its rows strided, a cost only
-    prefill notices (one row per prompt token)."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.weight.data = module.weight.data.t().contiguous().t()
-
-
-def pack_weights(model: nn.Module) -> None:
-    """Every ``Linear`` of ``model`` through ``pack_layer``."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            pack_layer(module)
-
-
 def prepare(model: nn.Module, dtype: torch.dtype) -> str:
     """Put a CPU model's linear layers on their fast path for ``dtype``; returns which."""
-    if dtype == torch.float32:
-        store_weights_column_major(model)
-        return "float32 linears through MKL, weights column-major"
-    if dtype == torch.bfloat16 and can_pack():
-        pack_weights(model)
-        return f"bfloat16 linears through {packed_path()}, weights packed"
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and can_pack()):
+        for module in model.modules():
+            if isinstance(module, Linear):
+                pack_layer(module)
+        return path(dtype)
     return f"{str(dtype).removeprefix('torch.')} linears through F.linear"

@@ -20,9 +20,9 @@ from worker.model_config import LlamaConfig
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)``, parameter names as ``torch.nn.Linear``. On a CPU in bfloat16 the
-    weight may be replaced by a packed copy (``cpu_matmul.pack_weights``): in the C kernel's
-    layout when ``kernels`` is set, else in oneDNN's."""
+    """``y = x W^T (+ b)``, parameter names as ``torch.nn.Linear``. On a CPU the weight may be
+    replaced by a packed copy (``cpu_matmul.pack_layer``): in the C kernel's layout when
+    ``kernels`` is set, else (bfloat16) in oneDNN's."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -32,13 +32,21 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.kernels: ctypes.CDLL | None = None
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight [out, in] as a checkpoint holds it, unpacked if need be."""
+        if self.packed is None:
+            return self.weight.detach()
+        if self.kernels is None:
+            raise RuntimeError("a weight packed for oneDNN cannot be read back; load the model without packing")
+        return cpu_kernels.unpack_linear(self.packed, self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         if self.kernels is not None:
             if x.stride(-1) != 1:
                 x = x.contiguous()
-            return cpu_kernels.linear_bf16(self.kernels, x, self.packed, self.bias, self.out_features)
+            return cpu_kernels.linear(self.kernels, x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

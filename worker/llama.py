@@ -126,16 +126,20 @@ class LlamaForCausalLM(nn.Module):
         self.load_state_dict(fused, strict=True, assign=True)
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """The parameters under a checkpoint's names (views of the fused tensors)."""
+        """The parameters under a checkpoint's names (views of the fused tensors; packed linear
+        weights unpacked into copies)."""
+        linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
         state: dict[str, torch.Tensor] = {}
         for name, p in self.named_parameters():
+            module, _, leaf = name.rpartition(".")
+            value = linears[module].dense_weight() if leaf == "weight" and module in linears else p.detach()
             parts = _unfused(name, self.config)
             if parts is None:
-                state[name] = p.detach()
+                state[name] = value
                 continue
             offset = 0
             for part, rows in parts:
-                state[part] = p.detach()[offset : offset + rows]
+                state[part] = value[offset : offset + rows]
                 offset += rows
         return state
 
