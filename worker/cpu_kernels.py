@@ -185,9 +185,11 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     if in_features % per_load:
         raise ValueError(f"the bfloat16 linear kernel needs an even input size, not {in_features}")
     padded = -(-out_features // LINEAR_TILE) * LINEAR_TILE
-    w = weight.new_zeros((padded, in_features))
-    w[:out_features] = weight.detach()
-    return w.view(padded // 16, 16, in_features // per_load, per_load).permute(0, 2, 1, 3).contiguous()
+    w = weight.detach()
+    if padded != out_features:  # only then a padded copy: packing a big weight holds two at most
+        w = weight.new_zeros((padded, in_features))
+        w[:out_features] = weight.detach()
+    return w.contiguous().view(padded // 16, 16, in_features // per_load, per_load).permute(0, 2, 1, 3).contiguous()
 
 
 def unpack_linear(packed: torch.Tensor, out_features: int) -> torch.Tensor:
