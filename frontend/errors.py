@@ -64,6 +64,10 @@ def from_decode_error(e: msgspec.DecodeError) -> APIError:
     and report the top-level field as ``param``."""
     text = str(e)
     if isinstance(e, msgspec.ValidationError):
-        m = _PATH.search(text) or _MISSING.search(text) or _UNKNOWN.search(text)
+        unknown = _UNKNOWN.search(text)
+        if unknown and text.endswith("`"):  # no " - at `$.…`": a top-level field, OpenAI's wording
+            return APIError(400, f"Unrecognized request argument supplied: {unknown.group(1)}",
+                            param=unknown.group(1), code="unknown_field")
+        m = _PATH.search(text) or _MISSING.search(text) or unknown
         return bad_request(text, param=m.group(1) if m else None)
     return bad_request(f"request body is not valid JSON: {text}")

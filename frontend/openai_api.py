@@ -399,9 +399,22 @@ async def completions(request: Request) -> Response:
     return await _run(state, request, body, prompt_ids, sampling, request_id, chunk, final)
 
 
+def _check_unsupported_chat_fields(body: ChatCompletionRequest) -> None:
+    """OpenAI fields Sluice does not act on: refused when they ask for something, so a client
+    never takes plain text for the tool call or JSON it asked for."""
+    if body.tools:
+        raise bad_request("tools (function calling) is not supported", "tools")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise bad_request("tool_choice is not supported (no tools)", "tool_choice")
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise bad_request("response_format other than text (JSON mode, structured outputs) is not supported",
+                          "response_format")
+
+
 async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.sluice
     body: ChatCompletionRequest = decode(await request.body(), ChatCompletionRequest)
+    _check_unsupported_chat_fields(body)
     tokenizer: ModelTokenizer = state.require_tokenizer()
     _check_model(state, body.model)
     _check_priority(state, request, body.priority)

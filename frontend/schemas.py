@@ -2,7 +2,11 @@
 
 Field constraints live in the types (``Meta``), so a bad value is rejected while decoding with
 a message naming its JSON path; ``errors.from_validation`` turns that into OpenAI's error shape.
-Unknown fields are ignored, as OpenAI's own server does.
+A top-level field the API does not know is refused naming it, as OpenAI's API refuses it
+("Unrecognized request argument supplied: temprature"): a misspelt option silently ignored is a
+request that does something else than its sender thinks. OpenAI fields Sluice does not act on
+are either ignored where ignoring them changes nothing (``store``, ``metadata``, …) or refused
+as not supported when set (``tools``, ``response_format`` other than text, …).
 
 Lists and maps that cost the engine work per generated token are capped (``stop``,
 ``stop_token_ids``, ``logit_bias``), and so is ``n``; ``decode`` turns every way a body can fail
@@ -73,11 +77,12 @@ class SamplingFields(msgspec.Struct, kw_only=True):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class CompletionRequest(SamplingFields, kw_only=True):
+class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     prompt: str | list[TokenId]
     echo: bool = False
     suffix: str | None = None
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    best_of: Annotated[int, Meta(ge=1, le=1)] | None = None  # OpenAI's; only 1 (the default) is served
 
 
 class ChatMessage(msgspec.Struct):
@@ -86,11 +91,20 @@ class ChatMessage(msgspec.Struct):
     name: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields, kw_only=True):
+class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # OpenAI's fields Sluice does not act on. Accepted where that changes nothing:
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    # and refused as not supported when they ask for something (openai_api checks them):
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
 
 
 class PriorityUpdate(msgspec.Struct, forbid_unknown_fields=True):

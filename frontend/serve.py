@@ -17,10 +17,12 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +34,7 @@ from starlette.applications import Starlette
 
 from frontend.app import build_app
 from frontend.shutdown import GracefulServer
+from protocol import supervision
 from protocol.config import FrontendConfig, SchedulerConfig, WorkerConfig, to_json
 
 log = logging.getLogger("sluice.serve")
@@ -49,7 +52,9 @@ def _uvicorn_config(app: Starlette, config: FrontendConfig) -> uvicorn.Config:
         port=config.port,
         loop=loop,
         http="httptools",
-        log_level=config.log_level,
+        # uvicorn's own start-up lines ("running on http://…" while the model is still loading)
+        # would say the wrong thing; Sluice prints the URL once the engine is ready.
+        log_level=config.log_level if config.log_level == "debug" else "warning",
         access_log=config.log_level == "debug",
         timeout_graceful_shutdown=int(GRACEFUL_S) or 1,
         # uvicorn's 5 s default races clients reusing a connection it is closing (a request sent
@@ -128,7 +133,8 @@ class _Startup:
                     self._fail(f"the {dead[0].name} process exited with status {dead[0].exited()} "
                                "before the engine was ready")
                     return
-        print(f"Sluice is serving {state.model_name} at http://{self.config.host}:{self.config.port}", flush=True)
+        print(f"Sluice is ready: serving {state.model_name} at http://{self.config.host}:{self.config.port} "
+              "(OpenAI API under /v1)", flush=True)
         await self._supervise()
 
     async def _supervise(self) -> None:
@@ -162,17 +168,43 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def run_frontend(config: FrontendConfig, children: Sequence[Child] = ()) -> int:
+class ListenError(Exception):
+    """The HTTP address cannot be listened on; the message says why and what to do."""
+
+
+def listen(config: FrontendConfig) -> socket.socket:
+    """The HTTP listening socket, bound now: a port already taken is said in one line before any
+    process starts loading a model (uvicorn would find out only after)."""
+    try:
+        family = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((config.host, config.port), family=family, backlog=2048)
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)
+        if e.errno == errno.EADDRINUSE:
+            why += " (another server is listening there); choose another port with --port"
+        elif e.errno == errno.EACCES:
+            why += " (ports below 1024 need privileges); choose another port with --port"
+        raise ListenError(f"cannot listen on {config.host}:{config.port}: {why}") from None
+
+
+def run_frontend(config: FrontendConfig, children: Sequence[Child] = (), sock: socket.socket | None = None) -> int:
     """Serve HTTP until a signal (0) or an engine that fails to start (1); returns the status."""
+    if sock is None:
+        try:
+            sock = listen(config)
+        except ListenError as e:
+            print(f"sluice: error: {e}", file=sys.stderr, flush=True)
+            return 1
     # uvicorn handles SIGINT/SIGTERM itself, then restores these handlers and re-raises the
     # signal; with the defaults that would kill the process before ``serve`` stops its children.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     app = build_app(config)
+    app.state.sluice.client.quiet_startup_errors = True  # _Startup says them, once
     startup = _Startup(app, config, children)
     startup.install()
     startup.server = GracefulServer(_uvicorn_config(app, config), app.state.sluice, config.shutdown_grace)
-    startup.server.run()
+    startup.server.run(sockets=[sock])
     return startup.exit_code
 
 
@@ -191,7 +223,7 @@ def _spawn(module: str, config: object) -> subprocess.Popen[bytes]:
         preexec_fn=preexec,
         # Ctrl-C reaches the whole process group: the children leave it to this process, which
         # drains the requests in flight first and then stops them (SIGTERM).
-        env=dict(os.environ, SLUICE_SUPERVISED="1"),
+        env=dict(os.environ, **{supervision.ENV: "1"}),
     )
 
 
@@ -212,6 +244,11 @@ def _stop(children: Sequence[subprocess.Popen[bytes]]) -> None:
 def serve(frontend: FrontendConfig, scheduler: SchedulerConfig, worker: WorkerConfig) -> int:
     """``sluice serve``: one machine, ipc:// sockets in a private temp dir removed at exit.
     Returns the exit status (1 when the engine failed to start)."""
+    try:
+        sock = listen(frontend)
+    except ListenError as e:
+        print(f"sluice: error: {e}", file=sys.stderr, flush=True)
+        return 1
     sock_dir = tempfile.mkdtemp(prefix="sluice-")
     address = f"ipc://{sock_dir}/engine"
     frontend = dataclasses.replace(frontend, address=address)
@@ -223,7 +260,7 @@ def serve(frontend: FrontendConfig, scheduler: SchedulerConfig, worker: WorkerCo
     try:
         for child in children:
             child.start()
-        return run_frontend(frontend, children)
+        return run_frontend(frontend, children, sock)
     finally:
         _stop([child.proc for child in children if child.proc is not None])
         shutil.rmtree(sock_dir, ignore_errors=True)

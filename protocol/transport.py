@@ -77,7 +77,7 @@ def worker_codec() -> Codec[WorkerCommand]:
     return Codec(WorkerCommand)
 
 
-def make_socket(ctx: zmq.Context[Any], kind: int, address: str, *, bind: bool,
+def make_socket(ctx: zmq.Context[Any], kind: int, address: str, *, bind: bool | None,
                 identity: bytes | None = None) -> zmq.Socket[Any]:
     """A socket with the options every Sluice link wants: no linger at close (peers acknowledge
     what matters instead), unbounded queues (back-pressure is the scheduler's job, not ZMQ's).
@@ -85,7 +85,10 @@ def make_socket(ctx: zmq.Context[Any], kind: int, address: str, *, bind: bool,
     The frontend link is DEALER (each frontend, ``identity`` = its epoch) to ROUTER (the
     scheduler) both ways: the scheduler learns who sent each message and answers that frontend
     alone, and a send to a frontend that is gone fails at once (``ROUTER_MANDATORY``) instead of
-    queueing for nobody."""
+    queueing for nobody.
+
+    ``bind=None`` neither binds nor connects: the caller attaches a monitor first, so that no
+    connection event can happen before anyone listens for it, then connects."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -96,6 +99,6 @@ def make_socket(ctx: zmq.Context[Any], kind: int, address: str, *, bind: bool,
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if bind:
         sock.bind(address)
-    else:
+    elif bind is not None:
         sock.connect(address)
     return sock

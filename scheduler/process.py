@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -62,6 +61,7 @@ from protocol.messages import (
     WorkerReady,
     new_epoch,
 )
+from protocol.supervision import startup_failure_level, supervised
 from protocol.transport import Endpoints, make_socket, scheduler_frontend_codec, scheduler_worker_codec
 from scheduler.frontends import FRONTEND_TIMEOUT_S, Frontends
 from scheduler.scheduler import Scheduler
@@ -105,6 +105,7 @@ class SchedulerProcess:
         self.malformed_frames = 0
         self._malformed_logged = 0.0
         self.plans_in_flight: list[int] = []  # oldest first; a second one is speculative
+        self.was_ready = False  # a worker has been ready once: later failures are not start-up failures
         self.cut_short: set[int] = set()  # speculative plans called off
         self.failure: str | None = None
         # A worker was lost and its requests wait to be recomputed on the next one (the reason).
@@ -416,6 +417,7 @@ class SchedulerProcess:
     def on_worker_ready(self, msg: WorkerReady) -> None:
         self.last_seen[msg.rank] = time.monotonic()
         self.ready_ranks[msg.rank] = msg.model
+        self.was_ready = True
         if len(self.ready_ranks) < self.config.tensor_parallel_size:
             return
         info = self.ready_ranks.get(0, msg.model)
@@ -533,7 +535,8 @@ class SchedulerProcess:
     def _fail(self, reason: str) -> None:
         if self.failure is not None:
             return
-        log.error("engine failed: %s", reason)
+        # Before any worker was ready this is a start-up failure, which ``sluice serve`` prints.
+        log.log(logging.ERROR if self.was_ready else startup_failure_level(), "engine failed: %s", reason)
         self.failure = reason
         self.ready_ranks.clear()
         self.plans_in_flight = []
@@ -553,7 +556,7 @@ def run(config: SchedulerConfig) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    if os.environ.get("SLUICE_SUPERVISED"):
+    if supervised():
         # Under ``sluice serve``, Ctrl-C is the parent's to handle: it drains, then stops us.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,11 @@ def test_sluice_loads_the_directory_as_the_gguf_file(converted: Path, from_gguf:
     for name, p in ours.items():
         assert torch.equal(p, theirs[name]), name
     a, b = from_dir.info, from_gguf.info
+    assert a.name == "smollm2-hf"  # served under the directory's name, not its whole path
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in converted.iterdir()} == {
+        p.name: 0o666 & ~mask for p in converted.iterdir()}  # the weights too, not just the json
     assert (a.eos_token_ids, a.bos_token_id, a.add_bos_token, a.chat_template, a.vocab_size, a.max_model_len) == (
         b.eos_token_ids, b.bos_token_id, b.add_bos_token, b.chat_template, b.vocab_size, b.max_model_len)
     dir_tok, gguf_tok = Tokenizer.from_str(a.tokenizer_json), Tokenizer.from_str(b.tokenizer_json)

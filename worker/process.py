@@ -13,7 +13,6 @@ its traceback (or in one line for a model that cannot load), and ends the proces
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import signal
 import threading
@@ -37,6 +36,7 @@ from protocol.messages import (
     WorkerMessage,
     WorkerReady,
 )
+from protocol.supervision import startup_failure_level, supervised
 from protocol.transport import Endpoints, make_socket, scheduler_worker_codec, worker_codec
 from worker.cpu_threads import configure_cpu_threads
 from worker.engine import Worker
@@ -99,21 +99,26 @@ class WorkerProcess:
         self.config = config
         self.endpoints = Endpoints.from_base(config.address)
         self.sender = Sender(ctx, self.endpoints.worker_to_scheduler)
-        self.inbox = make_socket(ctx, zmq.PULL, self.endpoints.scheduler_to_worker, bind=False)
+        self.inbox = make_socket(ctx, zmq.PULL, self.endpoints.scheduler_to_worker, bind=None)
         self.recv_codec = worker_codec()
         self.backlog: deque[WorkerCommand] = deque()  # commands read mid-plan, run after it
         self.malformed_frames = 0
         # Whether the scheduler's command socket is reachable, from the socket's own events: a
-        # wrong or unreachable address is said in the log, not waited on in silence.
+        # wrong or unreachable address is said in the log, not waited on in silence. The monitor
+        # is attached before connecting: a connection made first would never be reported, and an
+        # idle worker would then call a scheduler it is connected to unreachable every 5 s.
         self.links = self.inbox.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.inbox.connect(self.endpoints.scheduler_to_worker)
         self.connected = False
 
     def fail(self, what: str, e: BaseException) -> int:
         if isinstance(e, ModelLoadError | ConfigError):  # a user's mistake, said in one line: no traceback
-            log.error("%s: %s", what, _one_line(e))
+            message = f"{what}: {' '.join(str(e).split())}"
+            log.log(startup_failure_level(), "%s", message)
         else:
+            message = f"{what}: {_one_line(e)}"
             log.exception("%s", what)
-        self.sender.send(WorkerFailed(self.config.rank, f"{what}: {_one_line(e)}"))
+        self.sender.send(WorkerFailed(self.config.rank, message))
         return 1
 
     def _wait_for_command(self) -> None:
@@ -184,7 +189,7 @@ class WorkerProcess:
 def run(config: WorkerConfig) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
-    if os.environ.get("SLUICE_SUPERVISED"):
+    if supervised():
         # Under ``sluice serve``, Ctrl-C is the parent's to handle: it drains, then stops us.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx: zmq.Context[Any] = zmq.Context()
@@ -198,7 +203,7 @@ def run(config: WorkerConfig) -> int:
             configure_cpu_threads(worker.device, config.worker_threads, worker.num_params)
             worker.warm_up()
         except Exception as e:
-            return proc.fail("loading failed", e)
+            return proc.fail("cannot load the model", e)
         heartbeat.start()
         proc.sender.send(WorkerReady(config.rank, worker.info))
         log.info("ready: %s, max model len %d, %d KV blocks", worker.info.name, worker.max_model_len,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,17 @@ def convert(source: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> 
                 {"bos_token_id": cfg.bos_token_id, "eos_token_id": hf_config(cfg, dtype)["eos_token_id"]})
     (out_dir / "tokenizer.json").write_text(tokenizer.to_str())
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config(ckpt))
+    _as_umask_allows(out_dir)
+
+
+def _as_umask_allows(out_dir: Path) -> None:
+    """Every file readable as the umask allows, like any file written with open(): safetensors
+    writes through a private temporary file (mode 0600), which would leave the weights readable
+    by their owner alone, unlike the rest of the checkpoint."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in out_dir.iterdir():
+        path.chmod(0o666 & ~mask)
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:

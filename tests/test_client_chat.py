@@ -1,0 +1,199 @@
+"""``sluice complete`` and ``sluice chat`` against a real ``sluice serve`` (tiny model): streamed
+text, history, Ctrl-C aborting the request on the server, errors. The chat runs in a
+pseudo-terminal, as a user runs it."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+import pexpect
+import pytest
+from sluice_server import SluiceServer, free_port, running_server
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "chat-admin"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+STATS = r"\[ttft \d+\.\d\d s, \d+\.\d tok/s, (\d+) tokens\]"
+FINISHED = re.compile(r"finished id=(\S+) .*? prompt_tokens=(\d+) completion_tokens=(\d+) .*? finish_reason=(\w+)")
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
+    with running_server("--admin-token", TOKEN, log_dir=tmp_path_factory.mktemp("client-chat")) as s:
+        yield s
+
+
+def sluice(*args: str) -> subprocess.CompletedProcess[bytes]:
+    """A client command with stdout and stderr piped; bytes, as the model's text may hold any."""
+    return subprocess.run([sys.executable, "-m", "frontend", *args], capture_output=True, cwd=REPO,
+                          env=dict(os.environ, PYTHONIOENCODING="utf-8"), timeout=60)
+
+
+def spawn_chat(server: SluiceServer, *flags: str) -> pexpect.spawn:
+    child = pexpect.spawn(sys.executable, ["-m", "frontend", "chat", "--url", server.url, *flags], cwd=str(REPO),
+                          encoding="utf-8", codec_errors="replace", timeout=30, dimensions=(40, 250))
+    child.expect("> ")
+    return child
+
+
+def wait_for(probe: Callable[[], T | None], timeout: float = 20.0) -> T:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+def finished(server: SluiceServer) -> list[tuple[str, int, int, str]]:
+    """(id, prompt_tokens, completion_tokens, finish_reason) of each request the server's log
+    says has finished, in order."""
+    return [(m[1], int(m[2]), int(m[3]), m[4]) for m in FINISHED.finditer(server.log_path.read_text())]
+
+
+def finish_of(server: SluiceServer, request_id: str) -> tuple[int, str] | None:
+    """(completion_tokens, finish_reason) of a request, once the server's log says it finished."""
+    return next(((c, r) for rid, _, c, r in finished(server) if rid == request_id), None)
+
+
+def finished_chats(server: SluiceServer, known: set[str], count: int) -> list[tuple[str, int, int, str]]:
+    """The first ``count`` chat requests to finish that are not in ``known``, once they have."""
+    def new() -> list[tuple[str, int, int, str]] | None:
+        chats = [f for f in finished(server) if f[0].startswith("chatcmpl-") and f[0] not in known]
+        return chats[:count] if len(chats) >= count else None
+    return wait_for(new)
+
+
+def live_requests(server: SluiceServer) -> list[dict]:
+    return httpx.get(f"{server.url}/admin/requests", headers=AUTH, timeout=10).json()["data"]
+
+
+def chat_prompt_tokens(server: SluiceServer, messages: list[dict[str, str]]) -> int:
+    """What a conversation costs in prompt tokens, asked of the server directly."""
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=30)
+    return int(r.json()["usage"]["prompt_tokens"])
+
+
+def test_client_modules_import_nothing_costly() -> None:
+    # Every `sluice` command, `serve` included, imports these to build its parser.
+    code = ("import sys, client.chat, client.complete; "
+            "print(sorted(m for m in ('httpx', 'rich') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_complete_streams_the_greedy_completion_and_stats(server: SluiceServer) -> None:
+    prompt = "The quick brown fox"
+    done = sluice("complete", "--url", server.url, prompt, "--max-tokens", "8", "--temperature", "0", "--stats")
+    assert done.returncode == 0, done.stderr
+    reference = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                           json={"prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
+    assert reference["choices"][0]["text"]
+    assert done.stdout.decode() == reference["choices"][0]["text"] + "\n"
+    stats = re.fullmatch(STATS + "\n", done.stderr.decode())
+    assert stats, done.stderr
+    assert int(stats[1]) == reference["usage"]["completion_tokens"]
+
+
+def test_chat_sends_the_history_and_reset_and_system_change_it(server: SluiceServer) -> None:
+    known = {f[0] for f in finished(server)}
+    child = spawn_chat(server, "--max-tokens", "6", "--temperature", "0", "--stats")
+    screens = []
+    for line in ["hello", "hello", "/reset", "hello", "/system Answer in French.", "hello"]:
+        child.sendline(line)
+        if line == "/reset":
+            child.expect_exact("[history cleared]")
+        elif line.startswith("/system"):
+            child.expect_exact("[system message set, history cleared]")
+        else:
+            child.expect(STATS)
+            screens.append(child.before)
+        child.expect("> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+    chats = finished_chats(server, known, 4)
+    prompt_tokens = [p for _, p, _, _ in chats]
+    assert [reason for *_, reason in chats] == ["length"] * 4
+    # Greedy decoding: the chat's first reply is the server's reply to the same single message.
+    first = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "temperature": 0}).json()
+    reply = first["choices"][0]["message"]["content"]
+    assert reply.replace("\n", "\r\n") in screens[0]  # streamed to the terminal as sent
+    hello = {"role": "user", "content": "hello"}
+    assert prompt_tokens == [
+        chat_prompt_tokens(server, [hello]),
+        chat_prompt_tokens(server, [hello, {"role": "assistant", "content": reply}, hello]),  # the history
+        chat_prompt_tokens(server, [hello]),  # /reset
+        chat_prompt_tokens(server, [{"role": "system", "content": "Answer in French."}, hello]),  # /system
+    ]
+    assert prompt_tokens[1] > prompt_tokens[0]
+
+
+def test_ctrl_c_aborts_the_reply_on_the_server_and_a_second_one_exits_130(server: SluiceServer) -> None:
+    # Greedy, the tiny model does not stop before --max-tokens: a reply of many seconds.
+    child = spawn_chat(server, "--max-tokens", "8000", "--temperature", "0")
+    asked = []
+    for _ in range(2):
+        child.sendline("hello")
+        child.expect(r"hello[^\n]*\n")  # the echo, and whatever readline adds to end the line
+        child.expect(".")  # the reply is on the screen...
+        (request,) = wait_for(lambda: live_requests(server))  # ...while the server is still generating it
+        asked.append(request)
+        child.sendintr()
+        child.expect_exact("[interrupted]")
+        child.expect("> ")
+        # The client closed the connection: the server aborted the request and let it go.
+        wait_for(lambda: not live_requests(server), timeout=10)
+        completion_tokens, reason = wait_for(functools.partial(finish_of, server, request["id"]))
+        assert reason == "abort" and completion_tokens < 8000
+    # The interrupted turn was not kept: the second "hello" went out alone, like the first.
+    assert asked[1]["prompt_tokens"] == asked[0]["prompt_tokens"] == chat_prompt_tokens(
+        server, [{"role": "user", "content": "hello"}])
+    child.sendintr()  # at the prompt: leave
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 130
+
+
+def test_http_errors_show_the_servers_message(server: SluiceServer) -> None:
+    # priority < 0 needs the admin token, which neither command is given here.
+    done = sluice("complete", "--url", server.url, "hi", "--priority", "-1")
+    assert done.returncode == 1 and done.stdout == b""
+    assert done.stderr.decode() == ("sluice: error: HTTP 403: priority below 0 (more urgent than default) "
+                                    "requires the admin token\n")
+    child = spawn_chat(server, "--priority", "-1")
+    child.sendline("hello")
+    child.expect_exact("HTTP 403: priority below 0")
+    child.expect("> ")  # the chat goes on
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    # The token makes the same request pass.
+    done = sluice("complete", "--url", server.url, "hi", "--priority", "-1", "--admin-token", TOKEN,
+                  "--max-tokens", "2")
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("command", [["complete", "hi"], ["chat"]])
+def test_an_unreachable_server_is_one_line_and_exit_1(command: list[str]) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    done = sluice(command[0], "--url", url, *command[1:])
+    assert done.returncode == 1
+    assert done.stdout == b""
+    assert re.fullmatch(rf"sluice: error: cannot reach {re.escape(url)}: .*Connection refused.*\n",
+                        done.stderr.decode()), done.stderr
