@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 CLIENT_COMMANDS = {  # command -> (module, help); each module has add_arguments(parser) and run(args) -> int
     "chat": ("client.chat", "chat with a running OpenAI-compatible server in the terminal, streaming"),
     "complete": ("client.complete", "stream one completion of a prompt to the terminal"),
+    "bench": ("client.bench", "load-test a running OpenAI-compatible server: latency and throughput"),
 }
 
 

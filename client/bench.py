@@ -1,0 +1,157 @@
+"""``sluice bench``: an asyncio load generator for any OpenAI-compatible server.
+
+    sluice bench --num-prompts 200 --max-concurrency 32 --input-len 512 --output-len 32:256 --ignore-eos
+    sluice bench --request-rate 8 --priority-mix 0:0.2,5:0.8 --admin-token T --plot-dir plots --save run.json
+
+Streams every request (``stream_options.include_usage``) and reports, overall and per priority
+class, what ``vllm bench serve`` reports, defined as it defines them (``client.stream``,
+``client.stats``): request and token throughput, TTFT, TPOT, ITL and end-to-end latency.
+
+This module is imported whenever any ``sluice`` command builds its parser, so its top level
+imports only argparse, os and sys; the client modules (httpx, rich, matplotlib) load in ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+
+def _arg_type(parser_name: str) -> Any:
+    """An argparse type from a ``client.workload`` parser, imported when a flag is parsed."""
+
+    def convert(text: str) -> Any:
+        from client import workload
+
+        try:
+            return getattr(workload, parser_name)(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = parser_name.removeprefix("parse_")  # what argparse names in its errors
+    return convert
+
+
+def _positive(cast: type) -> Any:
+    def convert(text: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+        return value
+
+    convert.__name__ = cast.__name__
+    return convert
+
+
+# Flags whose default is computed (or secret, from the environment) are left out of the namespace
+# unless given: ``sluice bench --help`` then shows no misleading "(default: None)" and never prints
+# a token. ``_resolve_defaults`` fills them in.
+UNSET = argparse.SUPPRESS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument("--model", default=UNSET, help="model name to send (default: the server's first, GET /v1/models)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="POST /v1/completions or /v1/chat/completions (the prompt as one user message)")
+    p.add_argument("--api-key", default=UNSET,
+                   help="sent as Authorization: Bearer on /v1 requests (default: env OPENAI_API_KEY)")
+    load = p.add_argument_group("load")
+    load.add_argument("--num-prompts", type=_positive(int), default=100, help="requests measured")
+    load.add_argument("--max-concurrency", type=_positive(int), default=UNSET,
+                      help="most requests in flight at once (default: no limit)")
+    load.add_argument("--request-rate", type=_positive(float), default=float("inf"),
+                      help="requests per second, arrivals drawn by --burstiness; inf = all at once")
+    load.add_argument("--burstiness", type=_positive(float), default=1.0,
+                      help="shape of the gamma distribution of gaps between arrivals: 1 = Poisson, "
+                           "< 1 burstier, > 1 more even")
+    load.add_argument("--warmup", type=int, default=1,
+                      help="requests sent and awaited before the measured run, not counted (if all "
+                           "of them fail, the run does not start)")
+    work = p.add_argument_group("workload")
+    work.add_argument("--input-len", type=_arg_type("parse_length"), default=UNSET, metavar="N|LO:HI",
+                      help="prompt tokens, fixed or drawn uniformly from LO..HI (default 256)")
+    work.add_argument("--output-len", type=_arg_type("parse_length"), default=UNSET, metavar="N|LO:HI",
+                      help="max_tokens, fixed or drawn uniformly from LO..HI (default 128)")
+    work.add_argument("--dataset", default=None, metavar="FILE.jsonl",
+                      help='one {"prompt": str or [token ids], "output_len": int} per line, instead of '
+                           "generated prompts (shuffled by --seed, cycled if too few)")
+    work.add_argument("--token-ids", nargs="?", const="100:500", default=UNSET, type=_arg_type("parse_token_id_range"),
+                      metavar="LO:HI", help="send prompts as token-id lists, ids drawn from LO..HI-1 (bare "
+                                            "--token-ids: 100:500, valid in any vocabulary); completions only")
+    work.add_argument("--ignore-eos", action="store_true",
+                      help="send ignore_eos: true (vLLM, SGLang, Sluice) so every request generates max_tokens")
+    work.add_argument("--priority-mix", type=_arg_type("parse_priority_mix"), default=None, metavar="P:F[,P:F...]",
+                      help="send a priority field: 0:0.2,5:0.8 = 20%% of requests with priority 0, 80%% "
+                           "with 5 (exact counts, seeded order); the report adds one column per class "
+                           "(Sluice takes priorities < 0 only with the admin token: pass it as --api-key)")
+    work.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                      help="every prompt starts with the same N-token prefix (prefix caching)")
+    work.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths, priorities and arrivals")
+    out = p.add_argument_group("output")
+    out.add_argument("--save", default=None, metavar="FILE.json",
+                     help="write the report, the configuration and every request's record as JSON")
+    out.add_argument("--plot-dir", default=None, metavar="DIR", help="write PNG plots into DIR")
+    out.add_argument("--admin-token", default=UNSET,
+                     help="sample Sluice's GET /admin/stats every 0.5 s for KV cache and queue plots "
+                          "(default: env SLUICE_ADMIN_TOKEN)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds one request may take before it counts as failed (0 = no limit)")
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """What is wrong with a combination of flags, if anything."""
+    if args.token_ids and args.endpoint == "chat":
+        return "--token-ids needs --endpoint completions (chat messages are text)"
+    if args.warmup < 0 or args.shared_prefix < 0:
+        return "--warmup and --shared-prefix must be >= 0"
+    if not args.dataset and args.shared_prefix and args.shared_prefix >= args.input_len.lo:
+        return f"--shared-prefix {args.shared_prefix} leaves no room in --input-len (shortest {args.input_len.lo})"
+    return None
+
+
+def _resolve_defaults(args: argparse.Namespace) -> None:
+    from client.workload import Length
+
+    given = vars(args)
+    if args.dataset and ("input_len" in given or "output_len" in given):
+        raise ValueError("--dataset sets prompts and output lengths: drop --input-len/--output-len")
+    defaults = {
+        "model": None,
+        "api_key": os.environ.get("OPENAI_API_KEY"),
+        "admin_token": os.environ.get("SLUICE_ADMIN_TOKEN"),
+        "max_concurrency": None,
+        "token_ids": None,
+        "input_len": None if args.dataset else Length(256, 256),
+        "output_len": None if args.dataset else Length(128, 128),
+    }
+    for name, value in defaults.items():
+        given.setdefault(name, value)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    try:
+        _resolve_defaults(args)
+    except ValueError as e:
+        print(f"sluice bench: error: {e}", file=sys.stderr)
+        return 2
+    if problem := _check(args):
+        print(f"sluice bench: error: {problem}", file=sys.stderr)
+        return 2
+    from client.orchestrate import BenchError, benchmark
+
+    try:
+        return asyncio.run(benchmark(args))
+    except BenchError as e:
+        print(f"sluice bench: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("sluice bench: interrupted; no report", file=sys.stderr)
+        return 130

@@ -1,0 +1,107 @@
+"""PNG plots of a run (matplotlib's Agg renderer: no display needed, no pyplot global state).
+
+- ``latency_cdf.png``: CDFs of TTFT and of end-to-end latency, one line per priority class;
+- ``throughput.png``: output tokens per second in 1 s bins;
+- ``kv_cache.png`` and ``queues.png``: the server's KV cache usage and its running / waiting queue
+  lengths, from the ``/admin/stats`` samples (Sluice only; skipped without samples).
+
+Every file is WIDTH_PX x HEIGHT_PX pixels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from client.server_stats import ServerSample
+from client.stats import priority_label
+from client.stream import RequestRecord
+
+DPI = 100
+WIDTH_PX, HEIGHT_PX = 1000, 500
+
+
+def _figure(ncols: int = 1) -> tuple[Figure, list[Axes]]:
+    fig = Figure(figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    return fig, list(axes)
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    # No bbox_inches="tight": the pixel size stays exactly the figure's.
+    fig.savefig(path, dpi=DPI, format="png")
+    return path
+
+
+def _cdf(ax: Axes, values_ms: Sequence[float], label: str) -> None:
+    ordered = sorted(values_ms)
+    n = len(ordered)
+    if n:  # from 0 at the smallest value, a step up at each
+        ax.step([ordered[0], *ordered], [0.0, *((i + 1) / n for i in range(n))], where="post", label=f"{label} (n={n})")
+
+
+def latency_cdf(records: Sequence[RequestRecord], path: Path) -> Path:
+    fig, (ax_ttft, ax_e2e) = _figure(2)
+    good = [r for r in records if r.ok]
+    classes = sorted({r.priority for r in good}, key=lambda p: (p is None, p or 0))
+    groups: list[tuple[str, list[RequestRecord]]] = [("all", good)]
+    if len(classes) > 1:
+        groups += [(f"priority {priority_label(p)}", [r for r in good if r.priority == p]) for p in classes]
+    for label, rs in groups:
+        if rs:
+            _cdf(ax_ttft, [1000 * r.ttft for r in rs if r.ttft is not None], label)
+            _cdf(ax_e2e, [1000 * r.latency for r in rs if r.latency is not None], label)
+    for ax, name in ((ax_ttft, "time to first token"), (ax_e2e, "end-to-end latency")):
+        ax.set(title=f"{name} CDF", xlabel="ms", ylabel="fraction of requests", ylim=(0, 1.02))
+        if good:
+            ax.legend(loc="lower right")
+    return _save(fig, path)
+
+
+def throughput(timeline: dict[str, Any], path: Path) -> Path:
+    fig, (ax,) = _figure()
+    rates, widths = timeline["output_tokens_per_s"], timeline["bin_widths_s"]
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    ax.bar(starts, rates, width=widths, align="edge", alpha=0.7, edgecolor="white")
+    ax.set(title="output throughput", xlabel=f"time (s), {timeline['bin_s']:g} s bins", ylabel="output tokens/s")
+    return _save(fig, path)
+
+
+def kv_cache(samples: Sequence[ServerSample], path: Path) -> Path:
+    fig, (ax,) = _figure()
+    ax.plot([s.t for s in samples], [100 * s.kv_usage for s in samples], marker=".", drawstyle="steps-post")
+    ax.set(title="server KV cache usage (GET /admin/stats)", xlabel="time (s)", ylabel="KV blocks in use (%)",
+           ylim=(0, 102))
+    return _save(fig, path)
+
+
+def queues(samples: Sequence[ServerSample], path: Path) -> Path:
+    fig, (ax,) = _figure()
+    ts = [s.t for s in samples]
+    # Counts held until the next sample: steps, not slopes between samples.
+    ax.plot(ts, [s.running for s in samples], marker=".", drawstyle="steps-post", label="running")
+    ax.plot(ts, [s.waiting for s in samples], marker=".", drawstyle="steps-post", label="waiting")
+    ax.set(title="server queues (GET /admin/stats)", xlabel="time (s)", ylabel="requests")
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(loc="upper right")
+    return _save(fig, path)
+
+
+def write_plots(out_dir: Path, records: Sequence[RequestRecord], report: dict[str, Any],
+                samples: Sequence[ServerSample]) -> list[Path]:
+    """Every plot the run's data allows, into ``out_dir`` (created); returns the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [latency_cdf(records, out_dir / "latency_cdf.png"), throughput(report["timeline"], out_dir / "throughput.png")]
+    if samples:
+        paths += [kv_cache(samples, out_dir / "kv_cache.png"), queues(samples, out_dir / "queues.png")]
+    return paths
