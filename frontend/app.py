@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from frontend import admin, openai_api
+from frontend import admin, openai_api, tokenize_api
 from frontend.body_limit import BodyLimit
 from frontend.engine_client import EngineClient
 from frontend.errors import APIError
@@ -89,6 +89,8 @@ def build_app(config: FrontendConfig, client: EngineClient | None = None) -> Sta
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/models", openai_api.list_models, methods=["GET"]),
+        Route("/tokenize", tokenize_api.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize_api.detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

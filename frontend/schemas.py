@@ -107,6 +107,20 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
     response_format: dict[str, Any] | None = None
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``/tokenize`` body: a completion ``prompt`` or chat ``messages`` (exactly one)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    add_special_tokens: bool = True  # prompt only: the BOS the model expects, as completions add it
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
 class PriorityUpdate(msgspec.Struct, forbid_unknown_fields=True):
     # Sluice's own body, so a misspelt field is an error; and an unknown field is refused before
     # msgspec walks its value (a deeply nested one would exhaust its recursion limit).

@@ -137,6 +137,10 @@ class ModelTokenizer:
             ids.insert(0, bos)
         return ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` alone: no BOS or other special token added."""
+        return self._encode(text, add_special_tokens=False)
+
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         if self._template is None:
             raise ChatTemplateError(self._template_error)

@@ -211,3 +211,31 @@ def test_logprobs_completion_and_chat(server: SluiceServer) -> None:
     streamed = [c for chunk in stream for c in (chunk.choices[0].logprobs.content or [])
                 if chunk.choices and chunk.choices[0].logprobs]
     assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
+
+
+def test_tokenize_and_detokenize_round_trip_and_match_what_completions_compute(server: SluiceServer) -> None:
+    """/tokenize gives the ids /v1/completions computes for the same prompt (BOS included), its
+    count and the model length; /detokenize gives the text back; chat messages tokenize as the
+    chat endpoint renders them; bad input is a 400 naming the field."""
+    texts = ["Hello there", "naïve café 日本語 🎉", "  spaced\n\nlines\t"]
+    for text in texts:
+        tok = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "prompt": text}).json()
+        done = complete(server, prompt=text, max_tokens=1, return_token_ids=True).json()
+        assert tok["tokens"] == done["choices"][0]["prompt_token_ids"]
+        assert tok["count"] == len(tok["tokens"]) == done["usage"]["prompt_tokens"]
+        assert tok["max_model_len"] == 8192
+        bare = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+        assert bare["tokens"] == tok["tokens"][1:]  # the tiny model's BOS is the only special token added
+        back = httpx.post(f"{server.url}/detokenize", json={"model": "tiny", "tokens": bare["tokens"]}).json()
+        assert back == {"prompt": text}
+    messages = [{"role": "user", "content": "What is two plus two?"}]
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()
+    answered = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    assert chat["count"] == answered["usage"]["prompt_tokens"]
+    for path, body, param in [("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("/tokenize", {"promt": "a"}, "promt"),
+                              ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")]:
+        r = httpx.post(f"{server.url}{path}", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    assert httpx.post(f"{server.url}/tokenize", json={"model": "other", "prompt": "a"}).status_code == 404

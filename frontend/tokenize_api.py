@@ -1,0 +1,59 @@
+"""``/tokenize`` and ``/detokenize``, with vLLM's shapes: what the server would compute for a
+prompt or a conversation, and text back from token ids — for clients that count tokens against
+``max_model_len``, truncate prompts or debug a chat template without generating anything.
+
+``{"prompt": str}`` is tokenized as ``/v1/completions`` tokenizes it (with the BOS token the model
+expects, unless ``add_special_tokens`` is false); ``{"messages": [...]}`` is rendered with the chat
+template and tokenized as ``/v1/chat/completions`` does. The answer is
+``{"tokens", "count", "max_model_len"}``; a prompt longer than the model's context is counted all
+the same (that is often what the client wants to know). ``/detokenize`` decodes the ids as they
+are, special tokens included, so it inverts ``/tokenize``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from frontend.errors import bad_request
+from frontend.openai_api import _check_model, _check_token_ids, _tokenize
+from frontend.schemas import DetokenizeRequest, TokenizeRequest, decode, message_text
+from frontend.state import AppState
+from frontend.tokenizer import ChatTemplateError
+
+_json = msgspec.json.Encoder()
+
+
+async def tokenize(request: Request) -> Response:
+    state: AppState = request.app.state.sluice
+    body = decode(await request.body(), TokenizeRequest)
+    _check_model(state, body.model)
+    tokenizer = state.require_tokenizer()
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    if body.prompt is not None:
+        if body.add_special_tokens:
+            tokens = await _tokenize(len(body.prompt), tokenizer.encode_prompt, body.prompt)
+        else:
+            tokens = await _tokenize(len(body.prompt), tokenizer.encode_text, body.prompt)
+    else:
+        assert body.messages is not None
+        try:
+            messages = [{"role": m.role, "content": message_text(m)} for m in body.messages]
+            size = sum(len(m["role"]) + len(m["content"]) for m in messages)
+            tokens = await _tokenize(size, tokenizer.encode_chat, messages)
+        except (ValueError, ChatTemplateError) as e:
+            raise bad_request(str(e), "messages") from None
+    body_out = {"tokens": tokens, "count": len(tokens), "max_model_len": state.require_model().max_model_len}
+    return Response(_json.encode(body_out), media_type="application/json")
+
+
+async def detokenize(request: Request) -> Response:
+    state: AppState = request.app.state.sluice
+    body = decode(await request.body(), DetokenizeRequest)
+    _check_model(state, body.model)
+    tokenizer = state.require_tokenizer()
+    _check_token_ids(body.tokens, tokenizer.vocab_size, "tokens")
+    text = tokenizer.decode(body.tokens, skip_special_tokens=False)
+    return Response(_json.encode({"prompt": text}), media_type="application/json")
