@@ -2,6 +2,10 @@
 
     sluice bench --num-prompts 200 --max-concurrency 32 --input-len 512 --output-len 32:256 --ignore-eos
     sluice bench --request-rate 8 --priority-mix 0:0.2,5:0.8 --admin-token T --plot-dir plots --save run.json
+    sluice bench --scenario long-prefill --save long-prefill.json --plot-dir plots
+
+With ``--scenario`` it starts its own ``sluice serve``, one per setting the scenario compares
+(``client.scenarios``, ``client.compare``), and prints one comparison table.
 
 Streams every request (``stream_options.include_usage``) and reports, overall and per priority
 class, what ``vllm bench serve`` reports, defined as it defines them (``client.stream``,
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -54,19 +59,30 @@ def _positive(cast: type) -> Any:
 UNSET = argparse.SUPPRESS
 
 
+DEFAULT_URL = "http://127.0.0.1:8000"
+# client.scenarios.SCENARIOS' names, here so that building the parser imports nothing (a test
+# checks that they agree).
+SCENARIO_NAMES = ("long-prefill", "priority", "shared-prefix", "preemption")
+# Flags a scenario sets itself (dest -> flag): refused with --scenario rather than ignored.
+WORKLOAD_FLAGS = {"model": "--model", "num_prompts": "--num-prompts", "max_concurrency": "--max-concurrency",
+                  "request_rate": "--request-rate", "input_len": "--input-len", "output_len": "--output-len",
+                  "token_ids": "--token-ids"}
+SCENARIO_FLAGS = {"server_model": "--server-model", "server_args": "--server-args", "scale": "--scale"}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument("--url", default=DEFAULT_URL, help="the server's base URL")
     p.add_argument("--model", default=UNSET, help="model name to send (default: the server's first, GET /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                    help="POST /v1/completions or /v1/chat/completions (the prompt as one user message)")
     p.add_argument("--api-key", default=UNSET,
                    help="sent as Authorization: Bearer on /v1 requests (default: env OPENAI_API_KEY)")
     load = p.add_argument_group("load")
-    load.add_argument("--num-prompts", type=_positive(int), default=100, help="requests measured")
+    load.add_argument("--num-prompts", type=_positive(int), default=UNSET, help="requests measured (default 100)")
     load.add_argument("--max-concurrency", type=_positive(int), default=UNSET,
                       help="most requests in flight at once (default: no limit)")
-    load.add_argument("--request-rate", type=_positive(float), default=float("inf"),
-                      help="requests per second, arrivals drawn by --burstiness; inf = all at once")
+    load.add_argument("--request-rate", type=_positive(float), default=UNSET,
+                      help="requests per second, arrivals drawn by --burstiness; inf = all at once (default inf)")
     load.add_argument("--burstiness", type=_positive(float), default=1.0,
                       help="shape of the gamma distribution of gaps between arrivals: 1 = Poisson, "
                            "< 1 burstier, > 1 more even")
@@ -102,6 +118,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "(default: env SLUICE_ADMIN_TOKEN)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds one request may take before it counts as failed (0 = no limit)")
+    sc = p.add_argument_group(
+        "scenarios", "compare server settings: start a sluice serve per setting, one after another, send each "
+                     "the same seeded workload (token-id prompts, ignore_eos) and print one table; --url and the "
+                     "load and workload flags do not apply (--seed, --warmup, --timeout, --save and --plot-dir do: "
+                     "one plot folder per setting)")
+    sc.add_argument("--scenario", choices=SCENARIO_NAMES, default=None,
+                    help="long-prefill (seed 000: short prompts arriving behind 8000-token ones; "
+                         "--min-concurrent-prefills 1 vs 2 vs no chunking); priority (001: interactive requests "
+                         "amid a saturating batch load; --priority-preemption vs not); shared-prefix (003: prompts "
+                         "sharing 90%%; prefix caching on vs off); preemption (004: a KV cache a third of the "
+                         "demand; --preemption-mode recompute vs swap)")
+    sc.add_argument("--server-model", default=UNSET, help="--model of the scenario's servers (default smollm2)")
+    sc.add_argument("--server-args", default=UNSET, metavar="FLAGS",
+                    help="more sluice serve flags for every server, as one string after '=' (it starts with --): "
+                         "--server-args='--dtype float32'; a setting's own flags come after, so they win")
+    sc.add_argument("--scale", type=_positive(float), default=UNSET,
+                    help="multiply the scenario's request counts, token lengths and arrival gaps (default 1: "
+                         "1 to 3 minutes per scenario with SmolLM2 on 2 CPU cores)")
+
+
+def _check_scenario(args: argparse.Namespace) -> str | None:
+    given = vars(args)
+    if not args.scenario:
+        named = [flag for dest, flag in SCENARIO_FLAGS.items() if dest in given]
+        return f"{', '.join(named)}: only with --scenario" if named else None
+    named = [flag for dest, flag in WORKLOAD_FLAGS.items() if dest in given]
+    named += [flag for flag, off in [("--dataset", args.dataset is None), ("--priority-mix", args.priority_mix is None),
+                                     ("--shared-prefix", args.shared_prefix == 0),
+                                     ("--endpoint", args.endpoint == "completions"),
+                                     ("--burstiness", args.burstiness == 1.0)] if not off]
+    if named:
+        return f"--scenario {args.scenario} sets its own workload: drop {', '.join(named)}"
+    if args.warmup < 0:
+        return "--warmup must be >= 0"
+    return None
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -126,6 +177,11 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
         "api_key": os.environ.get("OPENAI_API_KEY"),
         "admin_token": os.environ.get("SLUICE_ADMIN_TOKEN"),
         "max_concurrency": None,
+        "num_prompts": 100,
+        "request_rate": float("inf"),
+        "server_model": "smollm2",
+        "server_args": "",
+        "scale": 1.0,
         "token_ids": None,
         "input_len": None if args.dataset else Length(256, 256),
         "output_len": None if args.dataset else Length(128, 128),
@@ -135,6 +191,11 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if problem := _check_scenario(args):
+        print(f"sluice bench: error: {problem}", file=sys.stderr)
+        return 2
+    if args.scenario:
+        return _run_scenario(args)
     import asyncio
 
     try:
@@ -145,13 +206,29 @@ def run(args: argparse.Namespace) -> int:
     if problem := _check(args):
         print(f"sluice bench: error: {problem}", file=sys.stderr)
         return 2
-    from client.orchestrate import BenchError, benchmark
+    from client.orchestrate import benchmark
+
+    return _exit_status(lambda: asyncio.run(benchmark(args)), "no report")
+
+
+def _run_scenario(args: argparse.Namespace) -> int:
+    _resolve_defaults(args)
+    if args.url != DEFAULT_URL:
+        print(f"sluice bench: --url {args.url} ignored: --scenario starts its own servers", file=sys.stderr)
+    from client.compare import run_scenario
+
+    return _exit_status(lambda: run_scenario(args), "no report (the servers were stopped)")
+
+
+def _exit_status(run_it: Callable[[], int], interrupted: str) -> int:
+    """``run_it()``'s status; a ``BenchError`` is one error line and 1, Ctrl-C a note and 130."""
+    from client.orchestrate import BenchError
 
     try:
-        return asyncio.run(benchmark(args))
+        return run_it()
     except BenchError as e:
         print(f"sluice bench: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("sluice bench: interrupted; no report", file=sys.stderr)
+        print(f"sluice bench: interrupted; {interrupted}", file=sys.stderr)
         return 130

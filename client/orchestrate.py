@@ -66,8 +66,39 @@ async def calibrate(client: httpx.AsyncClient, url: str, model: str, endpoint: s
                    f"+ {shape.overhead:.0f} per prompt")
 
 
-def _records(specs: list[RequestSpec]) -> list[RequestRecord]:
-    return [RequestRecord(i, s.priority, s.input_len, s.output_len) for i, s in enumerate(specs)]
+def records_for(specs: list[RequestSpec]) -> list[RequestRecord]:
+    return [RequestRecord(i, s.priority, s.input_len, s.output_len, s.label) for i, s in enumerate(specs)]
+
+
+async def warm_up(client: httpx.AsyncClient, url: str, bodies: list[dict[str, Any]], *,
+                  max_concurrency: int | None, timeout: float | None, headers: dict[str, str] | None) -> str | None:
+    """Send ``bodies`` and await them, uncounted. Raises BenchError if every one failed; returns a
+    note if some did."""
+    warm = [RequestRecord(i, None, 0, b["max_tokens"]) for i, b in enumerate(bodies)]
+    await run_load(client, url, bodies, warm, t0=time.perf_counter(), arrivals=[0.0] * len(bodies),
+                   max_concurrency=max_concurrency, timeout=timeout, headers=headers, label="warm-up")
+    failed = [r for r in warm if not r.ok]
+    if len(failed) == len(warm):
+        raise BenchError(f"every warm-up request failed, e.g. {failed[0].error}")
+    return f"{len(failed)} of {len(warm)} warm-up requests failed (not counted)" if failed else None
+
+
+async def measure(client: httpx.AsyncClient, base: str, url: str, bodies: list[dict[str, Any]],
+                  records: list[RequestRecord], arrivals: list[float], *, max_concurrency: int | None,
+                  timeout: float | None, headers: dict[str, str] | None, admin_token: str | None,
+                  label: str = "requests") -> tuple[float, AdminSampler | None]:
+    """The measured run, with GET /admin/stats sampled beside it when there is an admin token:
+    the run's duration and the sampler (None without a token)."""
+    async with httpx.AsyncClient() as admin_client:
+        t0 = time.perf_counter()
+        sampler = AdminSampler(admin_client, base, admin_token, t0) if admin_token else None
+        if sampler:
+            sampler.start()
+        duration = await run_load(client, url, bodies, records, t0=t0, arrivals=arrivals,
+                                  max_concurrency=max_concurrency, timeout=timeout, headers=headers, label=label)
+        if sampler:
+            await sampler.stop()
+    return duration, sampler
 
 
 def _config(args: argparse.Namespace, model: str) -> dict[str, Any]:
@@ -130,29 +161,17 @@ async def benchmark(args: argparse.Namespace) -> int:
             return [request_body(s, model, args.endpoint, args.ignore_eos) for s in specs]
 
         if args.warmup:
-            specs = build_requests(args.warmup, stream="warmup", **workload)
-            warm = _records(specs)
-            await run_load(client, url, bodies(specs), warm, t0=time.perf_counter(), arrivals=[0.0] * len(specs),
-                           max_concurrency=args.max_concurrency, timeout=timeout, headers=headers, label="warm-up")
-            failed = [r for r in warm if not r.ok]
-            if len(failed) == len(warm):
-                raise BenchError(f"every warm-up request failed, e.g. {failed[0].error}")
-            if failed:
-                notes.append(f"{len(failed)} of {len(warm)} warm-up requests failed (not counted)")
+            warm = bodies(build_requests(args.warmup, stream="warmup", **workload))
+            if failed := await warm_up(client, url, warm, max_concurrency=args.max_concurrency, timeout=timeout,
+                                       headers=headers):
+                notes.append(failed)
 
         specs = build_requests(args.num_prompts, **workload)
-        records = _records(specs)
+        records = records_for(specs)
         arrivals = arrival_times(len(specs), args.request_rate, args.burstiness, args.seed)
-        async with httpx.AsyncClient() as admin_client:
-            t0 = time.perf_counter()
-            sampler = AdminSampler(admin_client, base, args.admin_token, t0) if args.admin_token else None
-            if sampler:
-                sampler.start()
-            duration = await run_load(client, url, bodies(specs), records, t0=t0, arrivals=arrivals,
-                                      max_concurrency=args.max_concurrency, timeout=timeout, headers=headers,
-                                      label="requests")
-            if sampler:
-                await sampler.stop()
+        duration, sampler = await measure(client, base, url, bodies(specs), records, arrivals,
+                                          max_concurrency=args.max_concurrency, timeout=timeout, headers=headers,
+                                          admin_token=args.admin_token)
 
     report = build_report(records, duration, by_priority=bool(args.priority_mix))
     if args.ignore_eos and (short := sum(1 for r in records if r.ok and r.output_tokens != r.max_tokens)):

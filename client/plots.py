@@ -1,6 +1,7 @@
 """PNG plots of a run (matplotlib's Agg renderer: no display needed, no pyplot global state).
 
-- ``latency_cdf.png``: CDFs of TTFT and of end-to-end latency, one line per priority class;
+- ``latency_cdf.png``: CDFs of TTFT and of end-to-end latency, one line per workload class (a
+  scenario's) or else per priority class;
 - ``throughput.png``: output tokens per second in 1 s bins;
 - ``kv_cache.png`` and ``queues.png``: the server's KV cache usage and its running / waiting queue
   lengths, from the ``/admin/stats`` samples (Sluice only; skipped without samples).
@@ -20,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from client.server_stats import ServerSample
-from client.stats import priority_label
+from client.stats import class_labels, priority_label
 from client.stream import RequestRecord
 
 DPI = 100
@@ -52,9 +53,10 @@ def _cdf(ax: Axes, values_ms: Sequence[float], label: str) -> None:
 def latency_cdf(records: Sequence[RequestRecord], path: Path) -> Path:
     fig, (ax_ttft, ax_e2e) = _figure(2)
     good = [r for r in records if r.ok]
-    classes = sorted({r.priority for r in good}, key=lambda p: (p is None, p or 0))
     groups: list[tuple[str, list[RequestRecord]]] = [("all", good)]
-    if len(classes) > 1:
+    if labels := class_labels(records):  # a scenario's workload classes
+        groups += [(label, [r for r in good if r.label == label]) for label in labels]
+    elif len(classes := sorted({r.priority for r in good}, key=lambda p: (p is None, p or 0))) > 1:
         groups += [(f"priority {priority_label(p)}", [r for r in good if r.priority == p]) for p in classes]
     for label, rs in groups:
         if rs:

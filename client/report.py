@@ -1,4 +1,5 @@
-"""The report on the terminal: one rich table, overall and per priority class, then the errors."""
+"""The report on the terminal: one rich table, overall, per priority class and per workload class,
+then the errors."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ for _name, _key in [("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms")]
 ROWS += [(f"E2E latency {s} (ms)", "e2el_ms", s) for s in ("mean", "p50", "p90", "p99")]
 
 
-def _fmt(value: Any) -> str:
+def fmt(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -37,14 +38,15 @@ def _fmt(value: Any) -> str:
 
 
 def report_table(report: dict[str, Any], title: str) -> Table:
-    columns = {"all": report["summary"]} | {f"priority {k}": v for k, v in report.get("by_priority", {}).items()}
+    columns = ({"all": report["summary"]} | {f"priority {k}": v for k, v in report.get("by_priority", {}).items()}
+               | dict(report.get("by_class", {})))
     table = Table(title=title, title_justify="left")
     table.add_column("metric")
     for name in columns:
         table.add_column(name, justify="right")
     for label, key, sub in ROWS:
         cells = [s[key] if sub is None else s[key][sub] for s in columns.values()]
-        table.add_row(label, *(_fmt(c) for c in cells))
+        table.add_row(label, *(fmt(c) for c in cells))
     return table
 
 

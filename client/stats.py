@@ -143,15 +143,25 @@ def priority_label(priority: int | None) -> str:
     return "default" if priority is None else str(priority)
 
 
-def build_report(records: Sequence[RequestRecord], duration: float, *, by_priority: bool) -> dict[str, Any]:
-    """The overall summary, one per priority class (when the run mixed them), the output
-    throughput timeline and the most common errors."""
+def class_labels(records: Iterable[RequestRecord]) -> list[str]:
+    """The workload classes of labelled records (``RequestRecord.label``), in order of first appearance."""
+    return list(dict.fromkeys(r.label for r in records if r.label is not None))
+
+
+def build_report(records: Sequence[RequestRecord], duration: float, *, by_priority: bool,
+                 by_class: bool = False) -> dict[str, Any]:
+    """The overall summary, one per priority class (when the run mixed them), one per workload
+    class (a scenario's labelled requests), the output throughput timeline and the most common
+    errors."""
     report: dict[str, Any] = {"summary": summarize(records, duration)}
     if by_priority:
         classes = sorted({r.priority for r in records}, key=lambda p: (p is None, p or 0))
         report["by_priority"] = {
             priority_label(p): summarize([r for r in records if r.priority == p], duration) for p in classes
         }
+    if by_class:
+        report["by_class"] = {c: summarize([r for r in records if r.label == c], duration)
+                              for c in class_labels(records)}
     report["timeline"] = {"bin_s": 1.0, "bin_widths_s": bin_widths(duration),
                           "output_tokens_per_s": output_timeline(records, duration)}
     errors: dict[str, int] = {}

@@ -44,6 +44,7 @@ class RequestRecord:
     priority: int | None
     input_len: int  # intended prompt tokens (0: unknown)
     max_tokens: int
+    label: str | None = None  # the request's class in a scenario (RequestSpec.label)
     start: float = 0.0
     ttft: float | None = None
     itl: list[float] = field(default_factory=list)

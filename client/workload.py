@@ -125,12 +125,14 @@ def random_words(rng: random.Random, count: int) -> str:
 class RequestSpec:
     """One request to send. ``input_len`` is the intended prompt length (0: unknown, a dataset's
     text); the report uses the count the server returns in ``usage``. ``priority`` None: no
-    ``priority`` field is sent."""
+    ``priority`` field is sent. ``label`` names the request's class in a scenario's workload
+    ("long", "short"): the report then has a column per class, as it has per priority."""
 
     prompt: str | list[int]
     input_len: int
     output_len: int
     priority: int | None
+    label: str | None = None
 
 
 @dataclass(frozen=True)
@@ -188,13 +190,15 @@ def build_requests(
     priority_mix: list[tuple[int, float]] | None = None,
     dataset: list[DatasetRow] | None = None,
     stream: str = "run",
+    label: str | None = None,
 ) -> list[RequestSpec]:
     """``n`` requests. Text prompts are random words, about ``input_len`` tokens by ``shape``;
     with ``token_ids`` they are exactly that many ids from ``range(*token_ids)``. With
     ``shared_prefix`` every prompt starts with the same prefix of that many tokens (text: words
     by ``shape``), the rest drawn per request. ``dataset`` rows (shuffled, cycled when
     ``n`` exceeds them) replace the generated prompts and output lengths. ``stream`` names the
-    random stream, so warm-up requests differ from the measured ones."""
+    random stream, so warm-up requests differ from the measured ones. ``label``: every request's
+    class (``RequestSpec.label``)."""
     rng = random.Random(f"{seed}:{stream}:prompts")
     prefix_rng = random.Random(f"{seed}:prefix")  # the same prefix for warm-up and run
     priorities = assign_priorities(n, priority_mix, random.Random(f"{seed}:{stream}:priorities"))
@@ -224,7 +228,7 @@ def build_requests(
                 words = shape.words_for(max(1.0, in_len - shape.overhead - shared_prefix))
                 body = random_words(rng, words)
                 prompt = f"{prefix_text} {body}" if prefix_text else body
-        specs.append(RequestSpec(prompt, in_len, out_len, priorities[i]))
+        specs.append(RequestSpec(prompt, in_len, out_len, priorities[i], label))
     return specs
 
 
