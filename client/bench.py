@@ -196,7 +196,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.scenario:
         return _run_scenario(args)
-    import asyncio
 
     try:
         _resolve_defaults(args)
@@ -207,8 +206,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"sluice bench: error: {problem}", file=sys.stderr)
         return 2
     from client.orchestrate import benchmark
+    from client.stream import run_loop
 
-    return _exit_status(lambda: asyncio.run(benchmark(args)), "no report")
+    return _exit_status(lambda: run_loop(benchmark(args)), "no report")
 
 
 def _run_scenario(args: argparse.Namespace) -> int:

@@ -11,7 +11,6 @@ measured requests. A warm-up request (``--warmup``) goes to each server first, u
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import secrets
@@ -31,7 +30,7 @@ from client.scenarios import SCENARIOS, Metric, Scenario, Workload
 from client.serve_process import ServeError, serving
 from client.server_stats import ServerSample
 from client.stats import build_report
-from client.stream import RequestRecord, request_body
+from client.stream import RequestRecord, request_body, run_loop
 from client.workload import DEFAULT_TOKEN_IDS, Length, RequestSpec, build_requests
 
 # Rows every comparison starts with (no ratio: counts, not figures of merit).
@@ -88,8 +87,7 @@ async def run_setting(base: str, name: str, flags: list[str], scenario: Scenario
                       token: str) -> tuple[SettingRun, Workload]:
     """The workload, fitted to the server's max_model_len, against the server at ``base``."""
     timeout = args.timeout or None
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # every due request sent at once
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout)) as client:  # the model lookup and counters
         model, max_model_len = await _served_model(client, base)
         workload = scenario.build(args.scale, max_model_len)
         url = f"{base}/v1/completions"
@@ -101,12 +99,12 @@ async def run_setting(base: str, name: str, flags: list[str], scenario: Scenario
         if args.warmup:
             warm = build_requests(args.warmup, seed=args.seed, input_len=Length(16, 16), output_len=Length(4, 4),
                                   token_ids=DEFAULT_TOKEN_IDS, stream="warmup")
-            if note := await warm_up(client, url, bodies(warm), max_concurrency=None, timeout=timeout, headers=None):
+            if note := await warm_up(url, bodies(warm), max_concurrency=None, timeout=timeout, headers=None):
                 notes.append(note)
         specs, arrivals = workload.requests(args.seed)
         records = records_for(specs)
         before = await _counters(client, base, token)
-        duration, sampler = await measure(client, base, url, bodies(specs), records, arrivals, max_concurrency=None,
+        duration, sampler = await measure(base, url, bodies(specs), records, arrivals, max_concurrency=None,
                                           timeout=timeout, headers=None, admin_token=token, label=name)
         after = await _counters(client, base, token)
 
@@ -191,7 +189,7 @@ def run_scenario(args: argparse.Namespace) -> int:
                       markup=False, highlight=False)
             try:
                 with serving(flags, Path(logs) / f"{name}.log", env={"SLUICE_ADMIN_TOKEN": token}) as server:
-                    run, fitted = asyncio.run(run_setting(server.url, name, flags, scenario, args, token))
+                    run, fitted = run_loop(run_setting(server.url, name, flags, scenario, args, token))
             except ServeError as e:
                 raise BenchError(f"setting {name}: {e}") from None
             if fitted.server_flags != unfitted.server_flags:

@@ -47,14 +47,14 @@ async def first_model(client: httpx.AsyncClient, base: str, headers: dict[str, s
                          "is the server up? else pass --model") from None
 
 
-async def calibrate(client: httpx.AsyncClient, url: str, model: str, endpoint: str,
+async def calibrate(url: str, model: str, endpoint: str,
                     headers: dict[str, str] | None) -> tuple[PromptShape | None, str]:
     """Tokens per generated word on this server: two probe prompts (max_tokens 1) and the
     prompt_tokens the server reports for each; None (and why) when the server does not say."""
     probes = calibration_prompts()
     bodies = [request_body(RequestSpec(text, 0, 1, None), model, endpoint, ignore_eos=False) for _, text in probes]
     records = [RequestRecord(i, None, 0, 1) for i in range(len(bodies))]
-    await asyncio.gather(*(stream_request(client, url, b, r, t0=time.perf_counter(), timeout=60.0, headers=headers)
+    await asyncio.gather(*(stream_request(url, b, r, t0=time.perf_counter(), timeout=60.0, headers=headers)
                            for b, r in zip(bodies, records, strict=True)))
     points = [(words, r.prompt_tokens) for (words, _), r in zip(probes, records, strict=True)
               if r.ok and r.prompt_tokens is not None]
@@ -70,12 +70,12 @@ def records_for(specs: list[RequestSpec]) -> list[RequestRecord]:
     return [RequestRecord(i, s.priority, s.input_len, s.output_len, s.label) for i, s in enumerate(specs)]
 
 
-async def warm_up(client: httpx.AsyncClient, url: str, bodies: list[dict[str, Any]], *,
+async def warm_up(url: str, bodies: list[dict[str, Any]], *,
                   max_concurrency: int | None, timeout: float | None, headers: dict[str, str] | None) -> str | None:
     """Send ``bodies`` and await them, uncounted. Raises BenchError if every one failed; returns a
     note if some did."""
     warm = [RequestRecord(i, None, 0, b["max_tokens"]) for i, b in enumerate(bodies)]
-    await run_load(client, url, bodies, warm, t0=time.perf_counter(), arrivals=[0.0] * len(bodies),
+    await run_load(url, bodies, warm, t0=time.perf_counter(), arrivals=[0.0] * len(bodies),
                    max_concurrency=max_concurrency, timeout=timeout, headers=headers, label="warm-up")
     failed = [r for r in warm if not r.ok]
     if len(failed) == len(warm):
@@ -83,7 +83,7 @@ async def warm_up(client: httpx.AsyncClient, url: str, bodies: list[dict[str, An
     return f"{len(failed)} of {len(warm)} warm-up requests failed (not counted)" if failed else None
 
 
-async def measure(client: httpx.AsyncClient, base: str, url: str, bodies: list[dict[str, Any]],
+async def measure(base: str, url: str, bodies: list[dict[str, Any]],
                   records: list[RequestRecord], arrivals: list[float], *, max_concurrency: int | None,
                   timeout: float | None, headers: dict[str, str] | None, admin_token: str | None,
                   label: str = "requests") -> tuple[float, AdminSampler | None]:
@@ -94,7 +94,7 @@ async def measure(client: httpx.AsyncClient, base: str, url: str, bodies: list[d
         sampler = AdminSampler(admin_client, base, admin_token, t0) if admin_token else None
         if sampler:
             sampler.start()
-        duration = await run_load(client, url, bodies, records, t0=t0, arrivals=arrivals,
+        duration = await run_load(url, bodies, records, t0=t0, arrivals=arrivals,
                                   max_concurrency=max_concurrency, timeout=timeout, headers=headers, label=label)
         if sampler:
             await sampler.stop()
@@ -139,16 +139,12 @@ async def benchmark(args: argparse.Namespace) -> int:
     url = base + ENDPOINT_PATHS[args.endpoint]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     timeout = args.timeout or None
-    # Without a concurrency limit every due request gets its own connection at once: httpx's
-    # default pool of 100 would queue them on the client and bill the wait to the server.
-    pool = args.max_concurrency + 1 if args.max_concurrency else None
-    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
     notes: list[str] = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout)) as client:  # the model lookup
         model = args.model or await first_model(client, base, headers)
         measured: PromptShape | None = None  # generated text prompts only
         if args.token_ids is None and (dataset is None or args.shared_prefix):
-            measured, note = await calibrate(client, url, model, args.endpoint, headers)
+            measured, note = await calibrate(url, model, args.endpoint, headers)
             err.print(note, markup=False)
             if measured is None:
                 notes.append(note)
@@ -162,14 +158,14 @@ async def benchmark(args: argparse.Namespace) -> int:
 
         if args.warmup:
             warm = bodies(build_requests(args.warmup, stream="warmup", **workload))
-            if failed := await warm_up(client, url, warm, max_concurrency=args.max_concurrency, timeout=timeout,
+            if failed := await warm_up(url, warm, max_concurrency=args.max_concurrency, timeout=timeout,
                                        headers=headers):
                 notes.append(failed)
 
         specs = build_requests(args.num_prompts, **workload)
         records = records_for(specs)
         arrivals = arrival_times(len(specs), args.request_rate, args.burstiness, args.seed)
-        duration, sampler = await measure(client, base, url, bodies(specs), records, arrivals,
+        duration, sampler = await measure(base, url, bodies(specs), records, arrivals,
                                           max_concurrency=args.max_concurrency, timeout=timeout, headers=headers,
                                           admin_token=args.admin_token)
 

@@ -15,7 +15,6 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -56,7 +55,7 @@ def _progress(label: str, total: int, enabled: bool) -> Iterator[Progress | None
         yield progress
 
 
-async def run_load(client: httpx.AsyncClient, url: str, bodies: list[dict[str, Any]], records: list[RequestRecord],
+async def run_load(url: str, bodies: list[dict[str, Any]], records: list[RequestRecord],
                    *, t0: float, arrivals: list[float], max_concurrency: int | None, timeout: float | None,
                    headers: dict[str, str] | None = None, label: str = "requests",
                    show_progress: bool = True) -> float:
@@ -72,7 +71,7 @@ async def run_load(client: httpx.AsyncClient, url: str, bodies: list[dict[str, A
             if delay > 0:
                 await asyncio.sleep(delay)
             async with slots or contextlib.nullcontext():
-                await stream_request(client, url, bodies[i], records[i], t0=t0, timeout=timeout,
+                await stream_request(url, bodies[i], records[i], t0=t0, timeout=timeout,
                                      headers=headers, on_token=meter.tick)
             if progress is not None and bar is not None:
                 progress.update(bar, advance=1, rate=meter.rate())

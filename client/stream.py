@@ -25,13 +25,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-import httpx
+import msgspec
 
+from client import sse_http
 from client.workload import RequestSpec
+
+T = TypeVar("T")
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -64,6 +67,16 @@ class RequestRecord:
     @property
     def token_chunks(self) -> int:
         return 0 if self.ttft is None else 1 + len(self.itl)
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on uvloop where it is installed: the client's event loop costs the server
+    on the same machine less CPU."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def request_body(spec: RequestSpec, model: str, endpoint: str, ignore_eos: bool) -> dict[str, Any]:
@@ -111,21 +124,24 @@ def _apply_usage(record: RequestRecord, usage: Any) -> None:
         record.cached_tokens = details["cached_tokens"]
 
 
-async def _read_stream(response: httpx.Response, record: RequestRecord, sent: float,
+_decode = msgspec.json.Decoder().decode
+
+
+async def _read_stream(response: sse_http.Response, record: RequestRecord, sent: float,
                        on_token: Callable[[], None] | None) -> None:
     last = sent
     done = False
-    async for line in response.aiter_lines():
+    async for line in response.lines():
         now = time.perf_counter()
-        if not line.startswith("data:"):  # blank separators, ": ping" comments, event: lines
+        if not line.startswith(b"data:"):  # blank separators, ": ping" comments, event: lines
             continue
         payload = line[5:].strip()
-        if payload == "[DONE]":
+        if payload == b"[DONE]":
             done = True
             break
         try:
-            chunk = json.loads(payload)
-        except ValueError:
+            chunk = _decode(payload)
+        except msgspec.DecodeError:
             chunk = None
         if not isinstance(chunk, dict):
             raise ValueError(f"malformed chunk: {payload[:100]!r}")
@@ -151,27 +167,33 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, sent: fl
         record.output_tokens = record.token_chunks
 
 
-async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], record: RequestRecord, *,
-                         t0: float, timeout: float | None, headers: dict[str, str] | None = None,
+async def stream_request(url: str, body: dict[str, Any], record: RequestRecord, *, t0: float,
+                         timeout: float | None, headers: dict[str, str] | None = None,
                          on_token: Callable[[], None] | None = None) -> RequestRecord:
     """POST ``body`` to ``url`` and fill ``record`` (see the module's definitions). Never raises
-    for a failure of the request: it lands in ``record.error``."""
+    for a failure of the request: it lands in ``record.error``. The request goes through
+    ``sse_http`` rather than an HTTP library: the client must take as little CPU as it can from
+    a server on the same machine."""
     sent = time.perf_counter()
     record.start = sent - t0
+    response: sse_http.Response | None = None
     try:
         async with asyncio.timeout(timeout):
-            async with client.stream("POST", url, json=body, headers=headers) as response:
-                record.status = response.status_code
-                if response.status_code != 200:
-                    record.error = _error_text(await response.aread(), response.status_code)
-                else:
-                    await _read_stream(response, record, sent, on_token)
+            response = await sse_http.post(url, body, headers)
+            record.status = response.status
+            if response.status != 200:
+                record.error = _error_text(await response.read(), response.status)
+            else:
+                await _read_stream(response, record, sent, on_token)
     except TimeoutError:
         record.error = f"no complete answer within --timeout {timeout} s"
-    except (httpx.HTTPError, OSError) as e:
+    except (sse_http.ProtocolError, asyncio.IncompleteReadError, OSError) as e:
         record.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     except ValueError as e:
         record.error = str(e)
+    finally:
+        if response is not None:
+            response.close()
     record.done = time.perf_counter() - sent
     if record.error is not None:
         record.latency = None
