@@ -70,13 +70,55 @@ def test_decode_kernel_matches_the_torch_path(heads: int, kv_heads: int, head_di
     assert torch.equal(caches[0].values[0], caches[1].values[0])
 
 
-def test_steps_with_prefill_chunks_keep_the_torch_path() -> None:
+def test_steps_with_prefill_chunks_send_only_their_decode_rows_to_the_kernel() -> None:
     cache = KVCache(1, 16, 4, 2, 8, torch.float32, torch.device("cpu"))
     backend = AttentionBackend(kernel, torch.device("cpu"))
     mixed = backend.metadata(cache, [[0, 1], [2, 3]], [5, 0], [1, 3], [0, 3], torch.device("cpu"), None)
     decode = backend.metadata(cache, [[0, 1], [2, 3]], [5, 2], [1, 1], [0, 1], torch.device("cpu"), None)
-    assert mixed.decode is None and mixed.groups
+    prefill = backend.metadata(cache, [[0, 1], [2, 3]], [0, 0], [4, 3], [3, 6], torch.device("cpu"), None)
+    assert mixed.decode is not None and mixed.groups and mixed.decode.tokens is not None
+    assert mixed.decode.tokens.tolist() == [0] and [g.tokens.tolist() for g in mixed.groups if g.tokens is not None] == [[1, 2, 3]]
     assert decode.decode is not None and not decode.groups
+    assert prefill.decode is None and prefill.groups
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_steps_attend_as_the_torch_path(seed: int, window: int | None, dtype: torch.dtype) -> None:
+    """Decode rows and prefill chunks in one step, shuffled tables: the kernel for the decodes
+    and SDPA for the chunks give what the torch path gives for the whole step, and the cache
+    ends the same."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    bs, heads, kv_heads, head_dim = 4, 6, 2, 32
+    num_blocks = 200
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables, starts, lengths = [], [], []
+    for i in range(9):
+        n = 1 if i % 3 else rng.randrange(2, 14)  # two decodes for every chunk
+        start = rng.randrange(0, 60)
+        tables.append([free.pop() for _ in range((start + n - 1) // bs + 1)])
+        starts.append(start)
+        lengths.append(n)
+    caches = [KVCache(1, num_blocks, bs, kv_heads, head_dim, dtype, torch.device("cpu")) for _ in range(2)]
+    fill = torch.randn_like(caches[0].keys[0]), torch.randn_like(caches[0].values[0])
+    for cache in caches:
+        cache.keys[0].copy_(fill[0])
+        cache.values[0].copy_(fill[1])
+    total = sum(lengths)
+    q = torch.randn(total, heads, head_dim, dtype=dtype)
+    k, v = torch.randn(total, kv_heads, head_dim, dtype=dtype), torch.randn(total, kv_heads, head_dim, dtype=dtype)
+    cpu = torch.device("cpu")
+    ref = AttentionMetadata.build(caches[0], tables, starts, lengths, [total - 1], cpu, window)
+    mixed = AttentionMetadata.build(caches[1], tables, starts, lengths, [total - 1], cpu, window, decode_kernel=kernel)
+    assert ref.decode is None and mixed.decode is not None and len(mixed.decode.context_lens) == 6
+    want = paged_attention(q, k, v, ref, 0, head_dim**-0.5)
+    got = paged_attention(q, k, v, mixed, 0, head_dim**-0.5)
+    tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(caches[0].keys[0], caches[1].keys[0]) and torch.equal(caches[0].values[0], caches[1].values[0])
 
 
 def test_geometries_outside_the_kernels_scratch_are_refused() -> None:

@@ -84,12 +84,24 @@ class AttentionGroup:
 
 @dataclasses.dataclass
 class DecodeRows:
-    """A step where every row computes one token, for the C kernel: int32 host tensors."""
+    """The rows of a step that compute one token each, for the C kernel: int32 host tensors."""
 
     kernel: ctypes.CDLL
     block_table: torch.Tensor  # [B, max blocks], contiguous
     context_lens: torch.Tensor  # [B]: positions 0 .. len - 1 exist once this step's token is written
     first_positions: torch.Tensor  # [B]: the earliest position the row's query sees (sliding window)
+    tokens: torch.Tensor | None = None  # [B] their flat token indices; None: every token of the step, in order
+
+    @classmethod
+    def of(cls, kernel: ctypes.CDLL, tables: RowTables, positions: torch.Tensor, rows: torch.Tensor,
+           sliding_window: int | None, bs: int, tokens: torch.Tensor | None = None) -> DecodeRows:
+        """Rows ``rows`` of ``tables`` computing the token at ``positions``."""
+        used = positions // bs + 1  # blocks up to the one this step's token goes into
+        num_blocks = tables.num_blocks[rows]
+        _check_cover(num_blocks, used, positions)
+        table = tables.table[rows, : int(used.max())].contiguous()
+        first = (positions - sliding_window + 1).clamp(min=0) if sliding_window is not None else torch.zeros_like(positions)
+        return cls(kernel, table, (positions + 1).to(torch.int32), first.to(torch.int32), tokens)
 
 
 @dataclasses.dataclass
@@ -101,7 +113,7 @@ class AttentionMetadata:
     cache: KVCache
     key_scratch: torch.Tensor | None  # [blocks, block numel]: every group of every layer gathers into these
     value_scratch: torch.Tensor | None
-    decode: DecodeRows | None = None  # set: the C kernel runs this step, no groups, no scratch
+    decode: DecodeRows | None = None  # set: the C kernel attends these rows (every row, when there are no groups)
     # The step's other inputs (input ids, sampling tensors), moved to the device in the same copy.
     extra: list[torch.Tensor] = dataclasses.field(default_factory=list)
     paged: PagedKernelStep | None = None  # set: a paged-kernel backend (FlashInfer) attends this step
@@ -131,10 +143,23 @@ class AttentionMetadata:
         positions = rows.starts[flat_rows] + (torch.arange(flat_rows.shape[0]) - rows.first_token[flat_rows])
         # Every position computed now lies in a gathered block (first_block <= start // bs).
         slots = table[flat_rows, positions // bs - rows.first_block[flat_rows]] * bs + positions % bs
-        groups = [rows.group(members, table) for members in _group_rows(rows.num_blocks.tolist(), bs)]
+        # A step with prefill chunks: its decode rows still go to the kernel (with continuous
+        # arrivals nearly every step has a chunk, and gathering every decode row's context for
+        # SDPA made those steps several times slower); the chunks are grouped for SDPA.
+        decoding = [i for i, n in enumerate(lengths) if n == 1] if decode_kernel is not None else []
+        prefilling = [i for i, n in enumerate(lengths) if n > 1] if decoding else list(range(len(lengths)))
+        blocks = rows.num_blocks.tolist()
+        groups = [rows.group([prefilling[j] for j in members], table)
+                  for members in _group_rows([blocks[i] for i in prefilling], bs)]
         key_scratch, value_scratch = _scratch(cache, max(g.block_table.numel() for g in groups))
-        if len(groups) == 1:
+        if len(groups) == 1 and not decoding:
             groups[0].tokens = None
+        decode = None
+        if decoding:
+            assert decode_kernel is not None
+            idx = torch.tensor(decoding)
+            decode = DecodeRows.of(decode_kernel, tables, rows.starts[idx], idx, sliding_window, bs,
+                                   tokens=rows.first_token[idx])
         host = [positions, slots, torch.tensor(logits_indices, dtype=torch.long)]
         for g in groups:
             host += [g.block_table, g.mask, g.query_rows, g.query_cols] + ([g.tokens] if g.tokens is not None else [])
@@ -152,6 +177,7 @@ class AttentionMetadata:
             cache=cache,
             key_scratch=key_scratch,
             value_scratch=value_scratch,
+            decode=decode,
             extra=list(moved),
         )
 
@@ -162,11 +188,8 @@ class AttentionMetadata:
         """The C kernel's metadata: its tables stay on the host, where the kernel reads them."""
         bs = cache.block_size
         positions = torch.tensor(starts)
-        used = positions // bs + 1  # blocks up to the one this step's token goes into
-        _check_cover(tables.num_blocks, used, positions)
-        table = tables.table[:, : int(used.max())].contiguous()
-        slots = table[torch.arange(len(starts)), positions // bs].long() * bs + positions % bs
-        first = (positions - sliding_window + 1).clamp(min=0) if sliding_window is not None else torch.zeros_like(positions)
+        rows = DecodeRows.of(kernel, tables, positions, torch.arange(len(starts)), sliding_window, bs)
+        slots = rows.block_table[torch.arange(len(starts)), positions // bs].long() * bs + positions % bs
         logits, *moved = to_device([torch.tensor(logits_indices, dtype=torch.long), *extra])
         return cls(
             positions=positions,
@@ -176,7 +199,7 @@ class AttentionMetadata:
             cache=cache,
             key_scratch=None,
             value_scratch=None,
-            decode=DecodeRows(kernel, table, (positions + 1).to(torch.int32), first.to(torch.int32)),
+            decode=rows,
             extra=moved,
         )
 
@@ -328,7 +351,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
     cache = meta.cache
     if meta.paged is not None:
         return meta.paged.attend(q, k, v, meta, layer)
-    if meta.decode is not None:
+    if meta.decode is not None and not meta.groups:  # a decode step: the kernel writes the keys too
         rows = meta.decode
         with torch.profiler.record_function("sluice::paged_decode"):  # ctypes calls are invisible to profiles
             cpu_kernels.write_kv(rows.kernel, k, v, cache.key_slots[layer], cache.value_slots[layer],
@@ -341,6 +364,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
     if meta.groups[0].tokens is None:  # one group: the whole step, in order
         return _attend(q, *_gather_both(cache, layer, meta.groups[0], meta), meta.groups[0], scale)
     out = torch.empty_like(q)
+    if meta.decode is not None:  # a mixed step: its decode rows through the kernel, keys already written
+        rows = meta.decode
+        assert rows.tokens is not None
+        with torch.profiler.record_function("sluice::paged_decode"):
+            out[rows.tokens] = cpu_kernels.decode(rows.kernel, q[rows.tokens], cache.key_slots[layer],
+                                                  cache.value_slots[layer], rows.block_table, rows.context_lens,
+                                                  rows.first_positions, cache.block_size, scale)
     for group in meta.groups:
         out[group.tokens] = _attend(q[group.tokens], *_gather_both(cache, layer, group, meta), group, scale)
     return out
