@@ -246,7 +246,10 @@ static inline __attribute__((always_inline)) void decode(
 #if HAVE_AVX512_DECODE
     if (head_dim % 16 == 0) {
         const int chunks = head_dim / 16;
-        if (chunks == 4)
+        if (chunks == 2)
+            decode_rows_avx512(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions,
+                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, bf16, 2);
+        else if (chunks == 4)
             decode_rows_avx512(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions,
                                out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, bf16, 4);
         else if (chunks == 8)
