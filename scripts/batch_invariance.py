@@ -23,8 +23,8 @@ import sys
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_smollm2 import Server
 from bench_serve import _free_port
+from bench_smollm2 import Server
 
 SUBJECTS = ["France", "Japan", "the Moon", "photosynthesis", "the Roman Empire", "a binary search", "the ocean",
             "jazz", "volcanoes", "the printing press", "honey bees", "electric cars", "chess", "the Nile",

@@ -146,7 +146,7 @@ class BareLoop:
         self.per_seq = -(-(prompt_tokens + output_tokens + steps) // self.block_size)
         self.worker = Worker(WorkerConfig(model=model, num_kv_blocks=biggest * self.per_seq + 1,
                                           block_size=self.block_size, log_level="warning"))
-        configure_cpu_threads(self.worker.device, 0, self.worker.num_params)
+        self.worker.runner.threads = configure_cpu_threads(self.worker.device, 0, self.worker.num_params)
         self.worker.warm_up()
         self.plan_ids = itertools.count(1)
         print(f"  (bare loop: {torch.get_num_threads()} torch thread(s), as the server's worker)", file=sys.stderr)

@@ -36,7 +36,7 @@ class StepTimer:
         self.per_seq = -(-(context + steps + 64) // self.bs)
         self.worker = Worker(WorkerConfig(model=model, dtype=dtype, num_kv_blocks=biggest * self.per_seq + 1,
                                           block_size=self.bs, log_level="warning"))
-        configure_cpu_threads(self.worker.device, threads, self.worker.num_params)
+        self.worker.runner.threads = configure_cpu_threads(self.worker.device, threads, self.worker.num_params)
         self.worker.warm_up()
         self.plan_ids = itertools.count(1)
         self.rids = itertools.count(0)

@@ -200,7 +200,7 @@ def run(config: WorkerConfig) -> int:
     try:
         try:
             worker = Worker(config)
-            configure_cpu_threads(worker.device, config.worker_threads, worker.num_params)
+            worker.runner.threads = configure_cpu_threads(worker.device, config.worker_threads, worker.num_params)
             worker.warm_up()
         except Exception as e:
             return proc.fail("cannot load the model", e)

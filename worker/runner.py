@@ -33,6 +33,7 @@ import torch
 
 from protocol.messages import CancelRows, StepPlan, StepTokens
 from worker.attention import AttentionBackend
+from worker.cpu_threads import ThreadPlan
 from worker.host_copy import HostCopier, PendingCopy
 from worker.input_batch import InputBatch
 from worker.kv_cache import KVCache, SwapSpace
@@ -94,6 +95,7 @@ class ModelRunner:
         self.plan_id: int | None = None  # the plan being executed
         self.cancelled: set[int] = set()  # its rows that stop at the next step
         self.cancels_ahead: dict[int, set[int]] = {}  # for plans received but not started
+        self.threads: ThreadPlan | None = None  # CPU threads per step size (worker.cpu_threads)
 
     def reset(self) -> int:
         """Forget every request (a new scheduler knows none of them); returns how many."""
@@ -262,6 +264,8 @@ class ModelRunner:
 
     def _forward(self, batch: StepBatch) -> SamplerOutput | None:
         """Build the step's inputs on the host, send them in one copy, run the model, sample."""
+        if self.threads is not None:
+            self.threads.apply(sum(batch.lengths))
         tables, params = self.batch.gather([s.rid for s in batch.seqs], [s.rid for s in batch.samplers])
         sampling = self.sampler.prepare([
             SamplingRow(s.sampling, s.num_sampled, s.token_ids, s.num_prompt_tokens, s.rid) if s.sampling.reads_history
