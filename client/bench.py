@@ -100,6 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     work.add_argument("--token-ids", nargs="?", const="100:500", default=UNSET, type=_arg_type("parse_token_id_range"),
                       metavar="LO:HI", help="send prompts as token-id lists, ids drawn from LO..HI-1 (bare "
                                             "--token-ids: 100:500, valid in any vocabulary); completions only")
+    work.add_argument("--temperature", type=float, default=0.0,
+                      help="sampling temperature sent with every request (default 0: greedy, as vllm bench serve "
+                           "sends; a server's own default is often 1, random sampling, which costs a CPU server more)")
     work.add_argument("--ignore-eos", action="store_true",
                       help="send ignore_eos: true (vLLM, SGLang, Sluice) so every request generates max_tokens")
     work.add_argument("--priority-mix", type=_arg_type("parse_priority_mix"), default=None, metavar="P:F[,P:F...]",

@@ -93,7 +93,7 @@ async def run_setting(base: str, name: str, flags: list[str], scenario: Scenario
         url = f"{base}/v1/completions"
 
         def bodies(specs: list[RequestSpec]) -> list[dict[str, Any]]:
-            return [request_body(s, model, "completions", ignore_eos=True) for s in specs]
+            return [request_body(s, model, "completions", ignore_eos=True, temperature=args.temperature) for s in specs]
 
         notes: list[str] = []
         if args.warmup:

@@ -154,7 +154,7 @@ async def benchmark(args: argparse.Namespace) -> int:
                         priority_mix=args.priority_mix, dataset=dataset)
 
         def bodies(specs: list[RequestSpec]) -> list[dict[str, Any]]:
-            return [request_body(s, model, args.endpoint, args.ignore_eos) for s in specs]
+            return [request_body(s, model, args.endpoint, args.ignore_eos, args.temperature) for s in specs]
 
         if args.warmup:
             warm = bodies(build_requests(args.warmup, stream="warmup", **workload))

@@ -79,19 +79,25 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(main)
 
 
-def request_body(spec: RequestSpec, model: str, endpoint: str, ignore_eos: bool) -> dict[str, Any]:
+def request_body(spec: RequestSpec, model: str, endpoint: str, ignore_eos: bool,
+                 temperature: float | None = 0.0) -> dict[str, Any]:
     """The JSON body. ``max_tokens`` on both endpoints: every OpenAI-compatible server takes it
     (``max_completion_tokens``, which ``vllm bench serve`` sends for chat, is newer). ``ignore_eos``
     (vLLM, SGLang, Sluice) alone makes the server generate exactly ``max_tokens``, as no stop
     strings are sent; no ``min_tokens`` is sent, since it would only matter on a server that
     ignores ``ignore_eos`` (the report warns when outputs come out short). ``priority`` is sent
-    only when the workload sets one: a server without priority scheduling may refuse the field."""
+    only when the workload sets one: a server without priority scheduling may refuse the field.
+    ``temperature`` 0 (greedy) by default, as ``vllm bench serve`` sends: a server's default (1,
+    random sampling) can cost a CPU server a large share of a step, and figures from two clients
+    compare only when both ask for the same sampling."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": spec.output_len,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if temperature is not None:
+        body["temperature"] = temperature
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:

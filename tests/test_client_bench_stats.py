@@ -251,7 +251,8 @@ def test_request_bodies() -> None:
     spec = RequestSpec("a b c", 3, 7, None)
     body = request_body(spec, "m", "completions", ignore_eos=False)
     assert body == {"model": "m", "max_tokens": 7, "stream": True, "stream_options": {"include_usage": True},
-                    "prompt": "a b c"}
+                    "temperature": 0.0, "prompt": "a b c"}  # greedy by default, as vllm bench serve asks
+    assert "temperature" not in request_body(spec, "m", "completions", ignore_eos=False, temperature=None)
     chat = request_body(RequestSpec("a b c", 3, 7, 5), "m", "chat", ignore_eos=True)
     assert chat["messages"] == [{"role": "user", "content": "a b c"}] and "prompt" not in chat
     assert chat["ignore_eos"] is True and chat["priority"] == 5 and "min_tokens" not in chat

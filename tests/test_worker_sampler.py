@@ -171,9 +171,11 @@ def test_penalised_seeded_rows_ignore_the_batch() -> None:
 
 
 def test_top_k_by_topk_keeps_what_a_full_sort_keeps() -> None:
-    """The filter ranks only the widest k it needs; the tokens it keeps are those a full sort
-    keeps, for rows with top-k only, top-k then top-p, and top-p alone (which forces the sort)."""
-    from worker.sampler import _filter_top_k_top_p
+    """The filter ranks only the widest k it needs (and, on the CPU, looks for a top-p-only
+    nucleus among the best ``TOP_P_PROBE`` tokens first); the tokens it keeps are those a full
+    sort keeps, for rows with top-k only, top-k then top-p, top-p alone (with a nucleus inside
+    the probe and, on flat rows, far wider than it), and rows with no filter in the same batch."""
+    from worker.sampler import TOP_P_PROBE, _filter_top_k_top_p
 
     def by_sort(logits: torch.Tensor, k: int, p: float) -> set[int]:
         order = logits.argsort(descending=True).tolist()
@@ -181,20 +183,38 @@ def test_top_k_by_topk_keeps_what_a_full_sort_keeps() -> None:
         probs = logits[head].softmax(-1).tolist()
         kept, mass = set(), 0.0
         for token, prob in zip(head, probs, strict=True):
-            if mass >= p:
+            if mass >= p and p < 1.0:  # p = 1 keeps the whole head (a float sum may reach 1 early)
                 break
             kept.add(token)
             mass += prob
         return kept
 
     gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(6, 1000, generator=gen) * 3
-    for ks, ps in [([5, 40, 1, 7, 20, 3], [1.0] * 6), ([50, 10, 200, 2, 9, 30], [0.5, 0.9, 0.3, 1.0, 0.7, 0.95]),
-                   ([0, 10, 0, 5, 0, 1], [0.6, 1.0, 0.2, 0.8, 0.9, 1.0])]:
-        out = _filter_top_k_top_p(logits, ks, torch.tensor(ks, dtype=torch.float32), torch.tensor(ps))
+    peaked = torch.randn(6, 1000, generator=gen) * 3
+    flat = torch.randn(6, 1000, generator=gen) * 0.1  # a 0.95 nucleus holds ~900 tokens: beyond the probe
+    assert TOP_P_PROBE < 900
+    for logits, ks, ps in [(peaked, [5, 40, 1, 7, 20, 3], [1.0] * 6),
+                           (peaked, [50, 10, 200, 2, 9, 30], [0.5, 0.9, 0.3, 1.0, 0.7, 0.95]),
+                           (peaked, [0, 10, 0, 5, 0, 1], [0.6, 1.0, 0.2, 0.8, 0.9, 1.0]),
+                           (flat, [0, 0, 30, 0, 0, 0], [0.95, 0.5, 0.9, 1.0, 0.99, 0.2]),
+                           (peaked, [0, 0, 0, 3, 0, 0], [1.0, 0.7, 1.0, 1.0, 1.0, 0.9])]:
+        out = _filter_top_k_top_p(logits, ks, ps, torch.tensor(ks, dtype=torch.float32), torch.tensor(ps))
         for row in range(6):
             kept = set(torch.nonzero(out[row] > -torch.inf).flatten().tolist())
             assert kept == by_sort(logits[row], ks[row], ps[row]), (ks[row], ps[row])
+            if ks[row] == 0 and ps[row] == 1.0:
+                assert torch.equal(out[row], logits[row])  # no filter: the row as it was
+
+
+def test_random_draws_follow_a_filtered_distribution_and_never_pick_a_removed_token() -> None:
+    """Sampling inverts the cumulative distribution at one uniform per row: frequencies follow
+    the probabilities left by top-p, and a token top-p removed is never drawn."""
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    logits = probs.log().expand(6000, 4).clone()
+    out = sampler()(logits, rows(*[SamplingParams(temperature=1.0, top_p=0.85)] * 6000)).token_ids
+    freq = torch.bincount(out, minlength=4).float() / 6000
+    assert freq[3] == 0  # outside the 0.85 nucleus (0.4 + 0.3 + 0.2 = 0.9 already holds it)
+    torch.testing.assert_close(freq[:3], probs[:3] / 0.9, atol=0.03, rtol=0)
 
 
 def test_running_counts_equal_a_rebuild_from_the_history() -> None:
