@@ -155,6 +155,12 @@ def headline(scenario: Scenario, runs: list[SettingRun]) -> list[str]:
     return lines
 
 
+def focus_class(scenario: Scenario) -> str | None:
+    """The workload class the scenario's first headline figure is about (None: all requests)."""
+    first = next(m for m in scenario.metrics if m.label == scenario.headline[0])
+    return first.path[1] if first.path[0] == "by_class" else None
+
+
 def _save(path: Path, scenario: Scenario, args: argparse.Namespace, workload: Workload, runs: list[SettingRun]) -> None:
     doc = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -223,9 +229,12 @@ def run_scenario(args: argparse.Namespace) -> int:
         _save(Path(args.save), scenario, args, workload, runs)
         err.print(f"saved {args.save}", markup=False)
     if args.plot_dir:
-        from client.plots import write_plots
+        from client.plots import settings_compared, write_plots
 
         for run in runs:
             for path in write_plots(Path(args.plot_dir) / run.name, run.records, run.report, run.samples):
                 err.print(f"wrote {path}", markup=False)
+        path = settings_compared([(run.name, run.records, run.report) for run in runs], focus_class(scenario),
+                                 Path(args.plot_dir) / "settings.png")
+        err.print(f"wrote {path}", markup=False)
     return 0 if all(run.report["summary"]["failed"] == 0 for run in runs) else 1

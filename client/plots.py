@@ -4,7 +4,9 @@
   scenario's) or else per priority class;
 - ``throughput.png``: output tokens per second in 1 s bins;
 - ``kv_cache.png`` and ``queues.png``: the server's KV cache usage and its running / waiting queue
-  lengths, from the ``/admin/stats`` samples (Sluice only; skipped without samples).
+  lengths, from the ``/admin/stats`` samples (Sluice only; skipped without samples);
+- ``settings.png`` (``sluice bench --scenario``): one line per server setting, the TTFT CDF of the
+  scenario's class of interest and the output throughput over time, side by side.
 
 Every file is WIDTH_PX x HEIGHT_PX pixels.
 """
@@ -96,6 +98,27 @@ def queues(samples: Sequence[ServerSample], path: Path) -> Path:
     ax.set_ylim(bottom=0)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(loc="upper right")
+    return _save(fig, path)
+
+
+def settings_compared(runs: Sequence[tuple[str, Sequence[RequestRecord], dict[str, Any]]], focus: str | None,
+                      path: Path) -> Path:
+    """``runs``: (setting name, its records, its report) each; ``focus``: the workload class whose
+    TTFT the scenario is about (None: every request)."""
+    fig, (ax_ttft, ax_rate) = _figure(2)
+    for name, records, report in runs:
+        good = [r for r in records if r.ok and r.ttft is not None and (focus is None or r.label == focus)]
+        _cdf(ax_ttft, [1000 * r.ttft for r in good if r.ttft is not None], name)
+        timeline = report["timeline"]
+        widths = timeline["bin_widths_s"]
+        mids = [sum(widths[:i]) + w / 2 for i, w in enumerate(widths)]
+        ax_rate.plot(mids, timeline["output_tokens_per_s"], marker=".", label=name)
+    who = "every request" if focus is None else f"{focus} requests"
+    ax_ttft.set(title=f"time to first token CDF, {who}", xlabel="ms", ylabel="fraction of requests", ylim=(0, 1.02))
+    ax_rate.set(title="output throughput, all requests", xlabel="time (s), 1 s bins", ylabel="output tokens/s")
+    ax_rate.set_ylim(bottom=0)
+    for ax in (ax_ttft, ax_rate):
+        ax.legend(loc="lower right")
     return _save(fig, path)
 
 

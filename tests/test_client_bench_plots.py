@@ -6,7 +6,7 @@ import struct
 import zlib
 from pathlib import Path
 
-from client.plots import HEIGHT_PX, WIDTH_PX, write_plots
+from client.plots import HEIGHT_PX, WIDTH_PX, settings_compared, write_plots
 from client.server_stats import ServerSample
 from client.stats import build_report
 from client.stream import RequestRecord
@@ -61,3 +61,14 @@ def test_a_run_where_everything_failed_still_plots(tmp_path: Path) -> None:
     failed = [RequestRecord(0, None, 16, 8, start=0.0, done=0.01, status=503, error="HTTP 503: busy")]
     paths = write_plots(tmp_path, failed, build_report(failed, duration=0.05, by_priority=False), samples=[])
     assert all(png_header(p) == (WIDTH_PX, HEIGHT_PX) for p in paths)
+
+
+def test_the_settings_comparison_is_a_png_of_the_stated_size(tmp_path: Path) -> None:
+    rs = records()
+    for r in rs:
+        r.label = "short" if r.index % 3 else "long"
+    report = build_report(rs, duration=2.6, by_priority=False, by_class=True)
+    runs = [("a", rs, report), ("b", rs[:5], build_report(rs[:5], duration=1.1, by_priority=False, by_class=True))]
+    for focus in ("short", None):
+        path = settings_compared(runs, focus, tmp_path / f"settings-{focus}.png")
+        assert png_header(path) == (WIDTH_PX, HEIGHT_PX)

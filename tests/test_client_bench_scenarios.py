@@ -216,6 +216,7 @@ def test_shared_prefix_end_to_end(tmp_path: Path) -> None:
         assert s["total_output_tokens"] == group["count"] * group["output_len"]
         assert run["server_stats"]["samples"], name  # the admin token it generated works
         assert {p.name for p in (tmp_path / "plots" / name).iterdir()} >= {"latency_cdf.png", "throughput.png"}
+    assert (tmp_path / "plots" / "settings.png").stat().st_size > 0
     assert doc["settings"]["no-caching"]["summary"]["cached_input_tokens"] == 0
     assert doc["settings"]["caching"]["summary"]["cached_input_tokens"] > 0
     assert "--no-enable-prefix-caching" in doc["settings"]["no-caching"]["flags"]
