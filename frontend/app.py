@@ -20,6 +20,7 @@ from frontend.engine_client import EngineClient
 from frontend.errors import APIError
 from frontend.state import AppState
 from protocol.config import FrontendConfig
+from protocol.curve import CurveKeys
 
 log = logging.getLogger("sluice.frontend")
 
@@ -74,7 +75,8 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(config: FrontendConfig, client: EngineClient | None = None) -> Starlette:
-    engine = client or EngineClient(config.address)
+    engine = client or EngineClient(
+        config.address, CurveKeys.for_client(config.curve_keys) if config.curve_keys else None)
     state = AppState(config, engine)
 
     @contextlib.asynccontextmanager

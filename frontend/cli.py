@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any, TypeVar
 
+from frontend.env_flags import apply_env_defaults, env_table
 from protocol.config import (
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
@@ -25,6 +26,7 @@ from protocol.config import (
     WorkerConfig,
     to_json,
 )
+from protocol.curve import CurveKeyError, CurveKeys, write_keys
 
 C = TypeVar("C")
 
@@ -54,8 +56,8 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
     if fe:
         p.add_argument("--host", default="127.0.0.1", help="HTTP listen host")
         p.add_argument("--port", type=int, default=8000, help="HTTP listen port")
-        p.add_argument("--admin-token", default=os.environ.get("SLUICE_ADMIN_TOKEN"),
-                       help="bearer token of the admin API (default: env SLUICE_ADMIN_TOKEN; none = off)" + SAYS_DEFAULT)
+        p.add_argument("--admin-token", default=None,
+                       help="bearer token of the admin API (default: none = the admin API is off)" + SAYS_DEFAULT)
         p.add_argument("--max-queued-requests", type=int, default=4096,
                        help="beyond this many queued requests, new ones get 503 with Retry-After")
         p.add_argument("--max-request-body", type=int, default=16 * 2**20,
@@ -139,18 +141,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run frontend, scheduler and one worker on this machine",
                            formatter_class=defaults)
     _add_flags(serve, {"frontend", "scheduler", "worker"})
+    components = []
     for name, helptext in [
         ("frontend", "the HTTP frontend, connecting to a scheduler"),
         ("scheduler", "the scheduler, binding the address frontends and workers connect to"),
         ("worker", "one model worker, connecting to a scheduler"),
     ]:
         p = sub.add_parser(name, help=helptext, formatter_class=defaults)
+        components.append(p)
         _add_flags(p, {name})
         p.add_argument("--address", default=DEFAULT_TCP_ADDRESS,
                        help="scheduler base address: tcp://host:port uses port..port+3")
         if name == "worker":
             p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank of this worker")
+        p.add_argument("--curve-keys", default=None, metavar="DIR",
+                       help="a `sluice keys` directory: CurveZMQ (encryption, and only known peers) on the links "
+                            "to the scheduler (default: none; needed off loopback)" + SAYS_DEFAULT)
+        _bool_flag(p, "--insecure-zmq", False,
+                   "allow plain ZeroMQ on a non-loopback address (a network you trust)")
     _add_client_commands(sub)
+    keys = sub.add_parser("keys", help="write CurveZMQ key pairs for the scheduler and its clients",
+                          formatter_class=defaults)
+    keys.add_argument("dir", help="the directory to write them to (created; existing keys are replaced)")
+    for p in (serve, *components):
+        apply_env_defaults(p)
     convert = sub.add_parser("convert", help="write a GGUF model as a Hugging Face-format directory",
                              formatter_class=defaults)
     convert.add_argument("source", help="a .gguf file, or 'smollm2'")
@@ -158,6 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                          help="weights' dtype (float32: exactly the values the quantized blocks stand for)")
     return parser
+
+
+SERVER_COMMANDS = ("serve", "frontend", "scheduler", "worker")
+
+
+def environment_table() -> str:
+    """The README's table of SLUICE_* variables, from the parser itself."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return env_table({name: sub.choices[name] for name in SERVER_COMMANDS})
 
 
 CLIENT_COMMANDS = {  # command -> (module, help); each module has add_arguments(parser) and run(args) -> int
@@ -188,6 +212,26 @@ def _check_default_model(model: str) -> None:
         sys.exit(2)
 
 
+def _check_keys(directory: str | None, *, server: bool) -> None:
+    """Read the keys a component's role needs now: a missing file is a one-line error here, not
+    a traceback from a child process."""
+    if directory is not None:
+        CurveKeys.for_server(directory) if server else CurveKeys.for_client(directory)
+
+
+def _write_keys(directory: str) -> int:
+    try:
+        paths = write_keys(directory)
+    except OSError as e:
+        print(f"sluice: error: cannot write keys to {directory}: {e}", file=sys.stderr)
+        return 1
+    for path in paths:
+        print(path)
+    print(f"Pass --curve-keys {directory} (or SLUICE_CURVE_KEYS={directory}) to the scheduler, its workers and "
+          "its frontends; the *.key_secret files are secrets.", file=sys.stderr)
+    return 0
+
+
 def _exec_component(module: str, config: object) -> None:
     os.execv(sys.executable, [sys.executable, "-m", module, "--config", to_json(config)])
 
@@ -196,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command in CLIENT_COMMANDS:  # clients of a server, not parts of one: no logging setup, no configs
         sys.exit(importlib.import_module(CLIENT_COMMANDS[args.command][0]).run(args))
+    if args.command == "keys":
+        sys.exit(_write_keys(args.dir))
     if args.command == "convert":  # the worker package reads GGUF files; the frontend never imports it
         os.execv(sys.executable, [sys.executable, "-m", "worker.gguf.convert", args.source, args.out_dir,
                                   "--dtype", args.dtype])
@@ -213,11 +259,17 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "frontend":
             from frontend.serve import run_frontend
 
-            sys.exit(run_frontend(build_config(FrontendConfig, args)))
+            frontend = build_config(FrontendConfig, args)
+            _check_keys(frontend.curve_keys, server=False)
+            sys.exit(run_frontend(frontend))
         elif args.command == "scheduler":
-            _exec_component("scheduler", build_config(SchedulerConfig, args))
+            scheduler = build_config(SchedulerConfig, args)
+            _check_keys(scheduler.curve_keys, server=True)
+            _exec_component("scheduler", scheduler)
         elif args.command == "worker":
-            _exec_component("worker", build_config(WorkerConfig, args))
-    except ConfigError as e:
+            worker = build_config(WorkerConfig, args)
+            _check_keys(worker.curve_keys, server=False)
+            _exec_component("worker", worker)
+    except (ConfigError, CurveKeyError) as e:
         print(f"sluice: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -24,6 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from protocol.curve import CurveKeys
 from protocol.messages import (
     RID_COUNTER_BITS,
     AbortRequest,
@@ -92,8 +93,9 @@ class RequestStream:
 
 
 class EngineClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, curve: CurveKeys | None = None) -> None:
         self._endpoints = Endpoints.from_base(address)
+        self._curve = curve
         self._ctx = zmq.asyncio.Context()
         self._codec = frontend_codec()
         self._streams: dict[int, RequestStream] = {}
@@ -115,6 +117,7 @@ class EngineClient:
         self.unhealthy_reason = ""  # the scheduler's word on why workers are not serving
         self.malformed_frames = 0
         self._last_pong = 0.0
+        self._said_waiting = False  # "waiting for the scheduler" was logged, its end not yet
         self._handlers: dict[type, Callable[[Any], None]] = {
             TokenBatch: self._on_tokens,
             EngineReady: self._on_ready,
@@ -129,9 +132,9 @@ class EngineClient:
         # zmq.asyncio sockets return awaitables, which pyzmq's stubs do not express.
         identity = frontend_identity(self.epoch)
         self._push: Any = make_socket(self._ctx, zmq.DEALER, self._endpoints.frontend_to_scheduler, bind=False,
-                                      identity=identity)
+                                      identity=identity, curve=self._curve)
         self._pull: Any = make_socket(self._ctx, zmq.DEALER, self._endpoints.scheduler_to_frontend, bind=False,
-                                      identity=identity)
+                                      identity=identity, curve=self._curve)
         self._tasks = [
             asyncio.create_task(self._receive_loop(), name="engine-receive"),
             asyncio.create_task(self._ping_loop(), name="engine-ping"),
@@ -249,16 +252,17 @@ class EngineClient:
 
     async def _ping_loop(self) -> None:
         was_alive = False
-        started = last_said = time.monotonic()
+        started = time.monotonic()
         while True:
             await self._send(Ping(time.time(), need_model=self.model is None))
             await asyncio.sleep(PING_INTERVAL_S)
             now = time.monotonic()
-            if not self.scheduler_alive and now - last_said >= WAITING_LOG_INTERVAL_S:
-                # A wrong or unreachable address must not look like a quiet server.
-                last_said = now
-                log.warning("waiting for the scheduler at %s: no answer for %.0f s", self._endpoints.frontend_to_scheduler,
-                            now - max(started, self._last_pong))
+            # A wrong or unreachable address must not look like a quiet server: said once when the
+            # wait starts to matter (pings go on meanwhile), and once when it ends.
+            if not self.scheduler_alive and not self._said_waiting and now - max(started, self._last_pong) >= WAITING_LOG_INTERVAL_S:
+                self._said_waiting = True
+                log.warning("waiting for the scheduler at %s: no answer for %.0f s (still trying)",
+                            self._endpoints.frontend_to_scheduler, now - max(started, self._last_pong))
             # Only a silent scheduler ends the streams here: while a lost worker is restarted,
             # the scheduler keeps their requests and recomputes them.
             alive = self.scheduler_alive
@@ -292,6 +296,9 @@ class EngineClient:
 
     def _on_pong(self, pong: Pong) -> None:
         self._last_pong = time.monotonic()
+        if self._said_waiting:
+            self._said_waiting = False
+            log.info("the scheduler at %s answers", self._endpoints.frontend_to_scheduler)
         if self._scheduler_epoch and pong.scheduler_epoch != self._scheduler_epoch:
             log.warning("the scheduler restarted: ending %d live requests it never heard of", len(self._streams))
             # Requests sent in the moment between its start and this pong may have reached the

@@ -12,6 +12,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from protocol.curve import is_loopback
+
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -27,6 +29,17 @@ def _positive(name: str, value: int | None, *, allow_none: bool = False) -> None
         return
     if value is None or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_link_security(address: str, curve_keys: str | None, insecure_zmq: bool, *, binds: bool) -> None:
+    """ZeroMQ off this machine needs CurveZMQ keys, or an explicit --insecure-zmq: a scheduler
+    bound to a network address without them would take orders from anyone who can reach it."""
+    if curve_keys is not None or insecure_zmq or is_loopback(address):
+        return
+    what = "bind" if binds else "connect to"
+    raise ConfigError(f"will not {what} {address} without CurveZMQ keys: run `sluice keys DIR` and pass "
+                      "--curve-keys DIR (env SLUICE_CURVE_KEYS) to every component, or --insecure-zmq on a "
+                      "network you trust")
 
 
 @dataclasses.dataclass
@@ -49,9 +62,12 @@ class SchedulerConfig:
     # requests end with an error. ``sluice serve`` restarts its worker as often.
     max_worker_restarts: int = 3
     tensor_parallel_size: int = 1
+    curve_keys: str | None = None  # a `sluice keys` directory: CurveZMQ on the links
+    insecure_zmq: bool = False  # allow plain ZeroMQ on a non-loopback address
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        check_link_security(self.address, self.curve_keys, self.insecure_zmq, binds=True)
         _positive("--max-num-seqs", self.max_num_seqs)
         # JSON (the config's way to a child process) has string keys only.
         self.max_num_seqs_per_priority = {int(p): n for p, n in self.max_num_seqs_per_priority.items()}
@@ -111,9 +127,12 @@ class WorkerConfig:
     worker_threads: int = 0  # CPU threads of the forward pass; 0: chosen from the cores and the model
     tensor_parallel_size: int = 1
     rank: int = 0
+    curve_keys: str | None = None
+    insecure_zmq: bool = False
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        check_link_security(self.address, self.curve_keys, self.insecure_zmq, binds=False)
         _positive("--block-size", self.block_size)
         _positive("--num-kv-blocks", self.num_kv_blocks, allow_none=True)
         _positive("--max-model-len", self.max_model_len, allow_none=True)
@@ -141,9 +160,12 @@ class FrontendConfig:
     max_request_body: int = 16 * 2**20  # bytes; larger bodies get 413
     client_stall_timeout: float = 30.0  # a stream whose client reads nothing this long is dropped
     request_timeout: float = 0.0  # seconds from arrival before a request is aborted; 0 = none
+    curve_keys: str | None = None
+    insecure_zmq: bool = False
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        check_link_security(self.address, self.curve_keys, self.insecure_zmq, binds=False)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         _positive("--max-queued-requests", self.max_queued_requests)

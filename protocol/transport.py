@@ -16,6 +16,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from protocol.curve import CurveKeys
 from protocol.messages import FrontendMessage, SchedulerMessage, WorkerCommand, WorkerMessage
 
 T = TypeVar("T")
@@ -78,7 +79,7 @@ def worker_codec() -> Codec[WorkerCommand]:
 
 
 def make_socket(ctx: zmq.Context[Any], kind: int, address: str, *, bind: bool | None,
-                identity: bytes | None = None) -> zmq.Socket[Any]:
+                identity: bytes | None = None, curve: CurveKeys | None = None) -> zmq.Socket[Any]:
     """A socket with the options every Sluice link wants: no linger at close (peers acknowledge
     what matters instead), unbounded queues (back-pressure is the scheduler's job, not ZMQ's).
 
@@ -88,7 +89,9 @@ def make_socket(ctx: zmq.Context[Any], kind: int, address: str, *, bind: bool | 
     queueing for nobody.
 
     ``bind=None`` neither binds nor connects: the caller attaches a monitor first, so that no
-    connection event can happen before anyone listens for it, then connects."""
+    connection event can happen before anyone listens for it, then connects.
+
+    ``curve``: CurveZMQ keys; the side that binds is the CURVE server, the other a client."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -97,6 +100,8 @@ def make_socket(ctx: zmq.Context[Any], kind: int, address: str, *, bind: bool | 
         sock.setsockopt(zmq.ROUTING_ID, identity)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if curve is not None:
+        curve.apply(sock, server=bind is True)
     if bind:
         sock.bind(address)
     elif bind is not None:

@@ -33,6 +33,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from protocol.config import SchedulerConfig
+from protocol.curve import CurveKeys, start_authenticator
 from protocol.messages import (
     AbortRequest,
     AddRequest,
@@ -82,10 +83,14 @@ class SchedulerProcess:
         ep = Endpoints.from_base(config.address)
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.epoch = new_epoch()  # tells frontends that a scheduler restarted
-        self.from_frontend = make_socket(self.ctx, zmq.ROUTER, ep.frontend_to_scheduler, bind=True)
-        self.to_frontend = make_socket(self.ctx, zmq.ROUTER, ep.scheduler_to_frontend, bind=True)
-        self.from_workers = make_socket(self.ctx, zmq.PULL, ep.worker_to_scheduler, bind=True)
-        self.to_workers = make_socket(self.ctx, zmq.PUSH, ep.scheduler_to_worker, bind=True)
+        # With keys, every socket is a CURVE server and the authenticator admits known clients
+        # only; it must run before the first bind.
+        curve = CurveKeys.for_server(config.curve_keys) if config.curve_keys else None
+        self.authenticator = start_authenticator(self.ctx, curve) if curve else None
+        self.from_frontend = make_socket(self.ctx, zmq.ROUTER, ep.frontend_to_scheduler, bind=True, curve=curve)
+        self.to_frontend = make_socket(self.ctx, zmq.ROUTER, ep.scheduler_to_frontend, bind=True, curve=curve)
+        self.from_workers = make_socket(self.ctx, zmq.PULL, ep.worker_to_scheduler, bind=True, curve=curve)
+        self.to_workers = make_socket(self.ctx, zmq.PUSH, ep.scheduler_to_worker, bind=True, curve=curve)
         # A worker process that dies drops its connection at once: this is how its loss is
         # noticed within milliseconds (heartbeats only catch a worker that hangs).
         self.worker_links = self.to_workers.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -240,6 +245,8 @@ class SchedulerProcess:
         self.to_workers.disable_monitor()
         for sock in (self.worker_links, self.from_frontend, self.to_frontend, self.from_workers, self.to_workers):
             sock.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
         self.ctx.term()
         log.info("scheduler stopped")
 

@@ -25,6 +25,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from protocol.config import ConfigError, WorkerConfig
+from protocol.curve import CurveKeys
 from protocol.messages import (
     Announce,
     CancelRows,
@@ -45,13 +46,14 @@ from worker.model_config import ModelLoadError
 __all__ = ["Worker", "run"]
 
 HEARTBEAT_S = 0.5
-WAITING_LOG_INTERVAL_S = 5.0  # how often a worker cut off from its scheduler says so
+WAITING_LOG_INTERVAL_S = 5.0  # how long a worker is cut off from its scheduler before it says so
 FINAL_LINGER_MS = 500  # let a last WorkerFailed reach the scheduler before the socket closes
 log = logging.getLogger("sluice.worker")
 
 
-def _heartbeat(ctx: zmq.Context[Any], address: str, rank: int, stop: threading.Event) -> None:
-    sock = make_socket(ctx, zmq.PUSH, address, bind=False)
+def _heartbeat(ctx: zmq.Context[Any], address: str, rank: int, stop: threading.Event,
+               curve: CurveKeys | None) -> None:
+    sock = make_socket(ctx, zmq.PUSH, address, bind=False, curve=curve)
     encoded = scheduler_worker_codec().encode(WorkerHeartbeat(rank))
     try:
         while not stop.wait(HEARTBEAT_S):
@@ -73,8 +75,8 @@ class Sender:
     """Owns the results socket: messages queued by the main thread are encoded and sent in
     order by this thread, so the next forward pass never waits for serialization or the socket."""
 
-    def __init__(self, ctx: zmq.Context[Any], address: str) -> None:
-        self.sock = make_socket(ctx, zmq.PUSH, address, bind=False)
+    def __init__(self, ctx: zmq.Context[Any], address: str, curve: CurveKeys | None) -> None:
+        self.sock = make_socket(ctx, zmq.PUSH, address, bind=False, curve=curve)
         self.codec = scheduler_worker_codec()
         self.outbox: queue.SimpleQueue[WorkerMessage | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, daemon=True, name="sender")
@@ -98,8 +100,9 @@ class WorkerProcess:
     def __init__(self, config: WorkerConfig, ctx: zmq.Context[Any]) -> None:
         self.config = config
         self.endpoints = Endpoints.from_base(config.address)
-        self.sender = Sender(ctx, self.endpoints.worker_to_scheduler)
-        self.inbox = make_socket(ctx, zmq.PULL, self.endpoints.scheduler_to_worker, bind=None)
+        self.curve = CurveKeys.for_client(config.curve_keys) if config.curve_keys else None
+        self.sender = Sender(ctx, self.endpoints.worker_to_scheduler, self.curve)
+        self.inbox = make_socket(ctx, zmq.PULL, self.endpoints.scheduler_to_worker, bind=None, curve=self.curve)
         self.recv_codec = worker_codec()
         self.backlog: deque[WorkerCommand] = deque()  # commands read mid-plan, run after it
         self.malformed_frames = 0
@@ -108,6 +111,7 @@ class WorkerProcess:
         # is attached before connecting: a connection made first would never be reported, and an
         # idle worker would then call a scheduler it is connected to unreachable every 5 s.
         self.links = self.inbox.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.said_waiting = False
         self.inbox.connect(self.endpoints.scheduler_to_worker)
         self.connected = False
 
@@ -122,12 +126,18 @@ class WorkerProcess:
         return 1
 
     def _wait_for_command(self) -> None:
-        """Block until a command arrives, saying every few seconds if the scheduler is unreachable."""
+        """Block until a command arrives. A scheduler unreachable for a while is said once (ZeroMQ
+        keeps reconnecting meanwhile), and its return once."""
         while not self.inbox.poll(int(WAITING_LOG_INTERVAL_S * 1000)):
             while self.links.poll(0):
                 self.connected = recv_monitor_message(self.links)["event"] == zmq.EVENT_CONNECTED
-            if not self.connected:
-                log.warning("waiting for the scheduler at %s: not reachable", self.endpoints.scheduler_to_worker)
+            if not self.connected and not self.said_waiting:
+                self.said_waiting = True
+                log.warning("waiting for the scheduler at %s: not reachable (still trying)",
+                            self.endpoints.scheduler_to_worker)
+        if self.said_waiting:  # a command came: the scheduler is back
+            self.said_waiting = False
+            log.info("connected to the scheduler at %s", self.endpoints.scheduler_to_worker)
 
     def _read(self, flags: int = 0) -> WorkerCommand:
         """The next command; frames that do not decode are logged and skipped, never fatal."""
@@ -195,7 +205,7 @@ def run(config: WorkerConfig) -> int:
     ctx: zmq.Context[Any] = zmq.Context()
     proc = WorkerProcess(config, ctx)
     stop = threading.Event()
-    heartbeat = threading.Thread(target=_heartbeat, args=(ctx, proc.endpoints.worker_to_scheduler, config.rank, stop),
+    heartbeat = threading.Thread(target=_heartbeat, args=(ctx, proc.endpoints.worker_to_scheduler, config.rank, stop, proc.curve),
                                  daemon=True, name="heartbeat")
     try:
         try:
