@@ -96,6 +96,10 @@ def make_socket(ctx: zmq.Context[Any], kind: int, address: str, *, bind: bool | 
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    # A peer that is not there yet (components start in any order) is retried from 100 ms,
+    # doubling to at most 2 s: quick to find a restarted peer, no busy loop against a missing one.
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
     if identity is not None:
         sock.setsockopt(zmq.ROUTING_ID, identity)
     if kind == zmq.ROUTER:
