@@ -133,7 +133,9 @@ def build_config(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
     return cls(**values)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(env_command: str | None = None) -> argparse.ArgumentParser:
+    """``env_command``: the server command whose flags take their defaults from SLUICE_*
+    variables (only the one being run: a bad variable must not break the other commands)."""
     parser = argparse.ArgumentParser(prog="sluice", description="Sluice LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     # Every default shown in --help (a default that is "auto" says what auto means in the text).
@@ -164,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                           formatter_class=defaults)
     keys.add_argument("dir", help="the directory to write them to (created; existing keys are replaced)")
     for p in (serve, *components):
-        apply_env_defaults(p)
+        apply_env_defaults(p, None if p.prog.split()[-1] == env_command else {})
     convert = sub.add_parser("convert", help="write a GGUF model as a Hugging Face-format directory",
                              formatter_class=defaults)
     convert.add_argument("source", help="a .gguf file, or 'smollm2'")
@@ -227,8 +229,9 @@ def _write_keys(directory: str) -> int:
         return 1
     for path in paths:
         print(path)
-    print(f"Pass --curve-keys {directory} (or SLUICE_CURVE_KEYS={directory}) to the scheduler, its workers and "
-          "its frontends; the *.key_secret files are secrets.", file=sys.stderr)
+    print(f"Give the scheduler --curve-keys {directory}, its workers and frontends --curve-keys "
+          f"{os.path.join(directory, 'client')} (or SLUICE_CURVE_KEYS); the *.key_secret files are secrets.",
+          file=sys.stderr)
     return 0
 
 
@@ -237,7 +240,8 @@ def _exec_component(module: str, config: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    args = build_parser(env_command=given[0] if given else None).parse_args(given)
     if args.command in CLIENT_COMMANDS:  # clients of a server, not parts of one: no logging setup, no configs
         sys.exit(importlib.import_module(CLIENT_COMMANDS[args.command][0]).run(args))
     if args.command == "keys":

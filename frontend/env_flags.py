@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Mapping
 
 PREFIX = "SLUICE_"
@@ -48,14 +49,27 @@ def _parse(parser: argparse.ArgumentParser, name: str, action: argparse.Action, 
     return value
 
 
+def _service_link(name: str, raw: str) -> bool:
+    """Kubernetes (and Docker's --link) give every container of a Service named ``sluice`` the
+    variable SLUICE_PORT=tcp://10.0.0.7:8000: an address, never a port number meant for us."""
+    return name.endswith("_PORT") and raw.startswith(("tcp://", "udp://"))
+
+
 def apply_env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
-    """Name each flag's variable in its help, and take its default from the variable when set."""
+    """Name each flag's variable in its help, and take its default from the variable when set
+    (``environ={}``: only name them)."""
     env = os.environ if environ is None else environ
     for option, action in _flag_actions(parser):
         name = env_name(option)
         action.help = f"{action.help or ''} [env {name}]"
-        if env.get(name):
-            action.default = _parse(parser, name, action, env[name])
+        raw = env.get(name)
+        if not raw:
+            continue
+        if _service_link(name, raw):
+            print(f"sluice: ignoring {name}={raw}: a service link's address (Kubernetes sets it for a Service "
+                  f"named sluice), not a port", file=sys.stderr)
+            continue
+        action.default = _parse(parser, name, action, raw)
 
 
 def env_table(parsers: Mapping[str, argparse.ArgumentParser]) -> str:

@@ -6,11 +6,12 @@ The scheduler binds every socket, so it is the CURVE server; frontends and worke
     DIR/scheduler.key, DIR/scheduler.key_secret   the scheduler's key pair
     DIR/client.key, DIR/client.key_secret          the pair frontends and workers present
     DIR/authorized/client.key                      public keys the scheduler lets in
+    DIR/client/                                    what a frontend or worker needs, and no more:
+                                                   scheduler.key and the client pair
 
-Each component takes the same ``--curve-keys DIR`` (``SLUICE_CURVE_KEYS``) and reads only what its
-role needs: the scheduler its secret key and ``authorized/``; a frontend or worker the scheduler's
-public key and the client pair. A deployment that wants the scheduler's secret away from the
-other hosts copies them a directory without ``scheduler.key_secret``.
+``--curve-keys`` (``SLUICE_CURVE_KEYS``) names the directory a component reads what its role needs
+from: the scheduler DIR (its secret key and ``authorized/``); a frontend or worker DIR, or better
+DIR/client, which holds no secret of the scheduler's (hosts that face clients get only that).
 
 A connection whose client key is not in ``authorized/`` is refused during the handshake (ZeroMQ's
 ZAP authenticator, run in a thread of the scheduler's context), so no frame of it reaches the
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from zmq.auth.thread import ThreadAuthenticator
 SERVER = "scheduler"
 CLIENT = "client"
 AUTHORIZED = "authorized"
+CLIENT_ONLY = "client"
 
 
 class CurveKeyError(ValueError):
@@ -85,22 +88,30 @@ def _load(path: Path) -> tuple[bytes, bytes | None]:
         public, secret = zmq.auth.load_certificate(path)
     except (ValueError, OSError) as e:
         raise CurveKeyError(f"{path}: not a ZeroMQ certificate ({e})") from None
+    if path.name.endswith("_secret") and secret is None:
+        raise CurveKeyError(f"{path}: holds no secret key")
     return public, secret
 
 
 def write_keys(directory: str | Path) -> list[Path]:
     """Create the directory's key pairs (new ones; an existing directory's keys are replaced) and
-    return the files written. Secret key files are readable by their owner only."""
+    return the files written. Secret key files are readable by their owner only, from creation."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     written = []
-    for name in (SERVER, CLIENT):
-        public, secret = zmq.auth.create_certificates(d, name)
-        Path(secret).chmod(0o600)
-        written += [Path(public), Path(secret)]
-    authorized = d / AUTHORIZED
-    authorized.mkdir(exist_ok=True)
-    written.append(Path(shutil.copy(d / f"{CLIENT}.key", authorized / f"{CLIENT}.key")))
+    previous = os.umask(0o077)  # no moment in which another user could read a secret
+    try:
+        for name in (SERVER, CLIENT):
+            public, secret = zmq.auth.create_certificates(d, name)
+            Path(public).chmod(0o644)
+            written += [Path(public), Path(secret)]
+        for subdir, files in ((AUTHORIZED, [f"{CLIENT}.key"]),
+                              (CLIENT_ONLY, [f"{SERVER}.key", f"{CLIENT}.key", f"{CLIENT}.key_secret"])):
+            (d / subdir).mkdir(exist_ok=True)
+            (d / subdir).chmod(0o755 if subdir == AUTHORIZED else 0o700)
+            written += [Path(shutil.copy(d / f, d / subdir / f)) for f in files]
+    finally:
+        os.umask(previous)
     return written
 
 

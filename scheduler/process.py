@@ -70,6 +70,8 @@ from scheduler.scheduler import Scheduler
 log = logging.getLogger("sluice.scheduler")
 
 IDLE_POLL_MS = 100
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 WORKER_TIMEOUT_S = 5.0
 ANNOUNCE_INTERVAL_S = 1.0  # how often an unknown worker is asked to announce itself
 MALFORMED_LOG_INTERVAL_S = 10.0
@@ -93,7 +95,13 @@ class SchedulerProcess:
         self.to_workers = make_socket(self.ctx, zmq.PUSH, ep.scheduler_to_worker, bind=True, curve=curve)
         # A worker process that dies drops its connection at once: this is how its loss is
         # noticed within milliseconds (heartbeats only catch a worker that hangs).
-        self.worker_links = self.to_workers.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # A connection that never became a ZeroMQ peer (a port scan, a wrong Curve key, plain
+        # ZeroMQ against Curve) also ends in DISCONNECTED, right after its HANDSHAKE_FAILED event
+        # (both come from the one I/O thread, in order): those are not a worker's.
+        self.worker_links = self.to_workers.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
+        self.failed_handshakes = 0  # their DISCONNECTED events still to come
+        self.refused_links = 0
+        self._refused_logged = -MALFORMED_LOG_INTERVAL_S
         self.poller = zmq.Poller()
         self.poller.register(self.from_frontend, zmq.POLLIN)
         self.poller.register(self.from_workers, zmq.POLLIN)
@@ -473,9 +481,20 @@ class SchedulerProcess:
 
     def _on_worker_link_event(self) -> None:
         while self.worker_links.poll(0):
-            event = recv_monitor_message(self.worker_links)
-            if event["event"] == zmq.EVENT_DISCONNECTED and self.ready_ranks:
-                self._worker_lost("the worker's connection dropped (its process exited or was killed)")
+            event = recv_monitor_message(self.worker_links)["event"]
+            if event & HANDSHAKE_FAILED:
+                self.failed_handshakes += 1
+                self.refused_links += 1
+                now = time.monotonic()
+                if now - self._refused_logged >= MALFORMED_LOG_INTERVAL_S:  # a port scan must not flood the log
+                    self._refused_logged = now
+                    log.warning("refused a connection on the worker port: its handshake failed (%s; %d so far)",
+                                zmq.Event(event).name, self.refused_links)
+            elif event == zmq.EVENT_DISCONNECTED:
+                if self.failed_handshakes:
+                    self.failed_handshakes -= 1  # the refused connection's own end
+                elif self.ready_ranks:
+                    self._worker_lost("the worker's connection dropped (its process exited or was killed)")
 
     def _worker_lost(self, reason: str) -> None:
         """A ready worker is gone with every KV block it held. Live requests wait in line to be

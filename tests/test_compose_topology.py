@@ -37,7 +37,8 @@ def compose_services() -> dict[str, dict[str, Any]]:
 
 
 def service_process(service: dict[str, Any], overrides: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    env = {k: _substitute(str(v)) for k, v in service["environment"].items()}
+    # Sluice's own variables only: the container's others (HF_HOME=/cache/...) are its business.
+    env = {k: _substitute(str(v)) for k, v in service["environment"].items() if k.startswith("SLUICE_")}
     env.update({k: v for k, v in overrides.items() if k in env})
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
     return [*SLUICE, *service["command"]], base | env
@@ -49,11 +50,17 @@ def test_compose_wiring_started_in_reverse_order_streams_a_chat(tmp_path: Path) 
     # The keys service's work: key pairs in the directory every component reads.
     keys = tmp_path / "keys"
     subprocess.run([*SLUICE, "keys", str(keys)], check=True, capture_output=True, timeout=60)
+    # What each service mounts at /keys: the scheduler its volume, the others the client subset.
+    mounted = {name: [v.split(":")[0] for v in services[name]["volumes"] if v.split(":")[1] == "/keys"]
+               for name in ("scheduler", "worker", "frontend")}
+    assert mounted == {"scheduler": ["sluice-keys"], "worker": ["sluice-client-keys"],
+                       "frontend": ["sluice-client-keys"]}
+    keys_dir = {"scheduler": keys, "worker": keys / "client", "frontend": keys / "client"}
 
     zmq_port, http_port = _free_port_block(4), free_port()
     scheduler_env = services["scheduler"]["environment"]
     assert scheduler_env["SLUICE_ADDRESS"] == "tcp://0.0.0.0:5555" and scheduler_env["SLUICE_CURVE_KEYS"] == "/keys"
-    overrides = {"SLUICE_CURVE_KEYS": str(keys), "SLUICE_PORT": str(http_port), "SLUICE_HOST": "127.0.0.1"}
+    overrides = {"SLUICE_PORT": str(http_port), "SLUICE_HOST": "127.0.0.1"}
     addresses = {"scheduler": f"tcp://127.0.0.1:{zmq_port}", "worker": f"tcp://127.0.0.1:{zmq_port}",
                  "frontend": f"tcp://127.0.0.1:{zmq_port}"}
     logs: dict[str, IO[bytes]] = {}
@@ -61,7 +68,8 @@ def test_compose_wiring_started_in_reverse_order_streams_a_chat(tmp_path: Path) 
     url = f"http://127.0.0.1:{http_port}"
     try:
         for name in ("frontend", "worker", "scheduler"):
-            command, env = service_process(services[name], overrides | {"SLUICE_ADDRESS": addresses[name]})
+            command, env = service_process(services[name], overrides | {"SLUICE_ADDRESS": addresses[name],
+                                                                        "SLUICE_CURVE_KEYS": str(keys_dir[name])})
             logs[name] = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115
             procs[name] = subprocess.Popen(command, env=env, stdout=logs[name], stderr=logs[name])
             if name == "frontend":

@@ -7,14 +7,17 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import zmq
+from sluice_server import free_port
 from test_components_tcp import _free_port_block
 
 from protocol.config import ConfigError, FrontendConfig, SchedulerConfig, WorkerConfig
@@ -114,3 +117,67 @@ def test_only_a_peer_with_the_client_key_reaches_the_scheduler(tmp_path: Path) -
             if scheduler.poll() is None:
                 scheduler.kill()
             log.close()
+
+
+def test_refused_connections_on_the_worker_port_are_not_a_worker_lost(tmp_path: Path) -> None:
+    # Review finding: every connection that failed its handshake on the worker port (a port scan, a
+    # wrong key) ended in a DISCONNECTED event that the scheduler took for its worker dying, so
+    # four of them used up --max-worker-restarts and the engine stopped for good.
+    keys = tmp_path / "keys"
+    write_keys(keys)
+    base, http_port = _free_port_block(4), free_port()
+    address = f"tcp://127.0.0.1:{base}"
+    env = os.environ | {"SLUICE_CURVE_KEYS": str(keys), "SLUICE_ADDRESS": address}
+    logs, procs = [], []
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        for name, args in (("scheduler", []), ("worker", ["--model", "tiny", "--dtype", "float32",
+                                                          "--num-kv-blocks", "64"]),
+                           ("frontend", ["--port", str(http_port)])):
+            logs.append(open(tmp_path / f"{name}.log", "wb"))  # noqa: SIM115
+            procs.append(subprocess.Popen([*SLUICE, name, *args], env=env, stdout=logs[-1], stderr=logs[-1]))
+
+        def complete() -> int:
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True},
+                           timeout=60)
+            return r.status_code
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and _get(f"{url}/ready") != 200:
+            time.sleep(0.3)
+        assert complete() == 200
+        worker_port = base + 3
+        for _ in range(6):  # a port scan: connect, close
+            socket.create_connection(("127.0.0.1", worker_port), timeout=5).close()
+        public, secret = zmq.curve_keypair()
+        stranger = CurveKeys(server_public=CurveKeys.for_client(keys).server_public, client_public=public,
+                             client_secret=secret)
+        ctx: zmq.Context[Any] = zmq.Context()
+        for curve in (stranger, None):  # a wrong key, and plain ZeroMQ
+            sock = make_socket(ctx, zmq.PULL, f"tcp://127.0.0.1:{worker_port}", bind=False, curve=curve)
+            time.sleep(1.0)
+            sock.close(linger=0)
+        ctx.term()
+        time.sleep(1.0)
+        assert [complete() for _ in range(3)] == [200, 200, 200]
+        assert _get(f"{url}/health") == 200
+        scheduler_log = (tmp_path / "scheduler.log").read_text()
+        assert "connection dropped" not in scheduler_log and "refused a connection on the worker port" in scheduler_log
+    finally:
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+        for f in logs:
+            f.close()
+
+
+def _get(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.HTTPError:
+        return None

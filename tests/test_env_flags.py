@@ -52,11 +52,31 @@ def test_the_real_commands_take_their_variables(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("SLUICE_MAX_NUM_SEQS_PER_PRIORITY", "5:2")
     monkeypatch.setenv("SLUICE_ADDRESS", "tcp://scheduler:6000")
     monkeypatch.setenv("SLUICE_ADMIN_TOKEN", "s3cret")
-    args = build_parser().parse_args(["scheduler"])
+    args = build_parser(env_command="scheduler").parse_args(["scheduler"])
     assert args.max_num_seqs_per_priority == {5: 2} and args.address == "tcp://scheduler:6000"
-    assert build_parser().parse_args(["frontend"]).admin_token == "s3cret"
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert build_parser(env_command="frontend").parse_args(["frontend"]).admin_token == "s3cret"
+    sub = next(a for a in build_parser(env_command="frontend")._actions if isinstance(a, argparse._SubParsersAction))
     assert "s3cret" not in sub.choices["frontend"].format_help()  # the token never shows
+
+
+def test_a_bad_variable_breaks_only_the_command_that_reads_it(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("SLUICE_MAX_NUM_SEQS", "many")
+    assert build_parser(env_command="frontend").parse_args(["frontend"]).port == 8000  # takes no such flag
+    assert build_parser(env_command="bench").parse_args(["bench"]).command == "bench"
+    with pytest.raises(SystemExit):
+        build_parser(env_command="scheduler")
+    assert "sluice scheduler: error: SLUICE_MAX_NUM_SEQS='many'" in capsys.readouterr().err
+
+
+def test_a_kubernetes_service_link_is_not_a_port(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # A Kubernetes Service named "sluice" puts SLUICE_PORT=tcp://IP:PORT in every pod's environment.
+    monkeypatch.setenv("SLUICE_PORT", "tcp://10.0.0.7:8000")
+    assert build_parser(env_command="serve").parse_args(["serve"]).port == 8000
+    assert "ignoring SLUICE_PORT=tcp://10.0.0.7:8000" in capsys.readouterr().err
+    monkeypatch.setenv("SLUICE_PORT", "9000")
+    assert build_parser(env_command="serve").parse_args(["serve"]).port == 9000
 
 
 def test_the_readme_lists_every_variable() -> None:
