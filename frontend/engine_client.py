@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from protocol.curve import CurveKeys
 from protocol.messages import (
@@ -112,6 +113,7 @@ class EngineClient:
         self.ready = asyncio.Event()
         self.quiet_startup_errors = False
         self.workers_alive = False
+        self.scheduler_ready = False  # the scheduler's word in its last pong
         self.stats: dict[str, Any] | None = None  # the scheduler's latest snapshot (from Pong)
         self.engine_error: str | None = None
         self.unhealthy_reason = ""  # the scheduler's word on why workers are not serving
@@ -135,9 +137,11 @@ class EngineClient:
                                       identity=identity, curve=self._curve)
         self._pull: Any = make_socket(self._ctx, zmq.DEALER, self._endpoints.scheduler_to_frontend, bind=False,
                                       identity=identity, curve=self._curve)
+        self._links: Any = self._push.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._tasks = [
             asyncio.create_task(self._receive_loop(), name="engine-receive"),
             asyncio.create_task(self._ping_loop(), name="engine-ping"),
+            asyncio.create_task(self._link_loop(), name="engine-links"),
         ]
 
     async def close(self) -> None:
@@ -146,13 +150,15 @@ class EngineClient:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self._push.disable_monitor()
+        self._links.close(linger=0)
         self._push.close(linger=0)
         self._pull.close(linger=0)
         self._ctx.term()
 
     @property
     def healthy(self) -> bool:
-        return self.scheduler_alive and self.workers_alive and self.engine_error is None
+        return self.scheduler_alive and self.scheduler_ready and self.workers_alive and self.engine_error is None
 
     @property
     def scheduler_alive(self) -> bool:
@@ -294,6 +300,15 @@ class EngineClient:
             )
         self.ready.set()
 
+    async def _link_loop(self) -> None:
+        """The connection to the scheduler dropped (it exited, or was killed): not ready from now
+        until a scheduler answers again, rather than on its last word for seconds."""
+        while True:
+            event = parse_monitor_message(await self._links.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self.scheduler_ready = False
+                self.unhealthy_reason = "the connection to the scheduler dropped; reconnecting"
+
     def _on_pong(self, pong: Pong) -> None:
         self._last_pong = time.monotonic()
         if self._said_waiting:
@@ -308,6 +323,9 @@ class EngineClient:
             self._fail_all("the scheduler restarted; the request was lost")
         self._scheduler_epoch = pong.scheduler_epoch
         self.workers_alive = pong.workers_alive
+        # A scheduler that just (re)started knows no model until a worker announces itself, even
+        # while that worker's heartbeats already reach it: until then it refuses requests.
+        self.scheduler_ready = pong.ready
         self.unhealthy_reason = pong.unhealthy_reason
         if self.engine_error is not None and pong.ready and pong.workers_alive:
             log.info("engine recovered (was: %s)", self.engine_error)

@@ -149,11 +149,20 @@ def test_frontends_own_their_requests_across_restarts(components: Components) ->
     # The scheduler dies and a new one starts: the open stream ends with an error (it never
     # hangs), the worker announces itself to the new scheduler and /ready recovers.
     c.kill("scheduler")
+    # /ready says so at once (the connection dropped), not after the 5 s without a pong
+    # that once was the only sign: a balancer kept sending requests to a scheduler-less frontend.
+    wait_for(lambda: not ready(b), 3.0, "/ready 503 once the scheduler's connection dropped", c)
     c.start("scheduler", "scheduler")
     lines = [line for line in stream.iter_lines() if line.startswith("data: {")]
     client.close()
     assert '"finish_reason":"error"' in lines[-1].replace(" ", "") or "error" in lines[-1], lines[-1]
-    wait_for(lambda: ready(b), 60, "/ready after the scheduler restarted", c)
+    # Served again once the worker has announced itself to the new scheduler (a request sent in
+    # the instant before the new scheduler's first answer is refused, as it should be).
+    def serves() -> bool:
+        return ready(b) and httpx.post(f"{b}/v1/completions", timeout=60, json={
+            "prompt": "x", "max_tokens": 2, "ignore_eos": True}).status_code == 200
+
+    wait_for(serves, 60, "/ready and a completion after the scheduler restarted", c)
     assert complete(b, "after the restart") == complete(b, "after the restart")
 
 

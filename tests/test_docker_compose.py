@@ -172,7 +172,7 @@ def test_compose_up_serves_recovers_and_goes_down_clean(tmp_path: Path) -> None:
             return r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
         print(f"serving again {_wait(serves, 180, 'a completion after the restart'):.1f} s after the restart")
-        assert _status(f"{url}/ready") == 200
+        _wait(lambda: _status(f"{url}/ready") == 200, 30, "/ready after the restart")
     finally:
         logs = _run(*cmd, "logs", "--no-color", env=env, check=False, timeout=60).stdout
         (tmp_path / "compose.log").write_text(logs)
