@@ -75,8 +75,7 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(config: FrontendConfig, client: EngineClient | None = None) -> Starlette:
-    engine = client or EngineClient(
-        config.address, CurveKeys.for_client(config.curve_keys) if config.curve_keys else None)
+    engine = client or EngineClient(config.address, CurveKeys.load(config.curve_keys, server=False))
     state = AppState(config, engine)
 
     @contextlib.asynccontextmanager

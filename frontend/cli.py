@@ -143,14 +143,14 @@ def build_parser(env_command: str | None = None) -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run frontend, scheduler and one worker on this machine",
                            formatter_class=defaults)
     _add_flags(serve, {"frontend", "scheduler", "worker"})
-    components = []
+    server_parsers = {"serve": serve}
     for name, helptext in [
         ("frontend", "the HTTP frontend, connecting to a scheduler"),
         ("scheduler", "the scheduler, binding the address frontends and workers connect to"),
         ("worker", "one model worker, connecting to a scheduler"),
     ]:
         p = sub.add_parser(name, help=helptext, formatter_class=defaults)
-        components.append(p)
+        server_parsers[name] = p
         _add_flags(p, {name})
         p.add_argument("--address", default=DEFAULT_TCP_ADDRESS,
                        help="scheduler base address: tcp://host:port uses port..port+3")
@@ -165,8 +165,8 @@ def build_parser(env_command: str | None = None) -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="write CurveZMQ key pairs for the scheduler and its clients",
                           formatter_class=defaults)
     keys.add_argument("dir", help="the directory to write them to (created; existing keys are replaced)")
-    for p in (serve, *components):
-        apply_env_defaults(p, None if p.prog.split()[-1] == env_command else {})
+    for name, p in server_parsers.items():
+        apply_env_defaults(p, None if name == env_command else {})
     convert = sub.add_parser("convert", help="write a GGUF model as a Hugging Face-format directory",
                              formatter_class=defaults)
     convert.add_argument("source", help="a .gguf file, or 'smollm2'")
@@ -214,13 +214,6 @@ def _check_default_model(model: str) -> None:
         sys.exit(2)
 
 
-def _check_keys(directory: str | None, *, server: bool) -> None:
-    """Read the keys a component's role needs now: a missing file is a one-line error here, not
-    a traceback from a child process."""
-    if directory is not None:
-        CurveKeys.for_server(directory) if server else CurveKeys.for_client(directory)
-
-
 def _write_keys(directory: str) -> int:
     try:
         paths = write_keys(directory)
@@ -264,15 +257,16 @@ def main(argv: list[str] | None = None) -> None:
             from frontend.serve import run_frontend
 
             frontend = build_config(FrontendConfig, args)
-            _check_keys(frontend.curve_keys, server=False)
+            # Keys are read here first: a missing file is a one-line error, not a child's traceback.
+            CurveKeys.load(frontend.curve_keys, server=False)
             sys.exit(run_frontend(frontend))
         elif args.command == "scheduler":
             scheduler = build_config(SchedulerConfig, args)
-            _check_keys(scheduler.curve_keys, server=True)
+            CurveKeys.load(scheduler.curve_keys, server=True)
             _exec_component("scheduler", scheduler)
         elif args.command == "worker":
             worker = build_config(WorkerConfig, args)
-            _check_keys(worker.curve_keys, server=False)
+            CurveKeys.load(worker.curve_keys, server=False)
             _exec_component("worker", worker)
     except (ConfigError, CurveKeyError) as e:
         print(f"sluice: error: {e}", file=sys.stderr)

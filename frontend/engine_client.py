@@ -265,10 +265,11 @@ class EngineClient:
             now = time.monotonic()
             # A wrong or unreachable address must not look like a quiet server: said once when the
             # wait starts to matter (pings go on meanwhile), and once when it ends.
-            if not self.scheduler_alive and not self._said_waiting and now - max(started, self._last_pong) >= WAITING_LOG_INTERVAL_S:
+            silent_s = now - max(started, self._last_pong)
+            if not self.scheduler_alive and not self._said_waiting and silent_s >= WAITING_LOG_INTERVAL_S:
                 self._said_waiting = True
                 log.warning("waiting for the scheduler at %s: no answer for %.0f s (still trying)",
-                            self._endpoints.frontend_to_scheduler, now - max(started, self._last_pong))
+                            self._endpoints.frontend_to_scheduler, silent_s)
             # Only a silent scheduler ends the streams here: while a lost worker is restarted,
             # the scheduler keeps their requests and recomputes them.
             alive = self.scheduler_alive

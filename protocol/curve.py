@@ -50,6 +50,13 @@ class CurveKeys:
     authorized_dir: Path | None = None  # the scheduler's role only
 
     @classmethod
+    def load(cls, directory: str | Path | None, *, server: bool) -> CurveKeys | None:
+        """The keys a role needs from a ``--curve-keys`` directory; None without one."""
+        if directory is None:
+            return None
+        return cls.for_server(directory) if server else cls.for_client(directory)
+
+    @classmethod
     def for_server(cls, directory: str | Path) -> CurveKeys:
         d = Path(directory)
         public, secret = _load(d / f"{SERVER}.key_secret")

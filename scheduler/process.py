@@ -87,7 +87,7 @@ class SchedulerProcess:
         self.epoch = new_epoch()  # tells frontends that a scheduler restarted
         # With keys, every socket is a CURVE server and the authenticator admits known clients
         # only; it must run before the first bind.
-        curve = CurveKeys.for_server(config.curve_keys) if config.curve_keys else None
+        curve = CurveKeys.load(config.curve_keys, server=True)
         self.authenticator = start_authenticator(self.ctx, curve) if curve else None
         self.from_frontend = make_socket(self.ctx, zmq.ROUTER, ep.frontend_to_scheduler, bind=True, curve=curve)
         self.to_frontend = make_socket(self.ctx, zmq.ROUTER, ep.scheduler_to_frontend, bind=True, curve=curve)

@@ -17,6 +17,14 @@ import httpx
 READY_TIMEOUT_S = 180.0
 
 
+def http_status(url: str, **kwargs: object) -> int | None:
+    """GET ``url``'s status code; None while nothing answers there."""
+    try:
+        return httpx.get(url, timeout=5, **kwargs).status_code  # type: ignore[arg-type]
+    except httpx.HTTPError:
+        return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -17,7 +17,7 @@ from typing import IO, Any
 
 import httpx
 import pytest
-from sluice_server import free_port
+from sluice_server import free_port, http_status
 from test_components_tcp import _free_port_block
 
 yaml = pytest.importorskip("yaml")
@@ -73,10 +73,10 @@ def test_compose_wiring_started_in_reverse_order_streams_a_chat(tmp_path: Path) 
             logs[name] = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115
             procs[name] = subprocess.Popen(command, env=env, stdout=logs[name], stderr=logs[name])
             if name == "frontend":
-                _wait(lambda: _status(f"{url}/health") is not None, 60, "the frontend to listen")
-                assert _status(f"{url}/ready") == 503  # no scheduler yet: up, not ready
+                _wait(lambda: http_status(f"{url}/health") is not None, 60, "the frontend to listen")
+                assert http_status(f"{url}/ready") == 503  # no scheduler yet: up, not ready
             time.sleep({"frontend": 3, "worker": 8, "scheduler": 0}[name])  # each waits a while for what it needs
-        _wait(lambda: _status(f"{url}/ready") == 200, 180, "/ready", tmp_path)
+        _wait(lambda: http_status(f"{url}/ready") == 200, 180, "/ready", tmp_path)
         with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120, json={
                 "model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France?"}],
                 "max_tokens": 16, "temperature": 0, "stream": True}) as r:
@@ -100,13 +100,6 @@ def test_compose_wiring_started_in_reverse_order_streams_a_chat(tmp_path: Path) 
                 if proc.poll() is None:
                     proc.kill()
                 logs[name].close()
-
-
-def _status(url: str) -> int | None:
-    try:
-        return httpx.get(url, timeout=5).status_code
-    except httpx.HTTPError:
-        return None
 
 
 def _wait(predicate: Any, timeout_s: float, what: str, log_dir: Path | None = None) -> None:

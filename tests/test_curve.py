@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from sluice_server import free_port
+from sluice_server import free_port, http_status
 from test_components_tcp import _free_port_block
 
 from protocol.config import ConfigError, FrontendConfig, SchedulerConfig, WorkerConfig
@@ -143,7 +143,7 @@ def test_refused_connections_on_the_worker_port_are_not_a_worker_lost(tmp_path: 
             return r.status_code
 
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and _get(f"{url}/ready") != 200:
+        while time.monotonic() < deadline and http_status(f"{url}/ready") != 200:
             time.sleep(0.3)
         assert complete() == 200
         worker_port = base + 3
@@ -160,7 +160,7 @@ def test_refused_connections_on_the_worker_port_are_not_a_worker_lost(tmp_path: 
         ctx.term()
         time.sleep(1.0)
         assert [complete() for _ in range(3)] == [200, 200, 200]
-        assert _get(f"{url}/health") == 200
+        assert http_status(f"{url}/health") == 200
         scheduler_log = (tmp_path / "scheduler.log").read_text()
         assert "connection dropped" not in scheduler_log and "refused a connection on the worker port" in scheduler_log
     finally:
@@ -174,10 +174,3 @@ def test_refused_connections_on_the_worker_port_are_not_a_worker_lost(tmp_path: 
                     proc.kill()
         for f in logs:
             f.close()
-
-
-def _get(url: str) -> int | None:
-    try:
-        return httpx.get(url, timeout=5).status_code
-    except httpx.HTTPError:
-        return None

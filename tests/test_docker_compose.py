@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from sluice_server import free_port
+from sluice_server import free_port, http_status
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_IMAGE = "python:3.11-slim"
@@ -99,13 +99,6 @@ def _build_inputs() -> Iterator[None]:
             path.unlink(missing_ok=True)
 
 
-def _status(url: str, **kwargs: object) -> int | None:
-    try:
-        return httpx.get(url, timeout=5, **kwargs).status_code  # type: ignore[arg-type]
-    except httpx.HTTPError:
-        return None
-
-
 def _wait(predicate: object, timeout_s: float, what: str) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
@@ -136,7 +129,7 @@ def test_compose_up_serves_recovers_and_goes_down_clean(tmp_path: Path) -> None:
         print(f"image size: {size / 2**30:.2f} GiB")
         started = time.monotonic()
         _run(*cmd, "up", "-d", env=env, timeout=300)
-        _wait(lambda: _status(f"{url}/ready") == 200, 300, "/ready through the published port")
+        _wait(lambda: http_status(f"{url}/ready") == 200, 300, "/ready through the published port")
         print(f"up to /ready: {time.monotonic() - started:.1f} s")
 
         with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120, json={
@@ -147,8 +140,8 @@ def test_compose_up_serves_recovers_and_goes_down_clean(tmp_path: Path) -> None:
         assert chunks[-1] == "[DONE]"
         text = "".join(json.loads(c)["choices"][0]["delta"].get("content") or "" for c in chunks[:-1])
         assert "Paris" in text, text
-        assert _status(f"{url}/admin/stats") == 401
-        assert _status(f"{url}/admin/stats", headers={"Authorization": f"Bearer {token}"}) == 200
+        assert http_status(f"{url}/admin/stats") == 401
+        assert http_status(f"{url}/admin/stats", headers={"Authorization": f"Bearer {token}"}) == 200
 
         # The frontend faces clients: it holds the client pair, never the scheduler's secret.
         frontend = _run(*cmd, "ps", "-q", "frontend", env=env).stdout.split()[0]
@@ -172,7 +165,7 @@ def test_compose_up_serves_recovers_and_goes_down_clean(tmp_path: Path) -> None:
             return r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
         print(f"serving again {_wait(serves, 180, 'a completion after the restart'):.1f} s after the restart")
-        _wait(lambda: _status(f"{url}/ready") == 200, 30, "/ready after the restart")
+        _wait(lambda: http_status(f"{url}/ready") == 200, 30, "/ready after the restart")
     finally:
         logs = _run(*cmd, "logs", "--no-color", env=env, check=False, timeout=60).stdout
         (tmp_path / "compose.log").write_text(logs)

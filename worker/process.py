@@ -100,7 +100,7 @@ class WorkerProcess:
     def __init__(self, config: WorkerConfig, ctx: zmq.Context[Any]) -> None:
         self.config = config
         self.endpoints = Endpoints.from_base(config.address)
-        self.curve = CurveKeys.for_client(config.curve_keys) if config.curve_keys else None
+        self.curve = CurveKeys.load(config.curve_keys, server=False)
         self.sender = Sender(ctx, self.endpoints.worker_to_scheduler, self.curve)
         self.inbox = make_socket(ctx, zmq.PULL, self.endpoints.scheduler_to_worker, bind=None, curve=self.curve)
         self.recv_codec = worker_codec()
