@@ -12,7 +12,7 @@ sampling parameter rows it gathers must be the parameters each request was added
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from protocol.messages import SamplingParams
@@ -62,6 +62,10 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "blocks", "finish", "preempt", 
 
 @settings(max_examples=150, deadline=None)
 @given(history=ops, window=st.sampled_from([None, 5]), decode_only=st.booleans())
+# A slot freed and taken again kept its last occupant's blocks past the new count (found by this
+# test in CI one run in several): the gathered table's padding then differed from the lists'.
+@example(history=[("add", 0), ("add", 0), ("blocks", 1), ("blocks", 2), ("preempt", 0), ("step", 3)],
+         window=None, decode_only=True)
 def test_batch_metadata_matches_the_list_builder(history: list[tuple[str, int]], window: int | None,
                                                  decode_only: bool) -> None:
     batch = InputBatch(max_num_seqs=2, max_blocks=3)  # small: growth in rows and columns is common

@@ -76,6 +76,10 @@ class InputBatch:
         slot = self._free.pop()
         self.slot_of[rid] = slot
         self.num_blocks[slot] = 0
+        # A reused slot still holds its last occupant's blocks past the new count: cleared, so
+        # a step's table pads with block 0 whoever held the slot before (kernels read only up to
+        # each row's count, but padding that depends on history makes steps differ by history).
+        self.block_table[slot].zero_()
         self.params[slot] = torch.tensor(param_row(sampling))
         return slot
 
