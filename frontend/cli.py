@@ -68,7 +68,7 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
         p.add_argument("--client-stall-timeout", type=float, default=30.0,
                        help="a streaming client that reads nothing for this many seconds is dropped and its "
                             "request aborted")
-        p.add_argument("--shutdown-grace", type=float, default=10.0,
+        p.add_argument("--shutdown-grace", type=float, default=3.0,
                        help="on SIGTERM/Ctrl-C, seconds requests in flight get to finish before they are "
                             "aborted (a second signal stops at once)")
     if fe or wk:

@@ -5,10 +5,14 @@ to 8 s): a worker up to ``--max-worker-restarts`` times (the scheduler recompute
 requests on the new one, so their streams continue), the scheduler up to
 ``SCHEDULER_RESTARTS`` times (frontend and worker find the new one by themselves).
 
-Shutdown order on Ctrl-C / SIGTERM: the frontend drains (``frontend/shutdown.py``: no new
-requests, those in flight finish within ``--shutdown-grace`` or end with ``abort``), uvicorn
-stops, then the children get SIGTERM (the scheduler first), then SIGKILL after ``CHILD_STOP_S``. Children also get SIGTERM from the kernel if this process dies
-without cleaning up (PR_SET_PDEATHSIG on Linux), so no orphan keeps a model in memory.
+Shutdown on Ctrl-C / SIGTERM, within ``--shutdown-grace`` + ``STOP_AFTER_GRACE_S`` seconds (3 + 2
+by default, SPEC's 5): the frontend drains (``frontend/shutdown.py``: no new requests, those in
+flight finish within the grace or end with ``abort``), uvicorn stops, then the children get
+SIGTERM together and SIGKILL at the deadline. A child that exits meanwhile is neither restarted
+nor reported as a crash. The children run in their own process group, so a signal to this
+process's group (Ctrl-C in a terminal, ``kill -- -PGID``) reaches this process alone and the
+shutdown happens in that order; they get SIGTERM from the kernel if this process dies without
+cleaning up (PR_SET_PDEATHSIG on Linux), so no orphan keeps a model in memory.
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ from protocol.config import FrontendConfig, SchedulerConfig, WorkerConfig, to_js
 
 log = logging.getLogger("sluice.serve")
 
-GRACEFUL_S = 1.5
 KEEP_ALIVE_S = 30
-CHILD_STOP_S = 2.0
+# What the stop may take after the grace: the aborts' last chunks, uvicorn closing its
+# connections, the children exiting (each stage takes what is left of this).
+STOP_AFTER_GRACE_S = 2.0
+CHILD_STOP_MIN_S = 0.5  # the children get at least this long to exit before SIGKILL
 
 
 def _uvicorn_config(app: Starlette, config: FrontendConfig) -> uvicorn.Config:
@@ -56,7 +62,8 @@ def _uvicorn_config(app: Starlette, config: FrontendConfig) -> uvicorn.Config:
         # would say the wrong thing; Sluice prints the URL once the engine is ready.
         log_level=config.log_level if config.log_level == "debug" else "warning",
         access_log=config.log_level == "debug",
-        timeout_graceful_shutdown=int(GRACEFUL_S) or 1,
+        # By then the drain has ended every stream: only idle keep-alive connections are left.
+        timeout_graceful_shutdown=1,
         # uvicorn's 5 s default races clients reusing a connection it is closing (a request sent
         # as the server hangs up fails on the client); inference clients keep connections long.
         timeout_keep_alive=KEEP_ALIVE_S,
@@ -138,12 +145,18 @@ class _Startup:
         await self._supervise()
 
     async def _supervise(self) -> None:
-        """Start again a child that exits after start-up, with backoff, within its budget."""
+        """Start again a child that exits after start-up, with backoff, within its budget. Once
+        shutting down, a child that exits is left alone (it was told to stop, or is about to)."""
+        state = self.app.state.sluice
         while True:
             await asyncio.sleep(SUPERVISE_POLL_S)
             for child in self.children:
                 status = child.exited()
                 if status is None or child.given_up:
+                    continue
+                if state.draining:
+                    child.given_up = True
+                    log.info("the %s process exited (status %s) while shutting down", child.name, status)
                     continue
                 if child.restarts >= child.max_restarts:
                     child.given_up = True
@@ -187,8 +200,10 @@ def listen(config: FrontendConfig) -> socket.socket:
         raise ListenError(f"cannot listen on {config.host}:{config.port}: {why}") from None
 
 
-def run_frontend(config: FrontendConfig, children: Sequence[Child] = (), sock: socket.socket | None = None) -> int:
-    """Serve HTTP until a signal (0) or an engine that fails to start (1); returns the status."""
+def run_frontend(config: FrontendConfig, children: Sequence[Child] = (), sock: socket.socket | None = None,
+                 stop_by: list[float] | None = None) -> int:
+    """Serve HTTP until a signal (0) or an engine that fails to start (1); returns the status.
+    ``stop_by[0]`` is set to the monotonic deadline of the whole stop once a signal arrives."""
     if sock is None:
         try:
             sock = listen(config)
@@ -203,8 +218,11 @@ def run_frontend(config: FrontendConfig, children: Sequence[Child] = (), sock: s
     app.state.sluice.client.quiet_startup_errors = True  # _Startup says them, once
     startup = _Startup(app, config, children)
     startup.install()
-    startup.server = GracefulServer(_uvicorn_config(app, config), app.state.sluice, config.shutdown_grace)
+    startup.server = GracefulServer(_uvicorn_config(app, config), app.state.sluice, config.shutdown_grace,
+                                    STOP_AFTER_GRACE_S)
     startup.server.run(sockets=[sock])
+    if stop_by is not None and startup.server.stop_by is not None:
+        stop_by[0] = startup.server.stop_by
     return startup.exit_code
 
 
@@ -221,22 +239,26 @@ def _spawn(module: str, config: object) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", module, "--config", to_json(config)],
         preexec_fn=preexec,
+        process_group=0,
         # Ctrl-C reaches the whole process group: the children leave it to this process, which
         # drains the requests in flight first and then stops them (SIGTERM).
         env=dict(os.environ, **{supervision.ENV: "1"}),
     )
 
 
-def _stop(children: Sequence[subprocess.Popen[bytes]]) -> None:
-    """Stop the children in order (the scheduler first: it tells the workers to shut down, so
-    none of them is mistaken for a lost worker on the way out)."""
+def _stop(children: Sequence[subprocess.Popen[bytes]], deadline: float) -> None:
+    """SIGTERM to every child at once, SIGKILL to those still running at ``deadline`` (monotonic;
+    at least ``CHILD_STOP_MIN_S`` from now). A worker says goodbye to the scheduler as it leaves,
+    so neither takes the other's exit for a crash."""
     for child in children:
         if child.poll() is None:
             child.terminate()
+    deadline = max(deadline, time.monotonic() + CHILD_STOP_MIN_S)
+    for child in children:
         try:
-            child.wait(timeout=CHILD_STOP_S)
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log.warning("pid %d did not stop in %.0f s; killing it", child.pid, CHILD_STOP_S)
+            log.warning("pid %d did not stop in time; killing it", child.pid)
             child.kill()
             child.wait()
 
@@ -257,10 +279,12 @@ def serve(frontend: FrontendConfig, scheduler: SchedulerConfig, worker: WorkerCo
     children = [Child("scheduler", "scheduler", scheduler, SCHEDULER_RESTARTS)]
     children += [Child(f"worker {rank}", "worker", dataclasses.replace(worker, rank=rank), scheduler.max_worker_restarts)
                  for rank in range(worker.tensor_parallel_size)]
+    stop_by = [float("inf")]
     try:
         for child in children:
             child.start()
-        return run_frontend(frontend, children, sock)
+        return run_frontend(frontend, children, sock, stop_by)
     finally:
-        _stop([child.proc for child in children if child.proc is not None])
+        deadline = stop_by[0] if stop_by[0] != float("inf") else time.monotonic() + STOP_AFTER_GRACE_S
+        _stop([child.proc for child in children if child.proc is not None], deadline)
         shutil.rmtree(sock_dir, ignore_errors=True)

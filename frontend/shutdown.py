@@ -21,15 +21,17 @@ from frontend.state import AppState
 
 log = logging.getLogger("sluice.frontend")
 
-ABORT_FLUSH_S = 3.0  # after the aborts, time for their final chunks to reach the clients
+ABORT_FLUSH_S = 0.5  # after the aborts, time for their final chunks to reach the clients
 POLL_S = 0.05
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: AppState, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: AppState, grace_s: float, after_grace_s: float = 2.0) -> None:
         super().__init__(config)
         self.state = state
         self.grace_s = grace_s
+        self.after_grace_s = after_grace_s
+        self.stop_by: float | None = None  # monotonic deadline of the whole stop, once a signal came
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
 
@@ -42,6 +44,7 @@ class GracefulServer(uvicorn.Server):
             super().handle_exit(sig, frame)  # a second signal (or not started yet): stop now
             return
         self.state.draining = True
+        self.stop_by = time.monotonic() + self.grace_s + self.after_grace_s
         self._captured_signals.append(sig)
         self._loop.call_soon_threadsafe(self._start_drain)
 

@@ -156,7 +156,7 @@ class FrontendConfig:
     served_model_name: str | None = None
     admin_token: str | None = None
     max_queued_requests: int = 4096
-    shutdown_grace: float = 10.0  # seconds in-flight requests get to finish on SIGTERM
+    shutdown_grace: float = 3.0  # seconds in-flight requests get to finish on SIGTERM
     max_request_body: int = 16 * 2**20  # bytes; larger bodies get 413
     client_stall_timeout: float = 30.0  # a stream whose client reads nothing this long is dropped
     request_timeout: float = 0.0  # seconds from arrival before a request is aborted; 0 = none

@@ -110,3 +110,19 @@ def _wait(predicate: Any, timeout_s: float, what: str, log_dir: Path | None = No
         time.sleep(0.3)
     logs = "" if log_dir is None else "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in log_dir.glob("*.log"))
     raise AssertionError(f"waited {timeout_s} s for {what}\n{logs}")
+
+
+def test_every_service_is_given_longer_to_stop_than_its_own_drain() -> None:
+    """``docker stop`` and ``compose down`` SIGKILL a container 10 s after SIGTERM unless told
+    otherwise: each long-running service's period must exceed the frontend's whole stop
+    (--shutdown-grace, then at most STOP_AFTER_GRACE_S), or the drain is cut short."""
+    from frontend.serve import STOP_AFTER_GRACE_S
+    from protocol.config import FrontendConfig
+
+    stop = FrontendConfig().shutdown_grace + STOP_AFTER_GRACE_S
+    for name, service in compose_services().items():
+        if name == "keys":
+            continue
+        period = service.get("stop_grace_period")
+        assert period is not None and period.endswith("s"), f"{name} sets no stop_grace_period"
+        assert float(period[:-1]) > stop, f"{name}: {period} is not longer than a {stop:g} s stop"

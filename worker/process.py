@@ -36,6 +36,7 @@ from protocol.messages import (
     WorkerHeartbeat,
     WorkerMessage,
     WorkerReady,
+    WorkerStopping,
 )
 from protocol.supervision import startup_failure_level, supervised
 from protocol.transport import Endpoints, make_socket, scheduler_worker_codec, worker_codec
@@ -207,6 +208,7 @@ def run(config: WorkerConfig) -> int:
     stop = threading.Event()
     heartbeat = threading.Thread(target=_heartbeat, args=(ctx, proc.endpoints.worker_to_scheduler, config.rank, stop, proc.curve),
                                  daemon=True, name="heartbeat")
+    told_to_stop = False  # SIGTERM or Shutdown, not a failure: the scheduler hears a goodbye
     try:
         try:
             worker = Worker(config)
@@ -218,7 +220,12 @@ def run(config: WorkerConfig) -> int:
         proc.sender.send(WorkerReady(config.rank, worker.info))
         log.info("ready: %s, max model len %d, %d KV blocks", worker.info.name, worker.max_model_len,
                  worker.info.num_kv_blocks)
-        return proc.serve(worker)
+        status = proc.serve(worker)
+        told_to_stop = status == 0
+        return status
+    except SystemExit:
+        told_to_stop = True
+        raise
     finally:
         # Already stopping: a second signal must not interrupt the clean-up.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -226,5 +233,7 @@ def run(config: WorkerConfig) -> int:
         stop.set()
         if heartbeat.is_alive():
             heartbeat.join(timeout=1.0)
+        if told_to_stop:
+            proc.sender.send(WorkerStopping(config.rank))
         proc.close()
         ctx.term()
