@@ -1,8 +1,11 @@
 """The frontend's side of the ZeroMQ link to the scheduler.
 
 One task owns the receiving socket: it decodes each ``SchedulerMessage`` and dispatches it by type.
-Tokens land in the ``RequestStream`` of their request; the HTTP handler awaiting that stream
-wakes once per batch of tokens, so a lagging client drains several tokens in one write.
+A ``TokenBatch`` goes to the output processor (``frontend.output``), which turns it into every
+stream's bytes in one loop. Token batches are numbered (``TokenBatch.seq``): a gap means output
+was lost on the link, and every live stream of this frontend ends with an error (any of them may
+have lost tokens) and is aborted in the scheduler. The socket tasks are watched: one that dies
+is logged, ends the live streams with an error, and is started again.
 
 Each frontend incarnation has a random epoch: the high bits of every rid it issues and its
 routing id at the scheduler, which sends a request's tokens to its owner only. Pongs carry the
@@ -17,7 +20,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -25,17 +28,14 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from frontend.output import Output, OutputProcessor, RequestHandle
 from protocol.curve import CurveKeys
 from protocol.messages import (
     RID_COUNTER_BITS,
     AbortRequest,
-    AddRequest,
     EngineError,
     EngineReady,
-    Finish,
-    FinishReason,
     FrontendMessage,
-    Logprob,
     ModelInfo,
     PauseRequest,
     Ping,
@@ -57,51 +57,18 @@ SCHEDULER_TIMEOUT_S = 5.0
 WAITING_LOG_INTERVAL_S = 5.0
 
 
-class RequestStream:
-    """Tokens of one request as they arrive, and its single finish."""
-
-    __slots__ = ("_event", "arrivals", "finish", "first_token_at", "logprobs", "rid", "token_ids")
-
-    def __init__(self, rid: int) -> None:
-        self.rid = rid
-        self.token_ids: list[int] = []
-        self.logprobs: list[Logprob] = []
-        self.finish: Finish | None = None
-        self.first_token_at: float | None = None
-        self.arrivals: list[float] = []  # monotonic time each token reached the frontend
-        self._event = asyncio.Event()
-
-    def push(self, token_id: int, logprob: Logprob) -> None:
-        if self.finish is not None:
-            return  # tokens racing an abort are dropped: nothing past a finish
-        now = time.monotonic()
-        if self.first_token_at is None:
-            self.first_token_at = now
-        self.arrivals.append(now)
-        self.token_ids.append(token_id)
-        self.logprobs.append(logprob)
-        self._event.set()
-
-    def close(self, finish: Finish) -> None:
-        if self.finish is None:
-            self.finish = finish
-            self._event.set()
-
-    async def wait(self) -> None:
-        """Wait until something new arrived since the last call."""
-        await self._event.wait()
-        self._event.clear()
-
-
 class EngineClient:
     def __init__(self, address: str, curve: CurveKeys | None = None) -> None:
         self._endpoints = Endpoints.from_base(address)
         self._curve = curve
         self._ctx = zmq.asyncio.Context()
         self._codec = frontend_codec()
-        self._streams: dict[int, RequestStream] = {}
-        self.rid_by_id: dict[str, int] = {}  # live requests' public ids, for the admin API
-        self._id_by_rid: dict[int, str] = {}
+        self.outputs = OutputProcessor(self.abort_soon)
+        self.handles: set[RequestHandle] = set()  # responses in flight
+        self._deadlines: dict[RequestHandle, asyncio.TimerHandle] = {}
+        self.request_timeout = 0.0  # seconds from arrival (--request-timeout); 0 = none
+        self._expected_seq = 1
+        self._closing = False
         self._queries: dict[int, asyncio.Future[QueryReply]] = {}
         self.epoch = new_epoch()
         self._rids = itertools.count((self.epoch << RID_COUNTER_BITS) + 1)
@@ -138,13 +105,27 @@ class EngineClient:
         self._pull: Any = make_socket(self._ctx, zmq.DEALER, self._endpoints.scheduler_to_frontend, bind=False,
                                       identity=identity, curve=self._curve)
         self._links: Any = self._push.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._tasks = [
-            asyncio.create_task(self._receive_loop(), name="engine-receive"),
-            asyncio.create_task(self._ping_loop(), name="engine-ping"),
-            asyncio.create_task(self._link_loop(), name="engine-links"),
-        ]
+        self._tasks = [self._watched(loop) for loop in (self._receive_loop, self._ping_loop, self._link_loop)]
+
+    def _watched(self, loop: Callable[[], Coroutine[Any, Any, None]]) -> asyncio.Task[None]:
+        """Run ``loop`` as a task that is started again if it dies: a socket task that ended
+        unnoticed would leave every stream waiting forever."""
+        task = asyncio.create_task(loop(), name=f"engine{loop.__name__}")
+
+        def done(task: asyncio.Task[None]) -> None:
+            if self._closing or task.cancelled():
+                return
+            error = task.exception()
+            log.error("the frontend's %s task died (%r); ending live streams and starting it again",
+                      loop.__name__.strip("_"), error, exc_info=error)
+            self._fail_all(f"the frontend's link to the scheduler failed: {error!r}")
+            self._tasks[self._tasks.index(task)] = self._watched(loop)
+
+        task.add_done_callback(done)
+        return task
 
     async def close(self) -> None:
+        self._closing = True
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -166,48 +147,76 @@ class EngineClient:
 
     @property
     def num_live(self) -> int:
-        return len(self._streams)
+        """Responses in flight."""
+        return len(self.handles)
 
     @property
     def num_waiting_first_token(self) -> int:
-        return sum(1 for s in self._streams.values() if s.first_token_at is None)
+        return self.outputs.num_waiting_first_token
+
+    @property
+    def rid_by_id(self) -> dict[str, int]:
+        """Live requests' public ids, for the admin API."""
+        return self.outputs.rid_by_id
 
     # ----------------------------------------------------------------- requests
 
-    def next_rid(self) -> int:
-        return next(self._rids)
+    def next_rids(self, n: int = 1) -> int:
+        """``n`` consecutive rids for one request's choices; returns the first."""
+        first = next(self._rids)
+        for _ in range(n - 1):
+            next(self._rids)
+        return first
 
-    async def add(self, request: AddRequest) -> RequestStream:
-        stream = RequestStream(request.rid)
-        self._streams[request.rid] = stream
-        self.rid_by_id[request.request_id] = request.rid
-        self._id_by_rid[request.rid] = request.request_id
-        await self._send(request)
-        return stream
+    async def add(self, output: Output) -> RequestHandle:
+        """Send ``output``'s request; the handle it returns owns it from now on (leaving it aborts
+        whatever still runs)."""
+        handle = RequestHandle(output, self._release)
+        self.outputs.add(output)
+        self.handles.add(handle)
+        if self.request_timeout > 0:
+            loop = asyncio.get_running_loop()
+            self._deadlines[handle] = loop.call_at(loop.time() + self.request_timeout, self._timed_out, output)
+        try:
+            await self._send(output.request)
+        except BaseException:
+            await self._release(output, handle)
+            raise
+        return handle
+
+    def _timed_out(self, output: Output) -> None:
+        """Out of time: the aborts' finishes arrive like any other and end the response with
+        finish_reason "abort" and this reason."""
+        output.abort_reason = f"the request took longer than {self.request_timeout:g} s (--request-timeout)"
+        for choice in output.choices:
+            if not choice.ended and not choice.abort_sent:
+                choice.abort_sent = True
+                self.abort_soon(choice.rid)
+
+    async def _release(self, output: Output, handle: RequestHandle | None = None) -> None:
+        handle = handle or next((h for h in self.handles if h.output is output), None)
+        if handle is not None:
+            self.handles.discard(handle)
+            timer = self._deadlines.pop(handle, None)
+            if timer is not None:
+                timer.cancel()
+        for rid in self.outputs.release(output):
+            await self._send(AbortRequest(rid))
 
     async def abort(self, rid: int) -> None:
         """Ask the scheduler to end ``rid``; its Finish(abort) arrives like any other finish."""
-        if rid in self._streams:
-            await self._send(AbortRequest(rid))
+        await self._send(AbortRequest(rid))
 
     def abort_soon(self, rid: int) -> None:
-        """``abort`` from a place that cannot await (a handler being cancelled by a disconnect)."""
-        if rid in self._streams:
-            task = asyncio.get_running_loop().create_task(self._send(AbortRequest(rid)))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        """``abort`` from a place that cannot await (the output processor, a timer)."""
+        task = asyncio.get_running_loop().create_task(self._send(AbortRequest(rid)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def abort_all(self) -> None:
         """Abort every live request (shutting down): each ends with a ``Finish(abort)``."""
-        for rid in list(self._streams):
+        for rid in list(self.outputs.choices):
             await self._send(AbortRequest(rid))
-
-    def release(self, rid: int) -> None:
-        """Forget a stream whose handler is done with it (finished, or the client went away)."""
-        self._streams.pop(rid, None)
-        request_id = self._id_by_rid.pop(rid, None)
-        if request_id is not None:
-            self.rid_by_id.pop(request_id, None)
 
     async def query(self, what: str, rid: int = -1, timeout: float = 5.0) -> QueryReply:
         qid = next(self._query_ids)
@@ -278,16 +287,22 @@ class EngineClient:
             was_alive = alive
 
     def _on_tokens(self, batch: TokenBatch) -> None:
-        streams = self._streams
-        logprobs = batch.logprobs
-        for i, (rid, token) in enumerate(zip(batch.rids, batch.token_ids, strict=True)):
-            stream = streams.get(rid)
-            if stream is not None:
-                stream.push(token, logprobs[i] if logprobs else None)
-        for finish in batch.finished:
-            stream = streams.get(finish.rid)
-            if stream is not None:
-                stream.close(finish)
+        seq = batch.seq
+        if seq != self._expected_seq and seq != 1:  # 1: a (re)started scheduler's first batch
+            self._lost_output(self._expected_seq, seq)
+        self._expected_seq = seq + 1
+        self.outputs.process(batch)
+
+    def _lost_output(self, expected: int, got: int) -> None:
+        live = len(self.handles)
+        log.error("output from the scheduler was lost on the link (batch %d arrived, %d expected): ending the "
+                  "%d live streams, which may have missed tokens, with an error", got, expected, live)
+        metrics = self.outputs.metrics
+        if metrics is not None:
+            metrics.output_gaps.inc()
+            metrics.streams_lost.inc(live)
+        self._fail_all("output was lost on the link between the frontend and the scheduler; the request was "
+                       "ended (retry it)")
 
     def _on_ready(self, msg: EngineReady) -> None:
         if self.model is None:
@@ -316,11 +331,9 @@ class EngineClient:
             self._said_waiting = False
             log.info("the scheduler at %s answers", self._endpoints.frontend_to_scheduler)
         if self._scheduler_epoch and pong.scheduler_epoch != self._scheduler_epoch:
-            log.warning("the scheduler restarted: ending %d live requests it never heard of", len(self._streams))
+            log.warning("the scheduler restarted: ending %d live requests it never heard of", len(self.outputs))
             # Requests sent in the moment between its start and this pong may have reached the
-            # new scheduler: abort them there too, or they would run on for nobody.
-            for rid in list(self._streams):
-                self.abort_soon(rid)
+            # new scheduler: they are aborted there too, or they would run on for nobody.
             self._fail_all("the scheduler restarted; the request was lost")
         self._scheduler_epoch = pong.scheduler_epoch
         self.workers_alive = pong.workers_alive
@@ -348,5 +361,7 @@ class EngineClient:
         self._fail_all(msg.message)
 
     def _fail_all(self, message: str) -> None:
-        for stream in list(self._streams.values()):
-            stream.close(Finish(stream.rid, FinishReason.ERROR, 0, 0, len(stream.token_ids), message))
+        """Every live response ends with an error, and its requests are aborted in the scheduler
+        (it may be alive after all, only slow or cut off for a while: they must not run on)."""
+        for rid in self.outputs.fail_all(message):
+            self.abort_soon(rid)

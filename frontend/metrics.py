@@ -3,17 +3,22 @@
 Two sources: what the frontend sees itself (tokens, latencies, finishes — recorded once per
 request when it ends), and the scheduler's state, which arrives with every ``Pong`` and is
 exposed by a collector that reads that latest snapshot at scrape time.
+
+Nothing here costs a Prometheus call per token: generated tokens are a plain count read at
+scrape time, and a request's inter-token gaps go into the histogram's buckets in one pass when
+it ends (``bisect`` per gap, no lock, no label look-up).
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("sluice.requests")
@@ -39,6 +44,8 @@ SCHEDULER_METRICS = {
                         "the request it concerned was ended with an error)", "counter"),
     "malformed_frames": ("sluice_malformed_frames", "Frames on the scheduler's sockets that were not Sluice "
                          "messages (dropped)", "counter"),
+    "lost_batches": ("sluice_scheduler_undeliverable_batches", "Token batches the scheduler could not send to "
+                     "a frontend (its link was down); their running requests were aborted", "counter"),
 }
 
 
@@ -62,6 +69,37 @@ class _SchedulerCollector(Collector):
             yield family
 
 
+class _GapHistogram(Collector):
+    """``sluice_inter_token_latency_seconds`` and ``sluice_generation_tokens``: per-token figures,
+    kept as plain counts and rendered at scrape time."""
+
+    def __init__(self, model: Callable[[], str]) -> None:
+        self._model = model
+        self.bucket_counts = [0] * (len(LATENCY_BUCKETS) + 1)  # the last one: above every bound
+        self.gap_sum = 0.0
+        self.generated = 0
+
+    def observe(self, gaps: list[float]) -> None:
+        counts, bounds = self.bucket_counts, LATENCY_BUCKETS
+        for gap in gaps:
+            counts[bisect.bisect_left(bounds, gap)] += 1
+        self.gap_sum += sum(gaps)
+
+    def collect(self) -> Iterator[Metric]:
+        model = self._model()
+        tokens = CounterMetricFamily("sluice_generation_tokens", "Generated tokens", labels=["model_name"])
+        tokens.add_metric([model], float(self.generated))
+        yield tokens
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(str, LATENCY_BUCKETS), "+Inf"], self.bucket_counts, strict=True):
+            cumulative += count
+            buckets.append((bound, float(cumulative)))
+        itl = HistogramMetricFamily("sluice_inter_token_latency_seconds", "Time between tokens of a stream",
+                                    labels=["model_name"])
+        itl.add_metric([model], buckets, self.gap_sum)
+        yield itl
+
+
 class Metrics:
     def __init__(self, snapshot: Callable[[], dict[str, Any] | None], model: Callable[[], str]) -> None:
         self.registry = CollectorRegistry()
@@ -69,25 +107,31 @@ class Metrics:
         label = ["model_name"]
         r = self.registry
         self.prompt_tokens = Counter("sluice_prompt_tokens", "Prompt tokens of finished requests", label, registry=r)
-        self.generation_tokens = Counter("sluice_generation_tokens", "Generated tokens", label, registry=r)
         self.requests = Counter("sluice_request_success", "Finished requests by finish reason",
                                 [*label, "finished_reason"], registry=r)
         self.ttft = Histogram("sluice_time_to_first_token_seconds", "Time to first token", label,
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("sluice_inter_token_latency_seconds", "Time between tokens of a stream", label,
-                             buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("sluice_e2e_request_latency_seconds", "Arrival to finish", label,
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("sluice_request_queue_time_seconds", "Arrival to first scheduled", label,
                                buckets=LATENCY_BUCKETS, registry=r)
+        self.output_gaps = Counter("sluice_lost_output_batches", "Gaps in the numbers of the scheduler's token "
+                                   "batches: output lost on the link; each ended this frontend's live streams with "
+                                   "an error", registry=r)
+        self.streams_lost = Counter("sluice_streams_ended_by_lost_output", "Streams ended with an error because "
+                                    "output was lost on the link to the scheduler", registry=r)
+        self._per_token = _GapHistogram(model)
+        self.registry.register(self._per_token)
         self.registry.register(_SchedulerCollector(snapshot, model))
-        self.generated_total = 0
         self._recent_ttft: collections.deque[float] = collections.deque(maxlen=50)
+
+    @property
+    def generated_total(self) -> int:
+        return self._per_token.generated
 
     def count_tokens(self, n: int) -> None:
         """Generated tokens as they stream, so tokens/s is live, not per finished request."""
-        self.generation_tokens.labels(self._model()).inc(n)
-        self.generated_total += n
+        self._per_token.generated += n
 
     def frontend_stats(self) -> dict[str, float | int]:
         """What the dashboard needs beyond the scheduler's stats."""
@@ -108,9 +152,7 @@ class Metrics:
         if ttft is not None:
             self.ttft.labels(model).observe(ttft)
             self._recent_ttft.append(ttft)
-        itl = self.itl.labels(model)
-        for gap in itls:
-            itl.observe(gap)
+        self._per_token.observe(itls)
         self.e2e.labels(model).observe(e2e)
         if queue_s is not None:
             self.queue.labels(model).observe(queue_s)

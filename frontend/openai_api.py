@@ -1,18 +1,18 @@
 """``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``.
 
-Each handler: decode and validate the body, tokenize, build an ``AddRequest``, then either stream
-SSE chunks (one per token) or collect the whole answer. Validation is complete before anything
-reaches the scheduler, so a client mistake is always a 4xx and never costs the engine a step.
+Each handler: decode and validate the body, tokenize, build an ``AddRequest`` and the renderer
+of its answers, then either stream SSE chunks (one per token) or collect the whole answer; the
+output processor (``frontend.output``) does the per-token work. Validation is complete before
+anything reaches the scheduler, so a client mistake is always a 4xx and never costs the engine a
+step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -20,19 +20,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.errors import APIError, bad_request
-from frontend.generation import Delta, Generation
+from frontend.output import Output
+from frontend.render import ChatRenderer, CompletionRenderer, Renderer
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, decode, message_text
-from frontend.stall_guard import DroppingStreamingResponse
+from frontend.sse import StreamResponse, collect
 from frontend.state import AppState
 from frontend.tokenizer import ChatTemplateError, ModelTokenizer, PromptTooLong
-from protocol.messages import AddRequest, FinishReason, Logprob, SamplingParams
+from protocol.messages import AddRequest, SamplingParams
 
 _json = msgspec.json.Encoder()
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def _sse(obj: object) -> bytes:
-    return b"data: " + _json.encode(obj) + b"\n\n"
 
 
 def _json_response(body: object, request_id: str) -> Response:
@@ -75,13 +71,18 @@ def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens
     if prompt_len >= limit:
         raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
                           f"{prompt_len} tokens, leaving no room for output.", prompt_param)
+    capacity = model.num_kv_blocks * model.block_size
     if max_tokens is None:
-        max_tokens = default_max_tokens if default_max_tokens is not None else limit - prompt_len
+        # Unset (chat): whatever fits, as vLLM does — the context's rest, or the KV cache's if
+        # that is smaller (a request cannot hold more KV than the whole cache).
+        if prompt_len >= capacity:
+            raise bad_request(f"the prompt has {prompt_len} tokens; the KV cache of this server holds "
+                              f"{capacity}, leaving no room for output", prompt_param)
+        max_tokens = default_max_tokens if default_max_tokens is not None else min(limit, capacity) - prompt_len
     if prompt_len + max_tokens > limit:
         raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                           f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
                           f"for the completion). Reduce the prompt or {max_tokens_param}.", max_tokens_param)
-    capacity = model.num_kv_blocks * model.block_size
     if prompt_len + max_tokens > capacity:
         raise bad_request(f"prompt + max_tokens = {prompt_len + max_tokens} tokens exceeds the KV cache of this "
                           f"server ({capacity} tokens); lower {max_tokens_param}", max_tokens_param)
@@ -153,187 +154,35 @@ def _check_capacity(state: AppState) -> None:
 # ------------------------------------------------------------------------------------ running
 
 
-ChunkFn = Callable[[Delta, bool, int], "dict[str, Any] | None"]
-FinalFn = Callable[[str, str, Any, list[int], list[Logprob], int], "dict[str, Any]"]
-
-
-async def _run(
-    state: AppState,
-    request: Request,
-    body: SamplingFields,
-    prompt_ids: list[int],
-    sampling: SamplingParams,
-    request_id: str,
-    chunk: ChunkFn,
-    final: FinalFn,
-) -> Response:
-    """Shared by both endpoints: ``chunk(delta, first, index)`` makes one SSE chunk body for
-    choice ``index`` (or None to send nothing), ``final(text, finish_reason, usage, token_ids,
-    logprobs, index)`` the non-streaming body of one choice; with ``n`` > 1 the choices are
-    merged into one body.
-
-    Choice i > 0 is its own engine request (id ``<request_id>-<i>``, seed + i when seeded) that
-    waits for choice 0 to compute the prompt and then shares its KV blocks."""
+async def _run(state: AppState, request: Request, body: SamplingFields, prompt_ids: list[int],
+               sampling: SamplingParams, request_id: str, renderer: Renderer) -> Response | StreamResponse:
+    """Shared by both endpoints: one engine request per choice (``n``, sent as one message),
+    their output rendered by ``renderer`` as it arrives — streamed as SSE chunks, or collected
+    into one body."""
     _check_capacity(state)
-    tokenizer = state.require_tokenizer()
-    gens: list[Generation] = []
-    for i in range(body.n):
-        choice_sampling = sampling
-        if i and sampling.seed is not None:
-            choice_sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + i) % 2**63)
-        add = AddRequest(
-            rid=state.client.next_rid(),
-            request_id=request_id if i == 0 else f"{request_id}-{i}",
-            prompt_token_ids=prompt_ids,
-            sampling=choice_sampling,
-            priority=body.priority,
-            user=body.user or "",
-            arrival_time=time.time(),
-            after=gens[0].rid if i else None,
-        )
-        gens.append(Generation(state.client, tokenizer, add, body.stop_strings(), state.metrics,
-                               timeout=state.config.request_timeout))
-    for gen in gens:
-        await gen.start()
+    add = AddRequest(
+        rid=state.client.next_rids(body.n),
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        sampling=sampling,
+        priority=body.priority,
+        user=body.user or "",
+        arrival_time=time.time(),
+        n=body.n,
+    )
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    output = Output(add, state.require_tokenizer(), body.stop_strings(), renderer, body.stream, include_usage)
+    handle = await state.client.add(output)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _stream(gens[0], chunk, include_usage, request_id) if len(gens) == 1 else \
-            _stream_choices(gens, chunk, include_usage, request_id)
-        return DroppingStreamingResponse(stream, state.config.client_stall_timeout, media_type="text/event-stream",
-                                         headers={"X-Request-Id": request_id, "Cache-Control": "no-cache"})
-    answers = await _collect_unless_disconnected(request, gens)
-    usage = _usage(gens)
-    bodies = [final(text, reason, usage, token_ids, entries, i)
-              for i, (text, reason, token_ids, entries) in enumerate(answers)]
-    merged = bodies[0]
-    merged["choices"] = [_with_abort_reason(b["choices"][0], gen.abort_reason) for b, gen in zip(bodies, gens, strict=True)]
-    return _json_response(merged, request_id)
-
-
-def _with_abort_reason(choice: dict[str, Any], reason: str | None) -> dict[str, Any]:
-    """A choice the server aborted (``--request-timeout``) says why, beside ``finish_reason``."""
-    if reason is not None and choice.get("finish_reason") == FinishReason.ABORT:
-        choice["abort_reason"] = reason
-    return choice
-
-
-def _usage(gens: list[Generation]) -> dict[str, object]:
-    """One prompt, however many choices: its tokens count once, completions add up."""
-    usage = dataclasses.replace(gens[0].usage, completion_tokens=sum(g.usage.completion_tokens for g in gens))
-    return usage.as_dict()
-
-
-async def _stream(gen: Generation, chunk: ChunkFn, include_usage: bool, request_id: str) -> AsyncIterator[bytes]:
-    first = True
-    async for delta in gen.deltas():
-        if delta.error is not None:
-            yield _error_chunk(delta.error)
-            break
-        body = chunk(delta, first, 0)
-        first = False
-        if body is not None:
-            _with_abort_reason(body["choices"][0], delta.abort_reason)
-            yield _sse(body)
-    if include_usage:
-        yield _sse({"id": request_id, "object": "usage", "choices": [], "usage": gen.usage.as_dict()})
-    yield SSE_DONE
-
-
-def _error_chunk(message: str) -> bytes:
-    # Headers are gone already: the error travels as a chunk in OpenAI's error shape.
-    return _sse({"error": {"message": message, "type": "service_unavailable", "param": None,
-                           "code": "engine_error"}})
-
-
-async def _stream_choices(gens: list[Generation], chunk: ChunkFn, include_usage: bool,
-                          request_id: str) -> AsyncIterator[bytes]:
-    """n > 1: every choice's chunks, interleaved as they come, each naming its ``index``."""
-    arrived: asyncio.Queue[tuple[int, Delta | None, bool]] = asyncio.Queue()
-
-    async def pump(index: int, gen: Generation) -> None:
-        first = True
-        try:
-            async for delta in gen.deltas():
-                arrived.put_nowait((index, delta, first))
-                first = False
-        finally:
-            arrived.put_nowait((index, None, False))
-
-    pumps = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
-    try:
-        running = len(gens)
-        while running:
-            index, delta, first = await arrived.get()
-            if delta is None:
-                running -= 1
-                continue
-            if delta.error is not None:
-                yield _error_chunk(delta.error)
-                break
-            body = chunk(delta, first, index)
-            if body is not None:
-                _with_abort_reason(body["choices"][0], delta.abort_reason)
-                yield _sse(body)
-        if include_usage:
-            yield _sse({"id": request_id, "object": "usage", "choices": [], "usage": _usage(gens)})
-        yield SSE_DONE
-    finally:
-        # A client gone mid-stream: cancelling each pump aborts its request (Generation's finally).
-        for task in pumps:
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-
-
-async def _collect(gen: Generation) -> tuple[str, str, list[int], list[Logprob]]:
-    parts: list[str] = []
-    token_ids: list[int] = []
-    entries: list[Logprob] = []
-    reason = FinishReason.ABORT
-    async for delta in gen.deltas():
-        if delta.error is not None:
-            raise APIError(503, delta.error, code="engine_error")
-        parts.append(delta.text)
-        token_ids += delta.token_ids
-        entries += delta.logprobs
-        if delta.finish_reason is not None:
-            reason = delta.finish_reason
-    return "".join(parts), reason, token_ids, entries
-
-
-async def _collect_unless_disconnected(request: Request, gens: list[Generation]
-                                       ) -> list[tuple[str, str, list[int], list[Logprob]]]:
-    """Collect every choice, but give up (aborting the requests) if the client disconnects."""
-    collect = asyncio.ensure_future(asyncio.gather(*(_collect(gen) for gen in gens)))
-    disconnect = asyncio.ensure_future(_wait_disconnect(request))
-    either: list[asyncio.Future[Any]] = [collect, disconnect]
-    try:
-        done, _ = await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnect.cancel()
-        if not collect.done():
-            collect.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await disconnect
-        with contextlib.suppress(asyncio.CancelledError, APIError):
-            await collect  # let cancelled collectors finish their clean-up (the aborts)
-    if collect not in done:
-        # The client went first. (Not ``collect.cancelled()``: a cancelled gather reports its
-        # children's CancelledError as its exception, which then escaped as a 500 and a traceback.)
-        raise APIError(400, "client disconnected")  # nobody reads this response
-    return collect.result()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+        return StreamResponse(handle, {"X-Request-Id": request_id})
+    await collect(handle, request.receive)
+    return _json_response(output.body(), request_id)
 
 
 # ------------------------------------------------------------------------------------ endpoints
 
 
-async def completions(request: Request) -> Response:
+async def completions(request: Request) -> Response | StreamResponse:
     state: AppState = request.app.state.sluice
     body: CompletionRequest = decode(await request.body(), CompletionRequest)
     tokenizer = state.require_tokenizer()
@@ -357,46 +206,9 @@ async def completions(request: Request) -> Response:
     sampling = _sampling(state, body, len(prompt_ids), body.max_tokens, body.logprobs, default_max_tokens=16)
     _check_token_ids(prompt_ids, tokenizer.vocab_size, "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    model = state.model_name
-
-    offsets = [0] * body.n  # text offset of each choice's next token, for logprobs
-
-    def completion_logprobs(delta_ids: list[int], entries: list[Logprob], texts: list[str],
-                            index: int) -> dict[str, Any] | None:
-        if body.logprobs is None or not delta_ids:
-            return None
-        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tid, entry, text in zip(delta_ids, entries, texts, strict=True):
-            out["tokens"].append(tokenizer.token_str(tid))
-            out["token_logprobs"].append(entry[0] if entry else None)
-            out["top_logprobs"].append({tokenizer.token_str(t): lp
-                                        for t, lp in zip(entry[1], entry[2], strict=True)} if entry else None)
-            out["text_offset"].append(offsets[index])
-            offsets[index] += len(text)
-        return out
-
-    def chunk(delta: Delta, first: bool, index: int) -> dict[str, Any]:
-        choice = {"index": index, "text": delta.text, "finish_reason": delta.finish_reason,
-                  "logprobs": completion_logprobs(delta.token_ids, delta.logprobs, [delta.text], index)}
-        if body.return_token_ids:
-            choice["token_ids"] = delta.token_ids
-            if first:
-                choice["prompt_token_ids"] = prompt_ids
-        return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                "choices": [choice]}
-
-    def final(text: str, reason: str, usage: Any, token_ids: list[int], entries: list[Logprob],
-              index: int) -> dict[str, Any]:
-        texts = [tokenizer.decode([t]) for t in token_ids]
-        choice = {"index": index, "text": text, "finish_reason": reason,
-                  "logprobs": completion_logprobs(token_ids, entries, texts, index)}
-        if body.return_token_ids:
-            choice.update(token_ids=token_ids, prompt_token_ids=prompt_ids)
-        return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                "choices": [choice], "usage": usage}
-
-    return await _run(state, request, body, prompt_ids, sampling, request_id, chunk, final)
+    renderer = CompletionRenderer(request_id, int(time.time()), state.model_name, tokenizer, prompt_ids,
+                                  body.return_token_ids, body.logprobs)
+    return await _run(state, request, body, prompt_ids, sampling, request_id, renderer)
 
 
 def _check_unsupported_chat_fields(body: ChatCompletionRequest) -> None:
@@ -411,7 +223,7 @@ def _check_unsupported_chat_fields(body: ChatCompletionRequest) -> None:
                           "response_format")
 
 
-async def chat_completions(request: Request) -> Response:
+async def chat_completions(request: Request) -> Response | StreamResponse:
     state: AppState = request.app.state.sluice
     body: ChatCompletionRequest = decode(await request.body(), ChatCompletionRequest)
     _check_unsupported_chat_fields(body)
@@ -431,43 +243,9 @@ async def chat_completions(request: Request) -> Response:
     sampling = _sampling(state, body, len(prompt_ids), max_tokens, top_logprobs, default_max_tokens=None,
                          prompt_param="messages", max_tokens_param=max_tokens_param)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    model = state.model_name
-
-    def chat_logprobs(delta_ids: list[int], entries: list[Logprob]) -> dict[str, Any] | None:
-        if top_logprobs is None or not delta_ids:
-            return None
-
-        def item(token_id: int, logprob: float) -> dict[str, Any]:
-            text = tokenizer.token_str(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        content = []
-        for tid, entry in zip(delta_ids, entries, strict=True):
-            if entry is None:
-                continue
-            content.append(item(tid, entry[0]) | {
-                "top_logprobs": [item(t, lp) for t, lp in zip(entry[1], entry[2], strict=True)]})
-        return {"content": content}
-
-    def chunk(delta: Delta, first: bool, index: int) -> dict[str, Any]:
-        message: dict[str, Any] = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
-        if first:
-            message = {"role": "assistant", "content": delta.text}
-        return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": index, "delta": message, "logprobs": chat_logprobs(delta.token_ids, delta.logprobs),
-                             "finish_reason": delta.finish_reason}]}
-
-    def final(text: str, reason: str, usage: Any, token_ids: list[int], entries: list[Logprob],
-              index: int) -> dict[str, Any]:
-        choice = {"index": index, "message": {"role": "assistant", "content": text},
-                  "logprobs": chat_logprobs(token_ids, entries), "finish_reason": reason}
-        if body.return_token_ids:
-            choice.update(token_ids=token_ids, prompt_token_ids=prompt_ids)
-        return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": [choice], "usage": usage}
-
-    return await _run(state, request, body, prompt_ids, sampling, request_id, chunk, final)
+    renderer = ChatRenderer(request_id, int(time.time()), state.model_name, tokenizer, prompt_ids,
+                            body.return_token_ids, top_logprobs)
+    return await _run(state, request, body, prompt_ids, sampling, request_id, renderer)
 
 
 async def list_models(request: Request) -> Response:

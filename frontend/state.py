@@ -23,6 +23,8 @@ class AppState:
         self._tokenizer: ModelTokenizer | None = None
         self.draining = False  # shutting down: no new requests
         self.metrics = Metrics(lambda: client.stats, lambda: self.model_name)
+        client.outputs.metrics = self.metrics
+        client.request_timeout = config.request_timeout
 
     @property
     def model_name(self) -> str:

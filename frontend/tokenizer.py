@@ -17,6 +17,7 @@ import jinja2.nodes
 import jinja2.parser
 import jinja2.sandbox
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from protocol.messages import ModelInfo
 
@@ -180,38 +181,35 @@ class ModelTokenizer:
             return self._tok.id_to_token(token_id) or text
         return text
 
+    @property
+    def raw(self) -> Tokenizer:
+        """The ``tokenizers.Tokenizer`` itself (incremental decoding steps it directly)."""
+        return self._tok
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text: str = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         return text
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas without re-decoding everything.
+    """Turns a growing list of token ids into text deltas: ``tokenizers``' ``DecodeStream``,
+    which keeps the few tokens of context a delta depends on (a character may span tokens; a
+    leading space may depend on the previous token) and holds back an incomplete UTF-8
+    sequence, so each token costs one short decode, never a re-decode of the text so far.
 
-    Decoding a single token alone is wrong for byte-level and sentencepiece tokenizers (a
-    character may span tokens; a leading space may depend on the previous token), so each step
-    decodes a short window that starts a few tokens back and emits only the text past what that
-    window already produced. A window ending in U+FFFD is an incomplete UTF-8 sequence: wait.
+    It starts from the prompt's last tokens, so the first output token's text (a sentencepiece
+    word's leading space) reads as it does after that prompt.
     """
 
     CONTEXT_TOKENS = 5
+    __slots__ = ("_stream", "_tok")
 
     def __init__(self, tokenizer: ModelTokenizer, prompt_ids: list[int]) -> None:
-        self._tok = tokenizer
-        self._ids = list(prompt_ids[-self.CONTEXT_TOKENS :])
-        self._prefix = 0  # window start
-        self._read = len(self._ids)  # tokens whose text has been emitted
+        self._tok = tokenizer.raw
+        self._stream = DecodeStream(ids=prompt_ids[-self.CONTEXT_TOKENS :], skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
-        full_text = self._tok.decode(self._ids[self._prefix :])
-        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-            delta = full_text[len(prefix_text) :]
-            self._prefix = self._read
-            self._read = len(self._ids)
-            return delta
-        return ""
+        return self._stream.step(self._tok, token_id) or ""
 
 
 class StopStringMatcher:
@@ -219,35 +217,37 @@ class StopStringMatcher:
 
     ``feed(delta)`` returns ``(text_safe_to_send, stopped)``. While not stopped, the last
     ``longest-1`` characters are held back because they might be the start of a stop string;
-    ``flush()`` releases them at the end of generation.
+    ``flush()`` releases them at the end of generation. Only that held-back window and the new
+    delta are searched: a stop string ending in the delta starts at most ``longest-1``
+    characters before it, and one ending earlier was found when its end arrived.
     """
+
+    __slots__ = ("_held", "_hold", "_stops")
 
     def __init__(self, stops: list[str]) -> None:
         self._stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
-        self._text = ""
-        self._sent = 0
+        self._held = ""
 
     def feed(self, delta: str) -> tuple[str, bool]:
         if not self._stops:
             return delta, False
-        search_from = max(0, len(self._text) - self._hold)
-        self._text += delta
+        window = self._held + delta
         cut = -1
         for stop in self._stops:
-            i = self._text.find(stop, search_from)
+            i = window.find(stop)
             if i != -1 and (cut == -1 or i < cut):
                 cut = i
         if cut != -1:
-            out = self._text[self._sent : cut]
-            self._sent = cut
-            return out, True
-        safe_end = max(self._sent, len(self._text) - self._hold)
-        out = self._text[self._sent : safe_end]
-        self._sent = safe_end
-        return out, False
+            self._held = ""
+            return window[:cut], True
+        release = len(window) - self._hold
+        if release <= 0:
+            self._held = window
+            return "", False
+        self._held = window[release:]
+        return window[:release], False
 
     def flush(self) -> str:
-        out = self._text[self._sent :]
-        self._sent = len(self._text)
+        out, self._held = self._held, ""
         return out

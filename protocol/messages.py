@@ -85,6 +85,22 @@ class Finish(msgspec.Struct, array_like=True, frozen=True):
 # request did not ask.
 Logprob = tuple[float, list[int], list[float]] | None
 
+# A step's logprobs travel as msgpack bytes the scheduler never decodes: a list of (rid, entry)
+# pairs for the rows that asked for them, packed by the worker and read by the frontend. A step
+# without any is msgpack's nil.
+NO_LOGPROBS = msgspec.Raw(b"\xc0")
+_logprob_pairs = msgspec.msgpack.Decoder(list[tuple[int, tuple[float, list[int], list[float]]]])
+
+
+def pack_logprobs(pairs: list[tuple[int, tuple[float, list[int], list[float]]]]) -> msgspec.Raw:
+    """``(rid, logprob entry)`` pairs as the opaque field of ``StepTokens`` and ``TokenBatch``."""
+    return msgspec.Raw(msgspec.msgpack.encode(pairs)) if pairs else NO_LOGPROBS
+
+
+def unpack_logprobs(raw: msgspec.Raw) -> dict[int, tuple[float, list[int], list[float]]]:
+    """The entries ``pack_logprobs`` packed, by rid; empty for ``NO_LOGPROBS``."""
+    return dict(_logprob_pairs.decode(raw)) if len(raw) > 1 else {}
+
 # --------------------------------------------------------------------------------------------
 # frontend -> scheduler
 
@@ -97,9 +113,11 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     priority: int = 0
     user: str = ""
     arrival_time: float = 0.0
-    # n > 1: choices after the first wait until request ``after`` has computed its prompt, then
-    # start on its KV blocks through the prefix cache (shared, copied at the first divergent one).
-    after: int | None = None
+    # n > 1 choices of one prompt: the scheduler makes requests ``rid .. rid + n - 1`` (ids
+    # ``request_id``, ``request_id-1``, ...; seeds ``seed + i``), so the prompt crosses once.
+    # The later ones wait until the first has computed the prompt, then start on its KV blocks
+    # through the prefix cache (shared, copied at the first divergent one).
+    n: int = 1
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):
@@ -182,14 +200,22 @@ class TokenBatch(msgspec.Struct, tag=True, array_like=True):
     """New tokens of one worker step, and the requests that ended with it.
 
     ``rids[i]`` gained ``token_ids[i]``. A request may appear in ``finished`` without a token
-    (abort, error). ``logprobs[i]``, when the request asked for them, is
-    ``[sampled_logprob, [top ids], [top logprobs]]``; otherwise ``None``.
+    (abort, error). ``logprobs``: the step's ``pack_logprobs`` bytes, passed through as the
+    worker made them (they may name rids this batch does not carry: those are ignored).
+    ``started``: ``(rid, cached prompt tokens)`` of the requests whose first token this is, so
+    usage is known even when the frontend ends a request itself (a stop string).
+
+    ``seq`` numbers the batches a scheduler sends to one frontend: 1, 2, 3, ... A gap means a
+    batch was lost on the link (ZeroMQ drops messages to a peer that is reconnecting): that
+    frontend's streams can no longer be trusted to be whole, so it ends them with an error.
     """
 
     rids: list[int]
     token_ids: list[int]
     finished: list[Finish] = []
-    logprobs: list[Logprob] | None = None
+    logprobs: msgspec.Raw = NO_LOGPROBS
+    started: list[tuple[int, int]] = []
+    seq: int = 0
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
@@ -322,7 +348,7 @@ class StepTokens(msgspec.Struct, tag=True, array_like=True):
     token_ids: list[int]
     last: bool
     busy_s: float = 0.0
-    logprobs: list[Logprob] | None = None
+    logprobs: msgspec.Raw = NO_LOGPROBS  # ``pack_logprobs`` of the rows that asked
 
 
 class WorkerReady(msgspec.Struct, tag=True, array_like=True):
@@ -339,4 +365,11 @@ class WorkerFailed(msgspec.Struct, tag=True, array_like=True):
     message: str
 
 
-WorkerMessage = StepTokens | WorkerReady | WorkerHeartbeat | WorkerFailed
+class WorkerStopping(msgspec.Struct, tag=True, array_like=True):
+    """The worker was told to stop (SIGTERM, or the scheduler's ``Shutdown``) and is leaving: not
+    a crash. Its live requests wait for a worker as after a loss, but no restart is counted."""
+
+    rank: int
+
+
+WorkerMessage = StepTokens | WorkerReady | WorkerHeartbeat | WorkerFailed | WorkerStopping

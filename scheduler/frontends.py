@@ -4,6 +4,11 @@ Frontends connect DEALER sockets to the scheduler's ROUTER sockets, so every mes
 its sender's routing id. A request belongs to the frontend that added it, and its tokens and
 finish go to that frontend alone. A frontend silent for ``FRONTEND_TIMEOUT_S`` (they ping every
 0.5 s) is gone: the caller aborts the requests it owned.
+
+Token batches are numbered per frontend (``TokenBatch.seq``). A send can fail (the ROUTER has no
+connection to that frontend right now: a tcp link reconnecting), and ZeroMQ can also drop what
+was queued on a connection that breaks; either way the frontend sees a gap in the numbers and
+ends its streams with an error instead of missing tokens in silence.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class Frontends:
         self.last_heard: dict[bytes, float] = {}  # routing id -> when it was last heard from
         self.owner: dict[int, bytes] = {}  # rid -> the frontend that added it
         self.sender: bytes | None = None  # the frontend whose message is being handled
+        self.seq: dict[bytes, int] = {}  # frontend -> the number of the last batch sent to it
+        self.lost_batches = 0  # batches a frontend could not be sent
 
     def __len__(self) -> int:
         return len(self.last_heard)
@@ -55,6 +62,7 @@ class Frontends:
         result = []
         for frontend in silent:
             del self.last_heard[frontend]
+            self.seq.pop(frontend, None)
             rids = [rid for rid, owner in self.owner.items() if owner == frontend]
             for rid in rids:
                 del self.owner[rid]
@@ -63,50 +71,67 @@ class Frontends:
 
     # ------------------------------------------------------------------ sending
 
-    def send(self, frontend: bytes, msg: object) -> None:
+    def send(self, frontend: bytes, msg: object) -> bool:
+        """Send without blocking; False if ``frontend`` cannot be reached now."""
+        if isinstance(msg, TokenBatch):
+            msg.seq = self.seq[frontend] = self.seq.get(frontend, 0) + 1
         try:
             self._sock.send_multipart([frontend, self._codec.encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError:
+            return True
+        except zmq.ZMQError as e:
             # Not connected (yet, or any more): a frontend's receiving socket connects in the
             # background, so a ping can arrive before it does. Pings repeat; a frontend that is
             # gone has its requests aborted once it has been silent for FRONTEND_TIMEOUT_S.
-            log.debug("frontend %r not connected; dropped a %s", frontend, type(msg).__name__)
+            if isinstance(msg, TokenBatch):
+                self.lost_batches += 1
+                log.warning("frontend %s cannot be reached (%s): a batch of %d tokens and %d finishes is lost "
+                            "(%d batches so far)", frontend.decode(errors="replace"), e.strerror, len(msg.rids),
+                            len(msg.finished), self.lost_batches)
+            else:
+                log.debug("frontend %r not connected; dropped a %s", frontend, type(msg).__name__)
+            return False
 
-    def reply(self, msg: object) -> None:
+    def reply(self, msg: object) -> bool:
         """Answer the frontend whose message is being handled."""
-        if self.sender is not None:
-            self.send(self.sender, msg)
+        return self.send(self.sender, msg) if self.sender is not None else False
 
     def broadcast(self, msg: object) -> None:
         for frontend in self.last_heard:
             self.send(frontend, msg)
 
-    def to_owners(self, batch: TokenBatch) -> None:
-        """Tokens and finishes to the frontends that own them; a finished request is forgotten."""
+    def to_owners(self, batch: TokenBatch) -> list[int]:
+        """Tokens and finishes to the frontends that own them; a finished request is forgotten.
+        Returns the rids of a batch that could not be sent (their output is lost)."""
         owner = self.owner
         if len(self.last_heard) == 1:  # the usual deployment: no need to split the batch
             for f in batch.finished:
                 owner.pop(f.rid, None)
-            self.send(next(iter(self.last_heard)), batch)
-            return
+            if self.send(next(iter(self.last_heard)), batch):
+                return []
+            return batch.rids + [f.rid for f in batch.finished]
         parts: dict[bytes, TokenBatch] = {}
 
         def part(dest: bytes) -> TokenBatch:
             if dest not in parts:
-                parts[dest] = TokenBatch([], [], [], [] if batch.logprobs is not None else None)
+                # Each part carries the step's logprobs whole: a frontend reads its own rids'.
+                parts[dest] = TokenBatch([], [], [], batch.logprobs)
             return parts[dest]
 
-        for i, rid in enumerate(batch.rids):
+        started = dict(batch.started)
+        for rid, token in zip(batch.rids, batch.token_ids, strict=True):
             dest = owner.get(rid)
             if dest is not None:
                 p = part(dest)
                 p.rids.append(rid)
-                p.token_ids.append(batch.token_ids[i])
-                if p.logprobs is not None and batch.logprobs is not None:
-                    p.logprobs.append(batch.logprobs[i])
+                p.token_ids.append(token)
+                if rid in started:
+                    p.started.append((rid, started[rid]))
         for f in batch.finished:
             dest = owner.pop(f.rid, None)
             if dest is not None:
                 part(dest).finished.append(f)
+        lost: list[int] = []
         for dest, p in parts.items():
-            self.send(dest, p)
+            if not self.send(dest, p):
+                lost += p.rids + [f.rid for f in p.finished]
+        return lost

@@ -60,6 +60,7 @@ from protocol.messages import (
     WorkerFailed,
     WorkerHeartbeat,
     WorkerReady,
+    WorkerStopping,
     new_epoch,
 )
 from protocol.supervision import startup_failure_level, supervised
@@ -148,6 +149,7 @@ class SchedulerProcess:
             WorkerReady: self.on_worker_ready,
             WorkerHeartbeat: self.on_heartbeat,
             WorkerFailed: self.on_worker_failed,
+            WorkerStopping: self.on_worker_stopping,
         }
 
     # ------------------------------------------------------------------ the loop
@@ -275,8 +277,17 @@ class SchedulerProcess:
         forget = core.rids_on_worker()
         self.core = self._new_core(self.model, first_plan_id=core.last_plan_id)
         self.core.forget_on_worker(forget)
-        self.frontends.to_owners(TokenBatch([], [], finishes))
+        self._to_owners(TokenBatch([], [], finishes))
 
+
+    def _to_owners(self, batch: TokenBatch) -> None:
+        """Tokens and finishes to the frontends that own them. A batch a frontend could not be
+        sent (its link is down or reconnecting) is lost to it: the requests in it that are still
+        running are aborted now, freeing their blocks, and the frontend, finding a gap in its
+        batches' numbers, ends its streams with an error."""
+        for rid in self.frontends.to_owners(batch):
+            if self.core is not None and rid in self.core.requests:
+                self._abort(rid, FinishReason.ERROR, "output lost on the link to the frontend")
 
     def _to_workers(self, msg: object) -> None:
         data = self.worker_codec.encode(msg)
@@ -290,19 +301,21 @@ class SchedulerProcess:
     # ------------------------------------------------------------------ frontend messages
 
     def on_add(self, msg: AddRequest) -> None:
+        rids = range(msg.rid, msg.rid + msg.n)
         reason = None
         if self.core is None or self.failure is not None:
             reason = self.failure or "the engine is not ready yet (a scheduler that just started waits for its workers)"
-        elif msg.rid in self.frontends.owner:
+        elif any(rid in self.frontends.owner for rid in rids):
             reason = f"duplicate request rid {msg.rid}"
         if reason is not None:
-            self.frontends.reply(TokenBatch([], [], [Finish(msg.rid, FinishReason.ERROR, 0, 0, 0, reason)]))
+            self.frontends.reply(TokenBatch([], [], [Finish(rid, FinishReason.ERROR, 0, 0, 0, reason) for rid in rids]))
             return
         assert self.core is not None
-        self.frontends.own(msg.rid)
+        for rid in rids:
+            self.frontends.own(rid)
         rejected = self.core.add(msg)
-        if rejected is not None:
-            self.frontends.to_owners(TokenBatch([], [], [rejected]))
+        if rejected:
+            self._to_owners(TokenBatch([], [], rejected))
         else:
             self._cut_speculative()
 
@@ -315,7 +328,7 @@ class SchedulerProcess:
         plans = self.core.plans_with(rid)
         finish = self.core.abort(rid, reason, message)
         if finish is not None:
-            self.frontends.to_owners(TokenBatch([], [], [finish]))
+            self._to_owners(TokenBatch([], [], [finish]))
             self._cancel_in_flight(plans, [rid], forget=True)
 
     def _acknowledge(self, query_id: int, rid: int) -> None:
@@ -371,6 +384,7 @@ class SchedulerProcess:
         stats["worker_busy_s_total"] = self.busy_total_s
         stats["device_idle_ratio"] = idle
         stats["internal_errors"] = self.internal_errors
+        stats["lost_batches"] = self.frontends.lost_batches
         stats["malformed_frames"] = self.malformed_frames
         return stats
 
@@ -383,6 +397,7 @@ class SchedulerProcess:
             stats = core.stats() | {"workers_alive": self._workers_alive(), "plan_in_flight": plan_in_flight,
                                     "worker_busy_s_total": self.busy_total_s, "frontends": len(self.frontends),
                                     "internal_errors": self.internal_errors,
+                                    "lost_batches": self.frontends.lost_batches,
                                     "malformed_frames": self.malformed_frames}
             self.frontends.reply(QueryReply(msg.query_id, True, stats))
         elif msg.what == "requests":
@@ -447,7 +462,7 @@ class SchedulerProcess:
         else:
             if core is not None and core.requests:
                 finishes = core.finish_all(FinishReason.ERROR, "the worker came back with a different KV cache")
-                self.frontends.to_owners(TokenBatch([], [], finishes))
+                self._to_owners(TokenBatch([], [], finishes))
             self.core = self._new_core(info)
             log.info("workers ready: %s, %d KV blocks of %d tokens", info.name, info.num_kv_blocks, info.block_size)
         self.model = info
@@ -471,6 +486,10 @@ class SchedulerProcess:
             for _ in range(self.config.tensor_parallel_size):
                 with contextlib.suppress(zmq.Again):
                     self.to_workers.send(data, zmq.NOBLOCK)
+
+    def on_worker_stopping(self, msg: WorkerStopping) -> None:
+        if msg.rank in self.ready_ranks and not self.stopping:
+            self._worker_lost(f"worker {msg.rank} was told to stop", crashed=False)
 
     def on_worker_failed(self, msg: WorkerFailed) -> None:
         reason = f"worker {msg.rank} failed: {msg.message}"
@@ -496,41 +515,53 @@ class SchedulerProcess:
                 elif self.ready_ranks:
                     self._worker_lost("the worker's connection dropped (its process exited or was killed)")
 
-    def _worker_lost(self, reason: str) -> None:
+    def _worker_lost(self, reason: str, crashed: bool = True) -> None:
         """A ready worker is gone with every KV block it held. Live requests wait in line to be
         recomputed on the next worker that announces itself (``sluice serve`` restarts it; a
         container restart policy does the same for separately run components) — up to
-        ``--max-worker-restarts`` losses, and ``WORKER_RESTART_WAIT_S`` each."""
+        ``--max-worker-restarts`` crashes, and ``WORKER_RESTART_WAIT_S`` each. A worker that
+        said it was told to stop (``crashed`` False) is not counted as a crash."""
         if self.outage is not None or self.failure is not None or self.core is None:
             return
-        self.worker_losses += 1
         limit = self.config.max_worker_restarts
-        if self.worker_losses > limit:
-            self._fail(f"{reason}; lost {self.worker_losses} times, more than --max-worker-restarts {limit}")
-            return
+        if crashed:
+            self.worker_losses += 1
+            if self.worker_losses > limit:
+                self._fail(f"{reason}; lost {self.worker_losses} times, more than --max-worker-restarts {limit}")
+                return
         self.ready_ranks.clear()
         self.plans_in_flight = []
         self.cut_short.clear()
         live = self.core.recompute_all()
         self.outage = f"worker lost ({reason}); waiting for it to restart"
         self._outage_since = time.monotonic()
-        log.error("worker lost: %s. %d live requests will be recomputed once a worker is back (loss %d of at "
-                  "most %d)", reason, live, self.worker_losses, limit)
+        if crashed:
+            log.error("worker lost: %s. %d live requests will be recomputed once a worker is back (loss %d of "
+                      "at most %d)", reason, live, self.worker_losses, limit)
+        else:
+            log.log(logging.WARNING if live else logging.INFO, "%s; %d live requests will be recomputed once a "
+                    "worker is back (within %.0f s)", reason, live, WORKER_RESTART_WAIT_S)
 
     def on_step_tokens(self, msg: StepTokens) -> None:
         self.last_seen[0] = time.monotonic()
         self.busy_total_s += msg.busy_s
         if self.core is None or msg.plan_id not in self.plans_in_flight:
             return
+        batch = TokenBatch([], [], [], msg.logprobs)
+        failed = False
         try:
-            batch = self.core.update(msg)
+            self.core.update(msg, batch)
+        except Exception:
+            failed = True
         finally:  # whatever happened to the tokens, the plan's bookkeeping must move on
             if msg.last:
                 self.plans_in_flight.remove(msg.plan_id)
                 self.cut_short.discard(msg.plan_id)
         if batch.rids or batch.finished:
-            self.frontends.to_owners(batch)
-        if msg.last:
+            self._to_owners(batch)  # what was done before a failure: those finishes are real
+        if failed:
+            self._core_failed()
+        elif msg.last:
             self._send_continuation()
 
     # ------------------------------------------------------------------ failure
@@ -570,7 +601,7 @@ class SchedulerProcess:
         if self.core is not None:
             finishes = self.core.finish_all(FinishReason.ERROR, reason)
             if finishes:
-                self.frontends.to_owners(TokenBatch([], [], finishes))
+                self._to_owners(TokenBatch([], [], finishes))
         self.frontends.broadcast(EngineError(reason))
 
 

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from protocol.messages import AddRequest, SamplingParams
 from protocol.stop import stop_reason
 
@@ -59,16 +61,20 @@ class Request:
         "sampling", "scheduled_at", "status", "token_ids", "user", "worker_blocks",
     )  # fmt: skip
 
-    def __init__(self, msg: AddRequest) -> None:
-        self.rid = msg.rid
-        self.request_id = msg.request_id
-        self.token_ids: list[int] = list(msg.prompt_token_ids)
+    def __init__(self, msg: AddRequest, choice: int = 0) -> None:
+        """Choice ``choice`` of ``msg`` (``msg.n`` > 1 makes several requests of one prompt)."""
+        self.rid = msg.rid + choice
+        self.request_id = f"{msg.request_id}-{choice}" if choice else msg.request_id
+        self.token_ids: list[int] = list(msg.prompt_token_ids)  # its own: outputs are appended
         self.num_prompt_tokens = len(msg.prompt_token_ids)
-        self.sampling: SamplingParams = msg.sampling
+        sampling = msg.sampling
+        if choice and sampling.seed is not None:
+            sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + choice) % 2**63)
+        self.sampling: SamplingParams = sampling
         self.priority = msg.priority
         self.user = msg.user
         self.arrival_time = msg.arrival_time
-        self.after = msg.after  # n > 1: the sibling whose prompt KV this one waits to share
+        self.after = msg.rid if choice else None  # the first choice, whose prompt KV this one waits to share
         self.status = Status.WAITING
         self.num_computed = 0
         self.blocks: list[int] = []

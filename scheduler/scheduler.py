@@ -36,7 +36,6 @@ from protocol.messages import (
     AddRequest,
     Finish,
     FinishReason,
-    Logprob,
     NewRequest,
     StepPlan,
     StepTokens,
@@ -123,27 +122,33 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
 
-    def add(self, msg: AddRequest) -> Finish | None:
-        """Queue a request, or return its error finish if it can never run here."""
-        req = Request(msg)
-        total = req.num_prompt_tokens + msg.sampling.max_tokens
+    def add(self, msg: AddRequest) -> list[Finish]:
+        """Queue the request's ``msg.n`` choices; returns their error finishes if they can never
+        run here (then none is queued)."""
+        num_prompt = len(msg.prompt_token_ids)
+        total = num_prompt + msg.sampling.max_tokens
+        rids = range(msg.rid, msg.rid + msg.n)
         reason = None
         if total > self.max_model_len:
             reason = f"prompt + max_tokens = {total} exceeds the max model length {self.max_model_len}"
         elif self._blocks_for(total) > self.pool.num_blocks:
             reason = (f"needs {self._blocks_for(total)} KV blocks, the cache has {self.pool.num_blocks}; "
                       f"raise --num-kv-blocks or lower max_tokens")
-        elif msg.rid in self.requests:
+        elif any(rid in self.requests for rid in rids):
             reason = f"duplicate request rid {msg.rid}"
         if reason:
-            return Finish(msg.rid, FinishReason.ERROR, req.num_prompt_tokens, 0, 0, reason)
-        self.requests[req.rid] = req
-        first = self.requests.get(msg.after) if msg.after is not None else None
-        if first is not None and first.num_computed < first.num_prompt_tokens and self.pool.enable_caching:
-            self._held.setdefault(first.rid, []).append(req)
-        else:
-            self.queue.push(req)
-        return None
+            return [Finish(rid, FinishReason.ERROR, num_prompt, 0, 0, reason) for rid in rids]
+        first = Request(msg)
+        self.requests[first.rid] = first
+        self.queue.push(first)
+        for choice in range(1, msg.n):
+            req = Request(msg, choice)
+            self.requests[req.rid] = req
+            if self.pool.enable_caching:  # it waits to find the first choice's prompt blocks cached
+                self._held.setdefault(first.rid, []).append(req)
+            else:
+                self.queue.push(req)
+        return []
 
     def _release_held(self, req: Request) -> None:
         """``req``'s prompt is computed (or it is gone): the choices waiting on it may start,
@@ -654,7 +659,8 @@ class Scheduler:
         """What the worker (re)builds ``req`` from: everything known so far."""
         req.on_worker = True
         req.worker_blocks = 0
-        return NewRequest(req.rid, list(req.token_ids), req.num_prompt_tokens, req.sampling, req.num_computed)
+        # Not copied: the plan is encoded as soon as it is made, before any token is appended.
+        return NewRequest(req.rid, req.token_ids, req.num_prompt_tokens, req.sampling, req.num_computed)
 
     def _register_full_blocks(self, req: Request, n: int) -> None:
         """Blocks this step fills completely become findable by later requests' prefixes."""
@@ -711,16 +717,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
 
-    def update(self, out: StepTokens) -> TokenBatch:
+    def update(self, out: StepTokens, batch: TokenBatch | None = None) -> TokenBatch:
+        """Apply a step's tokens: append them, apply stops, free what finished; returns what the
+        frontends must hear. It is added to ``batch`` (a new one if None) as it is decided, so
+        that if this raises midway, the caller still has what was done so far (finishes whose
+        blocks are already free)."""
+        if batch is None:
+            batch = TokenBatch([], [], [], out.logprobs)
         plan = self.in_flight.get(out.plan_id)
         # A speculative plan's first step also computes a token the scheduler has not counted:
         # it was planned before the previous plan's last token arrived.
         computes_previous = out.step > 0 or (plan is not None and plan.speculative)
-        rids, tokens, finished = [], [], []
-        logprobs: list[Logprob] = []
+        rids, tokens, finished, started = batch.rids, batch.token_ids, batch.finished, batch.started
         requests, running = self.requests, Status.RUNNING  # (an Enum member lookup is slow on 3.11)
-        eos_token_ids, max_model_len, out_logprobs = self.eos_token_ids, self.max_model_len, out.logprobs
-        for i, (rid, token) in enumerate(zip(out.rids, out.token_ids, strict=True)):
+        eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
+        for rid, token in zip(out.rids, out.token_ids, strict=True):
             req = requests.get(rid)
             if req is None or not (req.status is running
                                    or (req.status is Status.PAUSED and plan is not None and rid in plan.rids)):
@@ -732,9 +743,9 @@ class Scheduler:
                     self.queue.charge(req.user, 1)
             rids.append(rid)
             tokens.append(token)
-            if out_logprobs:
-                logprobs.append(out_logprobs[i])
             reason = req.add_output(token, eos_token_ids, max_model_len)
+            if len(req.token_ids) == req.num_prompt_tokens + 1:
+                started.append((rid, req.num_cached_tokens))
             if reason is not None:
                 self._detach(req)
                 finished.append(self._finish(req, reason))
@@ -742,7 +753,7 @@ class Scheduler:
             plan.steps_seen = out.step + 1
             if out.last:
                 del self.in_flight[out.plan_id]
-        return TokenBatch(rids, tokens, finished, logprobs if out_logprobs else None)
+        return batch
 
     # ------------------------------------------------------------------ helpers
 

@@ -26,7 +26,7 @@ def add(sched: Scheduler, rid: int, prompt_len: int, max_tokens: int = 8, priori
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)  # type: ignore[arg-type]
     prompt = [(rid * 31 + j) % 300 + 3 for j in range(prompt_len)]  # distinct: no accidental prefix hits
     msg = AddRequest(rid, f"req-{rid}", prompt, params, priority, "", arrival if arrival is not None else rid)
-    assert sched.add(msg) is None
+    assert sched.add(msg) == []
 
 
 def step(sched: Scheduler, worker: FakeWorker) -> tuple[StepPlan | None, list[TokenBatch]]:
@@ -245,18 +245,20 @@ def test_stop_rules_eos_min_tokens_and_stop_ids() -> None:
     sched, worker = make()
     worker.token_for = lambda rid, i: 2 if rid == 0 else (77 if i == 3 else 50)
     msg = AddRequest(0, "a", [5] * 4, SamplingParams(max_tokens=50), 0, "", 0)
-    assert sched.add(msg) is None
-    assert sched.add(AddRequest(1, "b", [5] * 4, SamplingParams(max_tokens=50, stop_token_ids=[77]), 0, "", 1)) is None
+    assert sched.add(msg) == []
+    assert sched.add(AddRequest(1, "b", [5] * 4, SamplingParams(max_tokens=50, stop_token_ids=[77]), 0, "", 1)) == []
     finished = run_to_end(sched, worker)
     assert finished == {0: "stop", 1: "stop"}
 
 
 def test_impossible_requests_are_rejected_with_a_reason() -> None:
     sched, _ = make(num_blocks=4, max_model_len=100)
-    too_long = sched.add(AddRequest(0, "a", [5] * 90, SamplingParams(max_tokens=20), 0, "", 0))
-    assert too_long is not None and too_long.reason == "error" and "max model length" in too_long.message
-    too_big = sched.add(AddRequest(1, "b", [5] * 60, SamplingParams(max_tokens=20), 0, "", 0))
-    assert too_big is not None and "KV blocks" in too_big.message
+    (too_long,) = sched.add(AddRequest(0, "a", [5] * 90, SamplingParams(max_tokens=20), 0, "", 0))
+    assert too_long.reason == "error" and "max model length" in too_long.message
+    (too_big,) = sched.add(AddRequest(1, "b", [5] * 60, SamplingParams(max_tokens=20), 0, "", 0))
+    assert "KV blocks" in too_big.message
+    assert [f.rid for f in sched.add(AddRequest(4, "c", [5] * 90, SamplingParams(max_tokens=20), n=3))] == [4, 5, 6]
+    assert sched.requests == {}
 
 
 def test_pause_all_stops_scheduling() -> None:
@@ -342,8 +344,8 @@ def test_choices_of_one_prompt_share_its_blocks() -> None:
     sched, worker = make(num_scheduler_steps=1)
     prompt = [(j * 13) % 300 + 3 for j in range(4 * BS + 3)]  # four full blocks and a partial one
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    for rid in range(3):
-        assert sched.add(AddRequest(rid, f"c-{rid}", prompt, params, 0, "", 0.0, None if rid == 0 else 0)) is None
+    assert sched.add(AddRequest(0, "c", prompt, params, 0, "", 0.0, n=3)) == []
+    assert sched.requests[1].request_id == "c-1" and sched.requests[2].token_ids == prompt
     plan, _ = step(sched, worker)
     assert plan is not None and plan.rids == [0] and len(sched.queue) == 2  # released once computed
     plan, _ = step(sched, worker)
@@ -359,8 +361,7 @@ def test_choices_of_one_prompt_share_its_blocks() -> None:
 def test_a_held_choice_can_be_aborted_and_is_released_if_its_first_sibling_goes() -> None:
     sched, worker = make()
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    for rid in range(3):
-        assert sched.add(AddRequest(rid, f"c-{rid}", [5] * 9, params, 0, "", 0.0, None if rid == 0 else 0)) is None
+    assert sched.add(AddRequest(0, "c", [5] * 9, params, 0, "", 0.0, n=3)) == []
     assert sched.abort(1) is not None
     assert sched.abort(0) is not None  # before its prompt was computed: rid 2 is queued instead
     assert 2 in sched.queue

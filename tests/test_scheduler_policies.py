@@ -22,7 +22,7 @@ def add_tokens(sched: Scheduler, rid: int, tokens: list[int], max_tokens: int = 
                user: str = "") -> None:
     msg = AddRequest(rid, f"r{rid}", tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority, user,
                      float(rid))
-    assert sched.add(msg) is None
+    assert sched.add(msg) == []
 
 
 # ------------------------------------------------------------------ seed 003: prefix-cache-aware admission

@@ -104,13 +104,13 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
         for p, cap in caps.items():  # seat caps bind at admission (a priority change may exceed them)
             assert sum(1 for r in sched.running if r.priority >= p) <= max(cap, len(sched.running))
 
-    def add(tokens: list[int], max_tokens: int, priority: int, after: int | None = None) -> int:
+    def add(tokens: list[int], max_tokens: int, priority: int, n: int = 1) -> int:
         nonlocal next_rid
-        rid, next_rid = next_rid, next_rid + 1
+        rid, next_rid = next_rid, next_rid + n
         msg = AddRequest(rid, str(rid), tokens, SamplingParams(max_tokens=max_tokens), priority,
-                         f"user{rid % 2}", float(rid), after)
-        if sched.add(msg) is None:
-            accepted.add(rid)
+                         f"user{rid % 2}", float(rid), n)
+        if not sched.add(msg):
+            accepted.update(range(rid, rid + n))
         return rid
 
     def run_step(speculative: bool, cancel: tuple[int, str, int] | None) -> bool:
@@ -140,10 +140,7 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
                 max_tokens, priority)
         elif op[0] == "choices":  # n > 1: siblings wait to share the first one's prompt blocks
             _, prompt, max_tokens, priority, n = op
-            tokens = [(next_rid * 7 + j) % 90 + 3 for j in range(prompt)]
-            first = add(tokens, max_tokens, priority)
-            for _ in range(n - 1):
-                add(tokens, max_tokens, priority, after=first)
+            add([(next_rid * 7 + j) % 90 + 3 for j in range(prompt)], max_tokens, priority, n)
         elif op[0] == "abort":
             f = sched.abort(op[1])
             if f is not None:

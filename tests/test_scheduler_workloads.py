@@ -43,13 +43,13 @@ def run_workload(seed: int) -> None:
             assert f.rid not in finished, f"rid {f.rid} finished twice"
             finished.add(f.rid)
 
-    def add(tokens: list[int], max_tokens: int, priority: int, after: int | None = None) -> int:
+    def add(tokens: list[int], max_tokens: int, priority: int, n: int = 1) -> int:
         nonlocal next_rid
-        rid, next_rid = next_rid, next_rid + 1
+        rid, next_rid = next_rid, next_rid + n
         sampling = SamplingParams(max_tokens=max_tokens, min_tokens=rng.choice([0, 0, 2]),
                                   stop_token_ids=rng.choice([[], [51]]))
-        if sched.add(AddRequest(rid, str(rid), tokens, sampling, priority, f"u{rid % 3}", float(rid), after)) is None:
-            accepted.add(rid)
+        if not sched.add(AddRequest(rid, str(rid), tokens, sampling, priority, f"u{rid % 3}", float(rid), n)):
+            accepted.update(range(rid, rid + n))
         return rid
 
     def step(speculative: bool, cancel: tuple[int, str, int] | None) -> bool:
@@ -72,9 +72,7 @@ def run_workload(seed: int) -> None:
         elif op < 0.4:
             tokens = [(next_rid * 7 + j) % 90 + 3 for j in range(rng.randint(1, 40))]
             max_tokens, priority = rng.randint(1, 8), rng.randint(-2, 2)
-            first = add(tokens, max_tokens, priority)
-            for _ in range(rng.randint(1, 2)):
-                add(tokens, max_tokens, priority, after=first)
+            add(tokens, max_tokens, priority, 1 + rng.randint(1, 2))
         elif op < 0.44:
             f = sched.abort(rng.randint(0, next_rid))
             if f is not None:

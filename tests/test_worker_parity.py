@@ -15,7 +15,7 @@ from checkpoints import hf_greedy, save_llama_checkpoint, save_mistral, save_qwe
 from worker_testing import Driver, greedy, one_cpu_thread
 
 from protocol.config import WorkerConfig
-from protocol.messages import NewRequest, SamplingParams
+from protocol.messages import NewRequest, SamplingParams, unpack_logprobs
 from worker.attention import AttentionMetadata
 from worker.engine import Worker
 
@@ -154,7 +154,7 @@ def test_logprobs_equal_transformers_log_softmax(worker: Worker, checkpoint: Pat
                        SamplingParams(max_tokens=8, seed=7, ignore_eos=True, logprobs=5))], steps=4)
     d.decode_to_end(4)
     for rid in (1, 2):
-        entries = [lp for m in d.messages for r, lp in zip(m.rids, m.logprobs or [], strict=True) if r == rid]
+        entries = [unpack_logprobs(m.logprobs)[rid] for m in d.messages if rid in m.rids]
         outputs = d.outputs[rid]
         assert len(entries) == len(outputs) == 8
         with torch.no_grad():

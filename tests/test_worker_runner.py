@@ -11,7 +11,7 @@ import pytest
 from worker_testing import Driver, greedy, one_cpu_thread
 
 from protocol.config import WorkerConfig
-from protocol.messages import CancelRows, NewRequest, SamplingParams, StepPlan, StepTokens
+from protocol.messages import CancelRows, NewRequest, SamplingParams, StepPlan, StepTokens, unpack_logprobs
 from worker.engine import Worker
 from worker.runner import ModelRunner
 from worker.sequence import PlanError
@@ -149,15 +149,14 @@ def test_logprobs_travel_with_their_rows(worker: Worker, lag: int) -> None:
            [NewRequest(0, PROMPT, len(PROMPT), greedy(6, logprobs=3)), NewRequest(1, OTHER, len(OTHER), greedy(6))],
            steps=6)
     for msg in d.messages:
-        assert msg.logprobs is not None and len(msg.logprobs) == len(msg.rids)
-        by_rid = dict(zip(msg.rids, zip(msg.token_ids, msg.logprobs, strict=True), strict=True))
-        token, entry = by_rid[0]
-        assert entry is not None and by_rid[1][1] is None
-        sampled, ids, values = entry
+        entries = unpack_logprobs(msg.logprobs)
+        assert sorted(entries) == [0], "only the row that asked has logprobs"
+        token = dict(zip(msg.rids, msg.token_ids, strict=True))[0]
+        sampled, ids, values = entries[0]
         assert ids[0] == token and sampled == values[0]  # greedy: the sampled token is the top one
         assert len(ids) == 3 and values == sorted(values, reverse=True) and values[0] <= 0.0
     d = run_alone(runner_like(worker), PROMPT, greedy(3), steps=3)
-    assert all(m.logprobs is None for m in d.messages)
+    assert all(unpack_logprobs(m.logprobs) == {} for m in d.messages)
 
 
 def test_swap_out_then_in_resumes_exactly(worker: Worker, reference: list[int]) -> None:
@@ -286,7 +285,7 @@ def test_one_staged_copy_per_step_carries_every_input(worker: Worker) -> None:
         news = [NewRequest(rid, PROMPT[: 6 + rid], 6 + rid, p) for rid, p in mixed.items()]
         d.plan([(n.rid, len(n.token_ids)) for n in news], news, steps=4)
         d.decode_to_end(4)
-        return dict(d.outputs), [m.logprobs for m in d.messages]
+        return dict(d.outputs), [unpack_logprobs(m.logprobs) for m in d.messages]
 
     direct, staged = run(False), run(True)
     assert staged == direct

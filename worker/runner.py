@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 import torch
 
-from protocol.messages import CancelRows, StepPlan, StepTokens
+from protocol.messages import CancelRows, StepPlan, StepTokens, pack_logprobs
 from worker.attention import AttentionBackend
 from worker.cpu_threads import ThreadPlan
 from worker.host_copy import HostCopier, PendingCopy
@@ -194,7 +194,7 @@ class ModelRunner:
         """Read a step's ids on the host and apply them: each row's token, unless the row had
         already stopped (a lagged step computed past its stop); stopped rows are forgotten."""
         tokens = launched.copy.result()
-        wire = launched.logprobs.to_wire(len(tokens)) if launched.logprobs is not None else None
+        asked = launched.logprobs.by_row() if launched.logprobs is not None else None
         rids: list[int] = []
         kept: list[int] = []
         logprobs = []
@@ -203,11 +203,11 @@ class ModelRunner:
                 continue
             rids.append(seq.rid)
             kept.append(token)
-            if wire is not None:
-                logprobs.append(wire[i])
+            if asked is not None and i in asked:
+                logprobs.append((seq.rid, asked[i]))
             if seq.append(token, self.eos_token_ids, self.max_model_len):
                 self.forget(seq.rid)
-        return StepTokens(plan_id, launched.step, rids, kept, False, 0.0, logprobs if wire is not None else None)
+        return StepTokens(plan_id, launched.step, rids, kept, False, 0.0, pack_logprobs(logprobs))
 
     # ------------------------------------------------------------------ plan application
 

@@ -88,13 +88,11 @@ class TopLogprobs:
     top_ids: torch.Tensor  # [R, max k]
     top_values: torch.Tensor  # [R, max k]
 
-    def to_wire(self, batch_size: int) -> list[WireLogprob | None]:
-        """``StepTokens.logprobs``: one entry per batch row, None for rows that did not ask."""
-        out: list[WireLogprob | None] = [None] * batch_size
+    def by_row(self) -> dict[int, WireLogprob]:
+        """Each asking row's entry (sampled logprob, top ids, top logprobs), by batch row."""
         sampled, ids, values = self.sampled.tolist(), self.top_ids.tolist(), self.top_values.tolist()
-        for j, (row, k) in enumerate(zip(self.rows, self.counts, strict=True)):
-            out[row] = (sampled[j], ids[j][:k], values[j][:k])
-        return out
+        return {row: (sampled[j], ids[j][:k], values[j][:k])
+                for j, (row, k) in enumerate(zip(self.rows, self.counts, strict=True))}
 
 
 @dataclasses.dataclass

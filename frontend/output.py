@@ -1,0 +1,384 @@
+"""The output processor: what the frontend does with every batch of tokens the scheduler sends.
+
+The task that receives a ``TokenBatch`` runs ``OutputProcessor.process`` on it: one loop over the
+batch in which every token goes through its request's incremental detokenizer and stop strings
+and, for a streaming response, becomes the finished SSE chunk (rendered by the renderer chosen
+when the request was admitted) appended to that response's buffer. The HTTP handler of each
+response only writes what is buffered (``Output.take``): one write per wake-up, however many
+chunks wait, so a client that lags gets them together. A client that lags far
+(``COALESCE_AFTER`` chunks unsent) has its further text merged into one chunk per write, so a
+slow reader costs its text, not a chunk per token. A non-streaming response collects its text
+instead and is woken once, when its last choice ends.
+
+An ``Output`` is one HTTP response: one ``Choice`` per engine request (``n`` of them, rids
+``rid .. rid+n-1``). A choice is live in the processor from admission until it ends: its
+scheduler finish arrived, a stop string matched (it is then aborted in the scheduler), or the
+response's handle let it go (``EngineClient.release``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from frontend.metrics import Metrics
+from frontend.render import SSE_DONE, Renderer, error_chunk, usage_dict
+from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopStringMatcher
+from protocol.messages import AddRequest, Finish, FinishReason, Logprob, TokenBatch, unpack_logprobs
+
+# Unsent chunks of one response beyond which its choices' text is merged (a stalled or slow
+# client). Well above a window of jitter: a busy event loop can find a few dozen tokens at once,
+# and clients that keep up must still see one chunk per token.
+COALESCE_AFTER = 256
+
+
+class Choice:
+    """One engine request's output: its text so far, and what it reports when it ends."""
+
+    __slots__ = (
+        "abort_sent", "arrivals", "cached_tokens", "completion_tokens", "detok", "ended", "first_chunk",
+        "index", "logprobs", "output", "parts", "request_id", "rid", "silent_ids", "stops", "text_offset",
+        "token_ids", "unsent_ids", "unsent_text",
+    )  # fmt: skip
+
+    def __init__(self, output: Output, index: int, rid: int, request_id: str, tokenizer: ModelTokenizer,
+                 request: AddRequest, stop_strings: list[str]) -> None:
+        self.output, self.index, self.rid, self.request_id = output, index, rid, request_id
+        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+        self.stops = StopStringMatcher(stop_strings) if stop_strings else None
+        # Tokens that end generation (EOS, stop ids) are not part of the text, as in OpenAI's API.
+        sampling = request.sampling
+        self.silent_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            self.silent_ids.update(tokenizer.info.eos_token_ids)
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.arrivals: list[float] = []  # monotonic time each token reached the frontend
+        self.first_chunk = True
+        self.text_offset = 0  # completions' logprobs: the text offset of the next token
+        self.ended = False  # its output is complete (or given up): nothing more is rendered
+        self.abort_sent = False
+        # Not streaming: the whole answer, collected. Streaming: a backlog merged into one chunk.
+        self.parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[Logprob] = []
+        self.unsent_text: list[str] = []
+        self.unsent_ids: list[int] = []
+
+
+class Output:
+    """One HTTP response: its choices, and what its writer has yet to send.
+
+    Streaming: ``buffer`` holds SSE bytes in order; ``take`` waits for some and returns them all
+    at once. Not streaming: ``done`` is set when every choice has ended."""
+
+    def __init__(self, request: AddRequest, tokenizer: ModelTokenizer, stop_strings: list[str],
+                 renderer: Renderer, streaming: bool, include_usage: bool) -> None:
+        self.request = request
+        self.renderer = renderer
+        self.streaming = streaming
+        self.include_usage = include_usage
+        self.started = time.monotonic()
+        rid, request_id = request.rid, request.request_id
+        self.choices = [Choice(self, i, rid + i, request_id if i == 0 else f"{request_id}-{i}", tokenizer, request,
+                               stop_strings) for i in range(request.n)]
+        self.finishes: dict[int, Finish] = {}  # by choice index: the scheduler's word on how it ended
+        self.reasons: dict[int, str] = {}  # by choice index: how it ended, as the client sees it
+        self.error: str | None = None  # an engine error ended the response
+        self.abort_reason: str | None = None  # why the server aborted it (``--request-timeout``)
+        self.open = request.n  # choices not ended yet
+        self.buffer: list[bytes] = []
+        self.backlogged = False  # a choice has text merged for the next write (``Choice.unsent_*``)
+        self.closed = False  # nothing will be added to ``buffer`` any more
+        self.done = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
+        self.write_started = 0.0  # monotonic start of a write still in progress; 0 when none
+        self.writer: asyncio.Task[Any] | None = None  # the task writing it (the stall watchdog cancels it)
+        self.stalled = False  # dropped by the stall watchdog
+        self.gone = False  # the client hung up
+
+    # ----------------------------------------------------------------- the writer's side
+
+    def put(self, data: bytes) -> None:
+        self.buffer.append(data)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def hang_up(self) -> None:
+        """The client went away: nothing more is written."""
+        self.gone = True
+        self.done.set()
+        self._wake()
+
+    async def take(self) -> bytes | None:
+        """Everything buffered, as one piece, once there is any; None once the response is
+        complete and all of it was taken, or the client is gone."""
+        while not self.gone:
+            if self.buffer or self.backlogged:
+                break
+            if self.closed:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        else:
+            return None
+        if self.backlogged:
+            self._render_backlog()
+        buffer, self.buffer = self.buffer, []
+        return buffer[0] if len(buffer) == 1 else b"".join(buffer)
+
+    def _render_backlog(self) -> None:
+        self.backlogged = False
+        for choice in self.choices:
+            if choice.unsent_ids:
+                self.buffer.append(self.renderer.chunk(choice, "".join(choice.unsent_text), choice.unsent_ids,
+                                                       [None] * len(choice.unsent_ids), None, None))
+                choice.unsent_text, choice.unsent_ids = [], []
+
+    # ----------------------------------------------------------------- the processor's side
+
+    def emit(self, choice: Choice, text: str, token_id: int, logprob: Logprob) -> None:
+        """One token of ``choice`` that does not end it."""
+        if not self.streaming:
+            choice.parts.append(text)
+            choice.token_ids.append(token_id)
+            choice.logprobs.append(logprob)
+            return
+        renderer = self.renderer
+        if not renderer.plain:
+            self.put(renderer.chunk(choice, text, [token_id], [logprob], None, None))
+        elif choice.unsent_ids or len(self.buffer) >= COALESCE_AFTER:
+            choice.unsent_text.append(text)
+            choice.unsent_ids.append(token_id)
+            self.backlogged = True
+            self._wake()  # the writer renders the merged chunk when it next writes
+        else:
+            self.put(renderer.token(choice, text))
+
+    def end(self, choice: Choice, text: str, token_ids: list[int], logprobs: list[Logprob], reason: str) -> None:
+        """``choice`` ends with ``text`` (and the tokens it came from, if any)."""
+        choice.ended = True
+        self.reasons[choice.index] = reason
+        self.open -= 1
+        abort_reason = self.abort_reason if reason == FinishReason.ABORT else None
+        if self.streaming:
+            if choice.unsent_ids:
+                text, token_ids = "".join(choice.unsent_text) + text, choice.unsent_ids + token_ids
+                unsent: list[Logprob] = [None] * len(choice.unsent_ids)
+                logprobs = unsent + logprobs
+                choice.unsent_text, choice.unsent_ids = [], []
+            self.put(self.renderer.chunk(choice, text, token_ids, logprobs, reason, abort_reason))
+        else:
+            choice.parts.append(text)
+            choice.token_ids += token_ids
+            choice.logprobs += logprobs
+        if self.open == 0:
+            self._complete()
+
+    def fail(self, message: str) -> None:
+        """An engine error: the response ends with it (its other choices are given up)."""
+        if self.closed or self.error is not None:
+            return
+        self.error = message
+        for choice in self.choices:
+            if not choice.ended:
+                choice.ended = True
+                self.reasons[choice.index] = FinishReason.ERROR
+        self.open = 0
+        if self.streaming:
+            self.put(error_chunk(message))
+        self._complete()
+
+    def _complete(self) -> None:
+        if self.streaming:
+            if self.include_usage:
+                self.put(self.renderer.usage_chunk(self.usage()))
+            self.put(SSE_DONE)
+            self.closed = True
+        self.done.set()
+
+    # ----------------------------------------------------------------- reading the result
+
+    def usage(self) -> dict[str, object]:
+        """One prompt, however many choices: its tokens count once, completions add up."""
+        return usage_dict(len(self.request.prompt_token_ids), sum(c.completion_tokens for c in self.choices),
+                          self.choices[0].cached_tokens)
+
+    def body(self) -> dict[str, Any]:
+        """The whole non-streaming answer."""
+        answers = [self.renderer.answer(c, "".join(c.parts), c.token_ids, c.logprobs, self.reasons[c.index],
+                                        self.abort_reason) for c in self.choices]
+        return self.renderer.body(answers, self.usage())
+
+
+class RequestHandle:
+    """The one owner of a response's requests in the engine: entered before anything is sent to
+    the client, left however the response ends; leaving it (once, whatever the number of
+    calls) forgets the response's choices and aborts those the scheduler may still run."""
+
+    __slots__ = ("_release", "_released", "output")
+
+    def __init__(self, output: Output, release: Callable[[Output], Awaitable[None]]) -> None:
+        self.output = output
+        self._release = release
+        self._released = False
+
+    async def __aenter__(self) -> RequestHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self._released:
+            self._released = True
+            await self._release(self.output)
+
+
+class OutputProcessor:
+    """The live choices by rid, and the loop that turns each ``TokenBatch`` into their output.
+
+    ``abort`` is called with the rid of a choice a stop string ended, so the scheduler stops
+    computing it."""
+
+    def __init__(self, abort: Callable[[int], None], metrics: Metrics | None = None) -> None:
+        self.choices: dict[int, Choice] = {}
+        self.rid_by_id: dict[str, int] = {}  # live requests' public ids, for the admin API
+        self.num_waiting_first_token = 0
+        self._abort = abort
+        self.metrics = metrics
+
+    def __len__(self) -> int:
+        return len(self.choices)
+
+    def add(self, output: Output) -> None:
+        for choice in output.choices:
+            self.choices[choice.rid] = choice
+            self.rid_by_id[choice.request_id] = choice.rid
+        self.num_waiting_first_token += len(output.choices)
+
+    def release(self, output: Output) -> list[int]:
+        """The response is done with its choices: forget them. Returns the rids the scheduler
+        may still be computing (they must be aborted there)."""
+        live = []
+        for choice in output.choices:
+            self._drop(choice)
+            if not choice.abort_sent and choice.index not in output.finishes:
+                choice.abort_sent = True
+                live.append(choice.rid)
+        return live
+
+    def _drop(self, choice: Choice) -> None:
+        """``choice`` leaves the live set (once): its tokens are void from now on."""
+        if self.choices.pop(choice.rid, None) is None:
+            return
+        self.rid_by_id.pop(choice.request_id, None)
+        if not choice.arrivals:
+            self.num_waiting_first_token -= 1
+        if self.metrics is not None:
+            self._record(choice)
+
+    def process(self, batch: TokenBatch) -> None:
+        choices = self.choices
+        now = time.monotonic()
+        finishes = {f.rid: f for f in batch.finished} if batch.finished else None
+        for rid, cached in batch.started:
+            c = choices.get(rid)
+            if c is not None:
+                c.cached_tokens = cached
+        logprobs = unpack_logprobs(batch.logprobs) if len(batch.logprobs) > 1 else None
+        counted = 0
+        for rid, token in zip(batch.rids, batch.token_ids, strict=True):
+            c = choices.get(rid)
+            if c is None:
+                continue  # ended here already (a stop string, a client gone): its tokens are void
+            counted += 1
+            if not c.arrivals:
+                self.num_waiting_first_token -= 1
+            c.arrivals.append(now)
+            c.completion_tokens += 1
+            finish = finishes.pop(rid, None) if finishes else None
+            lp = logprobs.get(rid) if logprobs else None
+            if finish is not None and finish.reason == FinishReason.STOP and token in c.silent_ids:
+                text = ""
+            else:
+                text = c.detok.push(token)
+            stops = c.stops
+            if stops is not None:
+                text, hit = stops.feed(text)
+                if hit:
+                    if finish is not None:
+                        c.output.finishes[c.index] = finish
+                    else:  # still running in the scheduler: stop it there
+                        c.abort_sent = True
+                        self._abort(rid)
+                    self._end(c, text, [token], [lp], FinishReason.STOP)
+                    continue
+            if finish is not None:
+                self._finish(c, finish, text, [token], [lp])
+            else:
+                c.output.emit(c, text, token, lp)
+        if finishes:
+            for finish in finishes.values():
+                c = choices.get(finish.rid)
+                if c is not None:
+                    self._finish(c, finish, "", [], [])
+        if counted and self.metrics is not None:
+            self.metrics.count_tokens(counted)
+
+    def _finish(self, c: Choice, finish: Finish, text: str, token_ids: list[int], logprobs: list[Logprob]) -> None:
+        """The scheduler's finish of ``c``, with the token that ended it, if any."""
+        output = c.output
+        output.finishes[c.index] = finish
+        c.cached_tokens = finish.cached_tokens
+        if finish.reason == FinishReason.ERROR:
+            self._fail(output, finish.message or "engine error")
+            return
+        if c.stops is not None:
+            text += c.stops.flush()
+        self._end(c, text, token_ids, logprobs, finish.reason)
+
+    def _end(self, c: Choice, text: str, token_ids: list[int], logprobs: list[Logprob], reason: str) -> None:
+        c.output.end(c, text, token_ids, logprobs, reason)
+        self._drop(c)
+
+    def _fail(self, output: Output, message: str) -> None:
+        output.fail(message)
+        for choice in output.choices:
+            self._drop(choice)
+
+    def fail_all(self, message: str) -> list[int]:
+        """Every live response ends with an engine error; returns the rids to abort."""
+        outputs = {id(c.output): c.output for c in self.choices.values()}
+        rids = []
+        for output in outputs.values():
+            self._fail(output, message)
+            rids += self.release(output)
+        return rids
+
+    def _record(self, c: Choice) -> None:
+        assert self.metrics is not None
+        output = c.output
+        request = output.request
+        finish = output.finishes.get(c.index)
+        arrivals = c.arrivals
+        self.metrics.record(
+            request_id=c.request_id,
+            user=request.user,
+            priority=request.priority,
+            prompt_tokens=len(request.prompt_token_ids),
+            completion_tokens=c.completion_tokens,
+            cached_tokens=c.cached_tokens,
+            finish_reason=output.reasons.get(c.index, FinishReason.ABORT),
+            ttft=arrivals[0] - output.started if arrivals else None,
+            itls=[b - a for a, b in itertools.pairwise(arrivals)],
+            e2e=time.monotonic() - output.started,
+            queue_s=finish.queue_s if finish is not None else None,
+            preemptions=finish.preemptions if finish is not None else None,
+        )

@@ -1,0 +1,207 @@
+"""OpenAI's response shapes, rendered: SSE chunks while streaming, whole bodies otherwise.
+
+A renderer is chosen once per request, when it is admitted, for its endpoint and its options.
+The chunk of a plain token (no logprobs, no token ids asked for) is the hot path of every stream:
+it is a prefix and a suffix made once, around the token's text as a JSON string, with no dict
+built and no encoder walking one. Anything richer goes through a dict and msgspec.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import msgspec
+
+from frontend.tokenizer import ModelTokenizer
+from protocol.messages import Logprob
+
+_json = msgspec.json.Encoder()
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: object) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+def error_chunk(message: str) -> bytes:
+    """An engine failure after the headers went out travels as a chunk in OpenAI's error shape."""
+    return sse({"error": {"message": message, "type": "service_unavailable", "param": None,
+                          "code": "engine_error"}})
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, object]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class Piece(Protocol):
+    """What a renderer reads of one choice's output so far (``output.Choice``)."""
+
+    index: int
+    text_offset: int
+    first_chunk: bool
+
+
+class Renderer(Protocol):
+    plain: bool  # ``token`` may be used: chunks carry text only
+
+    def token(self, choice: Piece, text: str) -> bytes: ...
+
+    def chunk(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
+              finish_reason: str | None, abort_reason: str | None) -> bytes: ...
+
+    def answer(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
+               finish_reason: str, abort_reason: str | None) -> dict[str, Any]: ...
+
+    def body(self, choices: list[dict[str, Any]], usage: dict[str, object]) -> dict[str, Any]: ...
+
+    def usage_chunk(self, usage: dict[str, object]) -> bytes: ...
+
+
+class _Base:
+    object_name = ""
+    chunk_object = ""
+
+    def __init__(self, request_id: str, created: int, model: str, tokenizer: ModelTokenizer,
+                 prompt_ids: list[int], return_token_ids: bool) -> None:
+        self.request_id, self.created, self.model = request_id, created, model
+        self.tokenizer = tokenizer
+        self.prompt_ids = prompt_ids
+        self.return_token_ids = return_token_ids
+        self._head = (b'data: {"id":' + _json.encode(request_id) + b',"object":"' + self.chunk_object.encode()
+                      + b'","created":%d,"model":' % created + _json.encode(model) + b',"choices":[{"index":')
+
+    def _envelope(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                "choices": [choice]}
+
+    def body(self, choices: list[dict[str, Any]], usage: dict[str, object]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": self.object_name, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}
+
+    def usage_chunk(self, usage: dict[str, object]) -> bytes:
+        return sse({"id": self.request_id, "object": "usage", "choices": [], "usage": usage})
+
+
+def _with_abort_reason(choice: dict[str, Any], finish_reason: str | None, abort_reason: str | None) -> dict[str, Any]:
+    """A choice the server aborted (``--request-timeout``) says why, beside ``finish_reason``."""
+    if abort_reason is not None and finish_reason == "abort":
+        choice["abort_reason"] = abort_reason
+    return choice
+
+
+class CompletionRenderer(_Base):
+    object_name = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, request_id: str, created: int, model: str, tokenizer: ModelTokenizer, prompt_ids: list[int],
+                 return_token_ids: bool, logprobs: int | None) -> None:
+        super().__init__(request_id, created, model, tokenizer, prompt_ids, return_token_ids)
+        self.logprobs = logprobs
+        self.plain = logprobs is None and not return_token_ids
+        self._prefixes: dict[int, bytes] = {}
+
+    def token(self, choice: Piece, text: str) -> bytes:
+        prefix = self._prefixes.get(choice.index)
+        if prefix is None:
+            prefix = self._prefixes[choice.index] = self._head + b'%d,"text":' % choice.index
+        return prefix + _json.encode(text) + b',"finish_reason":null,"logprobs":null}]}\n\n'
+
+    def _logprobs(self, choice: Piece, token_ids: list[int], entries: list[Logprob],
+                  texts: list[str]) -> dict[str, Any] | None:
+        if self.logprobs is None or not token_ids:
+            return None
+        token_str = self.tokenizer.token_str
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, entry, text in zip(token_ids, entries, texts, strict=True):
+            out["tokens"].append(token_str(tid))
+            out["token_logprobs"].append(entry[0] if entry else None)
+            out["top_logprobs"].append({token_str(t): lp for t, lp in zip(entry[1], entry[2], strict=True)}
+                                       if entry else None)
+            out["text_offset"].append(choice.text_offset)
+            choice.text_offset += len(text)
+        return out
+
+    def chunk(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
+              finish_reason: str | None, abort_reason: str | None) -> bytes:
+        # A chunk's text offsets: its text counts once, at its first token (a backlog's merged
+        # chunk never has logprobs, so one text per token is what a logprobs chunk holds).
+        texts = [text] + [""] * (len(token_ids) - 1) if token_ids else []
+        body = {"index": choice.index, "text": text, "finish_reason": finish_reason,
+                "logprobs": self._logprobs(choice, token_ids, logprobs, texts)}
+        if self.return_token_ids:
+            body["token_ids"] = token_ids
+            if choice.first_chunk:
+                body["prompt_token_ids"] = self.prompt_ids
+        choice.first_chunk = False
+        return sse(self._envelope(_with_abort_reason(body, finish_reason, abort_reason)))
+
+    def answer(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
+               finish_reason: str, abort_reason: str | None) -> dict[str, Any]:
+        texts = [self.tokenizer.decode([t]) for t in token_ids] if self.logprobs is not None else []
+        body = {"index": choice.index, "text": text, "finish_reason": finish_reason,
+                "logprobs": self._logprobs(choice, token_ids, logprobs, texts)}
+        if self.return_token_ids:
+            body.update(token_ids=token_ids, prompt_token_ids=self.prompt_ids)
+        return _with_abort_reason(body, finish_reason, abort_reason)
+
+
+class ChatRenderer(_Base):
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, request_id: str, created: int, model: str, tokenizer: ModelTokenizer, prompt_ids: list[int],
+                 return_token_ids: bool, top_logprobs: int | None) -> None:
+        super().__init__(request_id, created, model, tokenizer, prompt_ids, return_token_ids)
+        self.top_logprobs = top_logprobs
+        self.plain = top_logprobs is None
+        self._prefixes: dict[tuple[int, bool], bytes] = {}
+
+    def token(self, choice: Piece, text: str) -> bytes:
+        key = (choice.index, choice.first_chunk)
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            role = b'"role":"assistant",' if choice.first_chunk else b""
+            prefix = self._prefixes[key] = self._head + b'%d,"delta":{%b"content":' % (choice.index, role)
+        choice.first_chunk = False
+        return prefix + _json.encode(text) + b'},"logprobs":null,"finish_reason":null}]}\n\n'
+
+    def _logprobs(self, token_ids: list[int], entries: list[Logprob]) -> dict[str, Any] | None:
+        if self.top_logprobs is None or not token_ids:
+            return None
+        token_str = self.tokenizer.token_str
+
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            text = token_str(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = []
+        for tid, entry in zip(token_ids, entries, strict=True):
+            if entry is None:
+                continue
+            content.append(item(tid, entry[0]) | {
+                "top_logprobs": [item(t, lp) for t, lp in zip(entry[1], entry[2], strict=True)]})
+        return {"content": content}
+
+    def chunk(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
+              finish_reason: str | None, abort_reason: str | None) -> bytes:
+        if choice.first_chunk:
+            delta: dict[str, Any] = {"role": "assistant", "content": text}
+        else:
+            delta = {"content": text} if text or finish_reason is None else {}
+        choice.first_chunk = False
+        body = {"index": choice.index, "delta": delta, "logprobs": self._logprobs(token_ids, logprobs),
+                "finish_reason": finish_reason}
+        return sse(self._envelope(_with_abort_reason(body, finish_reason, abort_reason)))
+
+    def answer(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
+               finish_reason: str, abort_reason: str | None) -> dict[str, Any]:
+        body = {"index": choice.index, "message": {"role": "assistant", "content": text},
+                "logprobs": self._logprobs(token_ids, logprobs), "finish_reason": finish_reason}
+        if self.return_token_ids:
+            body.update(token_ids=token_ids, prompt_token_ids=self.prompt_ids)
+        return _with_abort_reason(body, finish_reason, abort_reason)

@@ -1,0 +1,131 @@
+"""Writing a response's output to its client: the SSE stream, a whole answer, and the watchdog
+that drops clients which stop reading.
+
+The output processor renders every chunk before the writer runs (``frontend.output``); a writer
+here only waits for buffered bytes and writes them, one write per wake-up. Its request's
+lifetime is one ``RequestHandle`` around the whole response, from before the headers go out:
+however the response ends (finished, client gone before or after the first chunk, a send that
+raises, a stalled client dropped), leaving the handle aborts what still runs in the scheduler.
+
+Uvicorn applies flow control: when a client stops reading, the socket buffers fill and the next
+write waits. So a stalled stream never makes the frontend buffer its output without bound (its
+text is merged into one pending chunk, see ``Output.emit``), and other streams are not slowed. A
+write that stays blocked for ``--client-stall-timeout`` seconds means the client is gone in all
+but name: ``StallWatchdog`` (one task for all streams, instead of a timer around every write)
+cancels that writer, which closes the connection and aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from starlette.types import Receive, Scope, Send
+
+from frontend.errors import APIError
+from frontend.output import Output, RequestHandle
+
+log = logging.getLogger("sluice.frontend")
+
+# Uvicorn reports a response left incomplete with one generic ERROR line; for a stream dropped
+# here on purpose (already logged as such), that line would only mislead.
+INCOMPLETE = "ASGI callable returned without completing response."
+WATCHDOG_INTERVAL_S = 1.0
+
+
+class _ExpectedIncomplete(logging.Filter):
+    pending = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() == INCOMPLETE and self.pending:
+            self.pending -= 1
+            return False
+        return True
+
+
+_expected = _ExpectedIncomplete()
+logging.getLogger("uvicorn.error").addFilter(_expected)
+
+
+async def _watch_disconnect(receive: Receive, output: Output) -> None:
+    """The client hung up: the response stops (``take`` returns None, ``done`` is set)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    output.hang_up()
+
+
+class StreamResponse:
+    """``text/event-stream`` straight from an ``Output``'s buffer."""
+
+    def __init__(self, handle: RequestHandle, headers: dict[str, str]) -> None:
+        self.handle = handle
+        self.headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                        *((k.lower().encode(), v.encode()) for k, v in headers.items())]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        output = self.handle.output
+        output.writer = asyncio.current_task()
+        watcher = asyncio.create_task(_watch_disconnect(receive, output))
+        try:
+            async with self.handle:
+                await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+                while (data := await output.take()) is not None:
+                    output.write_started = time.monotonic()
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                    output.write_started = 0.0
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not output.stalled:
+                raise
+            # Dropped by the watchdog: the handle has aborted the request; returning without
+            # completing the response makes uvicorn close the connection.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+        finally:
+            watcher.cancel()
+
+
+async def collect(handle: RequestHandle, receive: Receive) -> Output:
+    """A non-streaming response's whole output, or a 400 nobody reads if the client hangs up
+    first (the handle aborts the request either way)."""
+    output = handle.output
+    watcher = asyncio.create_task(_watch_disconnect(receive, output))
+    try:
+        async with handle:
+            await output.done.wait()
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+    if output.gone:
+        raise APIError(400, "client disconnected")
+    if output.error is not None:
+        raise APIError(503, output.error, code="engine_error")
+    return output
+
+
+class StallWatchdog:
+    """Drops streams whose write has been blocked for ``timeout`` seconds: checks every second,
+    so a stalled client is dropped between ``timeout`` and ``timeout + 1`` seconds in."""
+
+    def __init__(self, outputs: Callable[[], Iterable[Output]], timeout: float) -> None:
+        self._outputs = outputs
+        self.timeout = timeout
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            self.check(time.monotonic())
+
+    def check(self, now: float) -> None:
+        for output in list(self._outputs()):
+            started = output.write_started
+            if started and now - started > self.timeout and output.writer is not None and not output.stalled:
+                log.warning("a client read nothing for %.0f s: stream dropped, request aborted", self.timeout)
+                output.stalled = True
+                _expected.pending += 1
+                output.writer.cancel()
