@@ -295,8 +295,8 @@ class EngineClient:
 
     def _lost_output(self, expected: int, got: int) -> None:
         live = len(self.handles)
-        log.error("output from the scheduler was lost on the link (batch %d arrived, %d expected): ending the "
-                  "%d live streams, which may have missed tokens, with an error", got, expected, live)
+        log.error("output from the scheduler was lost on the link (batch %d expected, the scheduler is at %d): "
+                  "ending the %d live streams, which may have missed tokens, with an error", expected, got, live)
         metrics = self.outputs.metrics
         if metrics is not None:
             metrics.output_gaps.inc()
@@ -335,6 +335,11 @@ class EngineClient:
             # Requests sent in the moment between its start and this pong may have reached the
             # new scheduler: they are aborted there too, or they would run on for nobody.
             self._fail_all("the scheduler restarted; the request was lost")
+            self._expected_seq = pong.last_batch + 1
+        elif pong.last_batch >= self._expected_seq:
+            # Batches sent before this pong that never arrived, with none after them to show it.
+            self._lost_output(self._expected_seq, pong.last_batch)
+            self._expected_seq = pong.last_batch + 1
         self._scheduler_epoch = pong.scheduler_epoch
         self.workers_alive = pong.workers_alive
         # A scheduler that just (re)started knows no model until a worker announces itself, even

@@ -247,6 +247,10 @@ class Pong(msgspec.Struct, tag=True, array_like=True):
     stats: dict[str, float | int | bool | None] | None = None
     scheduler_epoch: int = 0
     unhealthy_reason: str = ""  # why workers are not serving (a failure, a worker being restarted)
+    # The ``seq`` of the last TokenBatch sent to this frontend: batches and pongs share one
+    # ordered link, so a number past the last batch received means some were lost, even when
+    # no batch follows them to show the gap.
+    last_batch: int = 0
 
 
 class QueryReply(msgspec.Struct, tag=True, array_like=True):

@@ -86,7 +86,7 @@ def make_socket(ctx: zmq.Context[Any], kind: int, address: str, *, bind: bool | 
     The frontend link is DEALER (each frontend, ``identity`` = its epoch) to ROUTER (the
     scheduler) both ways: the scheduler learns who sent each message and answers that frontend
     alone, and a send to a frontend that is gone fails at once (``ROUTER_MANDATORY``) instead of
-    queueing for nobody.
+    queueing for nobody; a frontend that reconnects takes its id back (``ROUTER_HANDOVER``).
 
     ``bind=None`` neither binds nor connects: the caller attaches a monitor first, so that no
     connection event can happen before anyone listens for it, then connects.
@@ -104,6 +104,10 @@ def make_socket(ctx: zmq.Context[Any], kind: int, address: str, *, bind: bool | 
         sock.setsockopt(zmq.ROUTING_ID, identity)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A frontend that reconnects (a tcp link that dropped) comes back with its routing id:
+        # the new connection takes it over. Without this, the id stayed with the dead connection
+        # and every later send to that frontend failed as unreachable, for good.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if curve is not None:
         curve.apply(sock, server=bind is True)
     if bind:

@@ -363,8 +363,10 @@ class SchedulerProcess:
 
     def on_ping(self, msg: Ping) -> None:
         ready = self.model is not None and self.failure is None
+        sender = self.frontends.sender
         self.frontends.reply(Pong(msg.sent_at, self._workers_alive(), ready, self._stats(), self.epoch,
-                         self.failure or self.outage or ""))
+                                  self.failure or self.outage or "",
+                                  self.frontends.seq.get(sender, 0) if sender is not None else 0))
         if msg.need_model and ready:
             assert self.model is not None
             self.frontends.reply(EngineReady(self.model))

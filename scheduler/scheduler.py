@@ -741,9 +741,9 @@ class Scheduler:
                 req.advance(1)  # the worker computed the token it sampled last step
                 if self.queue.counts_service:
                     self.queue.charge(req.user, 1)
+            reason = req.add_output(token, eos_token_ids, max_model_len)
             rids.append(rid)
             tokens.append(token)
-            reason = req.add_output(token, eos_token_ids, max_model_len)
             if len(req.token_ids) == req.num_prompt_tokens + 1:
                 started.append((rid, req.num_cached_tokens))
             if reason is not None:

@@ -61,7 +61,7 @@ class FakeScheduler:
             msg = self.codec.decode(data)
             if isinstance(msg, Ping):
                 if self.answer_pings:
-                    await self._send(Pong(msg.sent_at, True, True, {}, self.epoch))
+                    await self._send(Pong(msg.sent_at, True, True, {}, self.epoch, "", self.seq))
                     if msg.need_model:
                         await self._send(EngineReady(self.info))
                 continue

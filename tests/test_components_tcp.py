@@ -4,6 +4,7 @@ the way docker-compose runs them — including the worker starting after the fro
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import socket
 import subprocess
@@ -12,7 +13,8 @@ import time
 from pathlib import Path
 
 import httpx
-from sluice_server import free_port
+from sluice_server import free_port, http_status
+from tcp_proxy import CuttableProxy
 
 
 def _free_port_block(n: int) -> int:
@@ -73,5 +75,64 @@ def test_three_components_over_tcp(tmp_path: Path) -> None:
             finally:
                 if p.poll() is None:
                     p.kill()
+        for f in logs:
+            f.close()
+
+
+def test_output_lost_on_a_dropped_link_ends_the_stream_with_an_error_and_serving_goes_on(tmp_path: Path) -> None:
+    """The scheduler->frontend link drops mid-stream (a network blip; ZeroMQ reconnects on its
+    own): the batches sent meanwhile are gone. The stream must not go on with tokens missing, nor
+    hang on a lost finish: it ends with an error event, and the server serves the next request."""
+    sched_base, front_base, http_port = _free_port_block(4), _free_port_block(2), free_port()
+    proxies = [CuttableProxy(front_base + i, sched_base + i) for i in range(2)]
+    sluice = [sys.executable, "-m", "frontend"]
+    logs = [open(tmp_path / f"{name}.log", "wb") for name in ("scheduler", "worker", "frontend")]  # noqa: SIM115
+    procs: list[subprocess.Popen[bytes]] = []
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        procs.append(subprocess.Popen([*sluice, "scheduler", "--address", f"tcp://127.0.0.1:{sched_base}"],
+                                      stdout=logs[0], stderr=logs[0]))
+        procs.append(subprocess.Popen([*sluice, "worker", "--address", f"tcp://127.0.0.1:{sched_base}", "--model",
+                                       "tiny", "--dtype", "float32", "--num-kv-blocks", "600"],
+                                      stdout=logs[1], stderr=logs[1]))
+        procs.append(subprocess.Popen([*sluice, "frontend", "--address", f"tcp://127.0.0.1:{front_base}", "--port",
+                                       str(http_port)], stdout=logs[2], stderr=logs[2]))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and http_status(f"{url}/ready") != 200:
+            time.sleep(0.2)
+        body = {"prompt": "x", "max_tokens": 6000, "ignore_eos": True, "stream": True}
+        lines: list[str] = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if len(lines) == 30:
+                        proxies[1].cut()  # scheduler -> frontend
+        assert lines[-1] == "data: [DONE]"
+        assert '"error"' in lines[-2] and "lost on the link" in lines[-2], lines[-3:]
+        assert len(lines) < 6000, "it ended early, with an error, instead of running on with holes"
+        # The link comes back by itself: the server serves on.
+        deadline = time.monotonic() + 60
+        while True:
+            r2 = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 5, "ignore_eos": True},
+                            timeout=30)
+            if r2.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert r2.status_code == 200 and r2.json()["usage"]["completion_tokens"] == 5, r2.text
+        metrics = httpx.get(f"{url}/metrics").text
+        assert re.search(r"^sluice_lost_output_batches_total [1-9]", metrics, re.M), metrics
+        assert proxies[1].connections >= 2, "the frontend reconnected"
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            finally:
+                if p.poll() is None:
+                    p.kill()
+        for proxy in proxies:
+            proxy.close()
         for f in logs:
             f.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -16,11 +17,13 @@ import pytest
 from fake_scheduler import FakeScheduler
 
 from frontend import engine_client
+from frontend.app import build_app
 from frontend.engine_client import EngineClient
 from frontend.metrics import Metrics
 from frontend.output import Output
 from frontend.render import CompletionRenderer
 from frontend.tokenizer import ModelTokenizer
+from protocol.config import FrontendConfig
 from protocol.messages import AbortRequest, AddRequest, Finish, FinishReason, SamplingParams, TokenBatch
 
 
@@ -127,6 +130,20 @@ async def test_a_gap_in_the_batch_numbers_ends_every_live_stream_with_an_error_a
         assert "was lost on the link" in caplog.text
 
 
+async def test_a_lost_last_batch_is_found_by_the_next_pong(tmp_path: Path) -> None:
+    """The batch lost was the stream's last (its finish): no later batch shows a gap, but the
+    next pong says how many batches were sent, so the stream does not wait forever."""
+    async with connected(tmp_path) as (client, scheduler):
+        output = output_for(client, [1, 5, 6])
+        handle = await client.add(output)
+        (add,) = await scheduler.wait_for(AddRequest)
+        await scheduler.send(TokenBatch([add.rid], [40]))
+        scheduler.seq += 1  # the finish "was lost on the link"
+        async with handle:
+            body = await asyncio.wait_for(drain(output), 10)
+        assert b"lost on the link" in body and body.endswith(b"data: [DONE]\n\n")
+
+
 async def test_a_silent_scheduler_ends_streams_and_they_are_aborted(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_client, "SCHEDULER_TIMEOUT_S", 1.0)
@@ -206,6 +223,37 @@ async def test_request_timeout_aborts_with_its_reason(tmp_path: Path) -> None:
             await asyncio.wait_for(output.done.wait(), 10)
         choice = output.body()["choices"][0]
         assert choice["finish_reason"] == "abort" and "--request-timeout" in choice["abort_reason"]
+
+
+async def test_a_client_gone_before_the_first_chunk_has_its_request_aborted(tmp_path: Path) -> None:
+    """Under an ASGI server whose ``send`` raises once the client has gone (rather than
+    returning quietly, as uvicorn does), the response's first write fails: the request must be
+    aborted all the same — not run on to ``max_tokens`` for nobody."""
+    async with connected(tmp_path) as (client, scheduler):
+        app = build_app(FrontendConfig(address=f"ipc://{tmp_path}/engine"), client)
+        body = json.dumps({"prompt": "Hello", "max_tokens": 500, "stream": True}).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                                                 (b"content-length", str(len(body)).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {}, "app": app}
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+        hang_up = asyncio.Event()
+
+        async def receive() -> dict[str, object]:
+            if messages:
+                return messages.pop(0)
+            await hang_up.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, object]) -> None:
+            raise OSError("the client has gone")
+
+        with pytest.raises(OSError):
+            await app(scope, receive, send)
+        (add,) = await scheduler.wait_for(AddRequest)
+        (abort,) = await scheduler.wait_for(AbortRequest)
+        assert abort.rid == add.rid and client.num_live == 0
 
 
 logging.getLogger("sluice.frontend").setLevel(logging.INFO)

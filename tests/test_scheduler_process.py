@@ -18,9 +18,11 @@ from protocol.messages import (
     PauseAll,
     Ping,
     Pong,
+    ResumeAll,
     SamplingParams,
     SetPriority,
     StepPlan,
+    StepTokens,
     TokenBatch,
     WorkerReady,
 )
@@ -30,9 +32,11 @@ from protocol.transport import (
     frontend_identity,
     make_socket,
     scheduler_frontend_codec,
+    scheduler_worker_codec,
     worker_codec,
 )
 from scheduler.process import SchedulerProcess
+from scheduler.request import Request
 
 
 @pytest.fixture
@@ -111,5 +115,57 @@ def test_a_failure_inside_the_core_ends_live_requests_and_a_clean_core_goes_on(s
         push.send(send(AddRequest(2, "r2", [5, 6, 8], SamplingParams(max_tokens=4))))
         plan = worker_codec().decode(worker_inbox.recv())
         assert isinstance(plan, StepPlan) and plan.rids == [2]
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_failure_while_applying_tokens_sends_what_was_done_and_a_clean_core_goes_on(
+        scheduler: SchedulerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Scheduler.update`` raising halfway through a step's rows: the finishes it had already
+    made (their blocks freed) still reach the frontend, every other live request ends with an
+    error instead of hanging, and the scheduler goes on planning with a clean core."""
+    real_add_output = Request.add_output
+
+    def add_output(self: Request, *args: Any) -> str | None:
+        if self.rid == 2:
+            raise RuntimeError("injected")
+        return real_add_output(self, *args)
+
+    monkeypatch.setattr(Request, "add_output", add_output)
+    ctx: zmq.Context[Any] = zmq.Context()
+    ep = Endpoints.from_base(f"ipc://{tmp_path}/sched")
+    identity = frontend_identity(11)
+    push = make_socket(ctx, zmq.DEALER, ep.frontend_to_scheduler, bind=False, identity=identity)
+    pull = make_socket(ctx, zmq.DEALER, ep.scheduler_to_frontend, bind=False, identity=identity)
+    worker_inbox = make_socket(ctx, zmq.PULL, ep.scheduler_to_worker, bind=False)
+    worker_outbox = make_socket(ctx, zmq.PUSH, ep.worker_to_scheduler, bind=False)
+    for sock in (pull, worker_inbox):
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    send, decode = scheduler_frontend_codec().encode, frontend_codec().decode
+    try:
+        push.send(send(Ping(0.0)))
+        while not isinstance(decode(pull.recv()), Pong):
+            pass
+        push.send(send(PauseAll()))  # both requests in one plan
+        push.send(send(AddRequest(1, "r1", [5, 6, 7], SamplingParams(max_tokens=1))))
+        push.send(send(AddRequest(2, "r2", [5, 6, 8], SamplingParams(max_tokens=5))))
+        push.send(send(ResumeAll()))
+        plan = worker_codec().decode(worker_inbox.recv())
+        assert isinstance(plan, StepPlan) and plan.rids == [1, 2]
+        worker_outbox.send(scheduler_worker_codec().encode(StepTokens(plan.plan_id, 0, [1, 2], [40, 41], True)))
+        finishes: dict[int, Any] = {}
+        tokens: dict[int, list[int]] = {}
+        while len(finishes) < 2:
+            msg = decode(pull.recv())
+            if isinstance(msg, TokenBatch):
+                for rid, token in zip(msg.rids, msg.token_ids, strict=True):
+                    tokens.setdefault(rid, []).append(token)
+                finishes.update((f.rid, f) for f in msg.finished)
+        assert tokens == {1: [40]} and finishes[1].reason == "length", "what update did before failing is sent"
+        assert finishes[2].reason == "error" and "internal" in finishes[2].message
+        push.send(send(AddRequest(3, "r3", [5, 6, 9], SamplingParams(max_tokens=4))))
+        while not isinstance(plan := worker_codec().decode(worker_inbox.recv()), StepPlan) or 3 not in plan.rids:
+            pass
+        assert scheduler.core is not None and set(scheduler.core.requests) == {3} and scheduler.internal_errors == 1
     finally:
         ctx.destroy(linger=0)
