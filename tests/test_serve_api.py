@@ -92,6 +92,46 @@ def test_stop_string_ends_with_stop(server: SluiceServer) -> None:
     assert r["choices"][0]["text"] == text[: text.index(stop)]
 
 
+def test_a_stop_string_finish_reports_the_cached_prompt_tokens(server: SluiceServer) -> None:
+    """The frontend ends a stop-string match itself, before the scheduler's finish arrives:
+    the prefix cache's share of the prompt must still be in its usage (it said 0)."""
+    prompt = list(range(300, 340))  # 40 tokens: two full blocks to find cached the second time
+    first = complete(server, prompt=prompt, max_tokens=24, temperature=0, ignore_eos=True).json()
+    text = first["choices"][0]["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    if not stop.strip():
+        pytest.skip("generated text has no usable stop string")  # pragma: no cover - random weights
+    for stream in (False, True):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                "stop": [stop], "stream": stream, "stream_options": {"include_usage": True} if stream else None}
+        if stream:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: {")]
+            usage = chunks[-1]["usage"]
+            assert any(c["choices"] and c["choices"][0]["finish_reason"] == "stop" for c in chunks)
+        else:
+            done = complete(server, **body).json()
+            usage = done["usage"]
+            assert done["choices"][0]["finish_reason"] == "stop"
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 32, usage
+
+
+def test_chat_without_max_tokens_gets_what_the_kv_cache_holds(server: SluiceServer) -> None:
+    """The KV cache (256 blocks, 4096 tokens) is smaller than the context (8192): a chat request
+    that sets no max_tokens gets what fits, as vLLM gives what the context holds (a 400 blaming
+    max_tokens, which it never set, before)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # the first chunk arrived; leaving aborts the rest
+    refused = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x " * 4100}]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages", refused.text
+
+
 BAD_REQUESTS = [
     ("/v1/completions", b"{not json", 400, None),
     ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
