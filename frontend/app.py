@@ -14,6 +14,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from frontend import admin, openai_api, tokenize_api
 from frontend.body_limit import BodyLimit
@@ -76,6 +77,16 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
     return APIError(500, "internal server error").response()
 
 
+class SluiceApp(Starlette):
+    """Starlette, keeping the server's own ``send`` in each request's scope (``sluice.send``):
+    a stream writes its chunks with it, past the middlewares' wrappers (three coroutine frames
+    per chunk otherwise). Its response start goes through them, so they know it started."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope["sluice.send"] = send
+        await super().__call__(scope, receive, send)
+
+
 def build_app(config: FrontendConfig, client: EngineClient | None = None) -> Starlette:
     engine = client or EngineClient(config.address, CurveKeys.load(config.curve_keys, server=False))
     state = AppState(config, engine)
@@ -103,7 +114,7 @@ def build_app(config: FrontendConfig, client: EngineClient | None = None) -> Sta
         Route("/metrics", metrics, methods=["GET"]),
         *admin.ROUTES,
     ]
-    app = Starlette(
+    app = SluiceApp(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},

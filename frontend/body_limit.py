@@ -30,7 +30,6 @@ class BodyLimit:
             await self._refuse(scope, receive, send)
             return
         received = 0
-        started = False
 
         async def counting_receive() -> Message:
             nonlocal received
@@ -41,16 +40,11 @@ class BodyLimit:
                     raise _TooLarge
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        # Only ``receive`` is wrapped: every chunk a stream writes goes through ``send``, and the
+        # body is always read whole before a response starts, so a 413 can always be sent.
         try:
-            await self.app(scope, counting_receive, tracking_send)
+            await self.app(scope, counting_receive, send)
         except _TooLarge:
-            if started:
-                raise
             await self._refuse(scope, receive, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:

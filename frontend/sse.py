@@ -69,12 +69,13 @@ class StreamResponse:
         output = self.handle.output
         output.writer = asyncio.current_task()
         watcher = asyncio.create_task(_watch_disconnect(receive, output))
+        write = scope.get("sluice.send", send)  # the server's own (``app.SluiceApp``)
         try:
             async with self.handle:
                 await send({"type": "http.response.start", "status": 200, "headers": self.headers})
                 while (data := await output.take()) is not None:
                     output.write_started = time.monotonic()
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                    await write({"type": "http.response.body", "body": data, "more_body": True})
                     output.write_started = 0.0
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:

@@ -26,7 +26,8 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockPool:
-    __slots__ = ("_by_link", "_cached", "_free", "_refs", "enable_caching", "hits", "num_blocks", "queries")
+    __slots__ = ("_by_link", "_cached", "_cached_free", "_free", "_refs", "enable_caching", "hits", "num_blocks",
+                 "queries")
 
     def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
         if num_blocks < 1:
@@ -37,6 +38,7 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._by_link: dict[bytes, tuple[int, bytes]] = {}  # link -> (block, key)
         self._cached: dict[int, bytes] = {}  # block -> link
+        self._cached_free = 0  # free blocks still in ``_cached``: kept as a count, read every ping
         self.queries = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # of which found
 
@@ -51,7 +53,7 @@ class BlockPool:
     @property
     def num_cached_free(self) -> int:
         """Free blocks still holding a findable prefix."""
-        return sum(1 for b in self._free if b in self._cached)
+        return self._cached_free
 
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
@@ -64,13 +66,14 @@ class BlockPool:
         for _ in range(n):
             block, _ = free.popitem(last=False)
             if block in cached:
+                self._cached_free -= 1
                 self._evict(block)
             refs[block] = 1
             blocks.append(block)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
-        free, refs = self._free, self._refs
+        free, refs, cached = self._free, self._refs, self._cached
         # Freed in reverse so a sequence's tail blocks (the least shared) are evicted first.
         for block in reversed(blocks):
             count = refs[block] - 1
@@ -79,6 +82,8 @@ class BlockPool:
             refs[block] = count
             if count == 0:
                 free[block] = None
+                if block in cached:
+                    self._cached_free += 1
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
@@ -96,10 +101,12 @@ class BlockPool:
 
     def take(self, blocks: list[int]) -> None:
         """Add a reference to cached blocks (a prefix hit); free ones leave the free list."""
-        refs, free = self._refs, self._free
+        refs, free, cached = self._refs, self._free, self._cached
         for block in blocks:
             if refs[block] == 0:
                 del free[block]
+                if block in cached:
+                    self._cached_free -= 1
             refs[block] += 1
 
     def register(self, block: int, link: bytes, key: bytes) -> None:
@@ -107,6 +114,8 @@ class BlockPool:
         if self.enable_caching and link not in self._by_link and block not in self._cached:
             self._by_link[link] = (block, key)
             self._cached[block] = link
+            if self._refs[block] == 0:
+                self._cached_free += 1
 
     def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
         self.queries += queried_tokens
@@ -119,6 +128,7 @@ class BlockPool:
             if block in self._cached:
                 self._evict(block)
                 dropped += 1
+        self._cached_free -= dropped
         return dropped
 
     def _evict(self, block: int) -> None:
