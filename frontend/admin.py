@@ -15,7 +15,19 @@ from starlette.routing import Route
 from frontend.errors import APIError
 from frontend.schemas import PriorityUpdate, decode
 from frontend.state import AppState
-from protocol.messages import PauseAll, PauseRequest, ResetPrefixCache, ResumeAll, ResumeRequest, SetPriority
+from protocol.messages import (
+    PauseAll,
+    PauseRequest,
+    Query,
+    QueryReply,
+    RequestQuery,
+    RequestsQuery,
+    ResetPrefixCache,
+    ResumeAll,
+    ResumeRequest,
+    SetPriority,
+    StatsQuery,
+)
 
 
 def require_admin(request: Request) -> AppState:
@@ -31,17 +43,16 @@ def require_admin(request: Request) -> AppState:
     return state
 
 
-async def _ask(state: AppState, what: str, rid: int = -1) -> object:
+async def _ask(state: AppState, msg: Query | SetPriority | PauseRequest | ResumeRequest) -> QueryReply:
     try:
-        reply = await state.client.query(what, rid)
+        return await state.client.query(msg)
     except TimeoutError:
         raise APIError(503, "the scheduler did not answer", code="engine_down") from None
-    return reply.data
 
 
 async def stats(request: Request) -> Response:
     state = require_admin(request)
-    data = await _ask(state, "stats")
+    data = (await _ask(state, StatsQuery())).data
     if isinstance(data, dict):
         data |= state.metrics.frontend_stats()
     return Response(msgspec.json.encode(data), media_type="application/json")
@@ -70,16 +81,13 @@ def _rid(state: AppState, request: Request) -> tuple[str, int]:
 
 async def list_requests(request: Request) -> Response:
     state = require_admin(request)
-    return _json({"object": "list", "data": await _ask(state, "requests")})
+    return _json({"object": "list", "data": (await _ask(state, RequestsQuery())).data})
 
 
 async def get_request(request: Request) -> Response:
     state = require_admin(request)
     request_id, rid = _rid(state, request)
-    try:
-        reply = await state.client.query("request", rid)
-    except TimeoutError:
-        raise APIError(503, "the scheduler did not answer", code="engine_down") from None
+    reply = await _ask(state, RequestQuery(rid))
     if not reply.found:
         raise APIError(404, f"no live request {request_id!r} (unknown or finished)", code="request_not_found")
     return _json(reply.data)
@@ -88,11 +96,7 @@ async def get_request(request: Request) -> Response:
 async def _control(state: AppState, request_id: str, msg: SetPriority | PauseRequest | ResumeRequest) -> None:
     """Send a control and return once the scheduler has applied it (a 200 means applied: the
     next read and the next step see it)."""
-    try:
-        found = await state.client.control(msg)
-    except TimeoutError:
-        raise APIError(503, "the scheduler did not answer", code="engine_down") from None
-    if not found:
+    if not (await _ask(state, msg)).found:
         raise APIError(404, f"no live request {request_id!r} (unknown or finished)", param="request_id",
                        code="request_not_found")
 

@@ -218,31 +218,23 @@ class EngineClient:
         for rid in list(self.outputs.choices):
             await self._send(AbortRequest(rid))
 
-    async def query(self, what: str, rid: int = -1, timeout: float = 5.0) -> QueryReply:
-        qid = next(self._query_ids)
-        fut: asyncio.Future[QueryReply] = asyncio.get_running_loop().create_future()
-        self._queries[qid] = fut
-        try:
-            await self._send(Query(qid, what, rid))
-            return await asyncio.wait_for(fut, timeout)
-        finally:
-            self._queries.pop(qid, None)
-
-    async def send_control(self, msg: FrontendMessage) -> None:
-        await self._send(msg)
-
-    async def control(self, msg: SetPriority | PauseRequest | ResumeRequest, timeout: float = 5.0) -> bool:
-        """Send a control and wait until the scheduler has applied it: True if the request was
-        live there. Raises ``TimeoutError`` if the scheduler does not answer."""
+    async def query(self, msg: Query | SetPriority | PauseRequest | ResumeRequest,
+                    timeout: float = 5.0) -> QueryReply:
+        """Send a query, or a control that wants its answer (``found``: the request was live
+        and the change applied), and wait for the reply. Raises ``TimeoutError`` if the
+        scheduler does not answer."""
         qid = next(self._query_ids)
         msg.query_id = qid
         fut: asyncio.Future[QueryReply] = asyncio.get_running_loop().create_future()
         self._queries[qid] = fut
         try:
             await self._send(msg)
-            return (await asyncio.wait_for(fut, timeout)).found
+            return await asyncio.wait_for(fut, timeout)
         finally:
             self._queries.pop(qid, None)
+
+    async def send_control(self, msg: FrontendMessage) -> None:
+        await self._send(msg)
 
     async def _send(self, msg: FrontendMessage) -> None:
         await self._push.send(self._codec.encode(msg), copy=False)

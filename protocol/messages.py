@@ -158,15 +158,26 @@ class ResetPrefixCache(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-class Query(msgspec.Struct, tag=True, array_like=True):
-    """Ask for live state; answered by a ``QueryReply`` with the same ``query_id``.
+class StatsQuery(msgspec.Struct, tag=True, array_like=True):
+    """Ask for the scheduler's stats; answered by a ``QueryReply`` with the same ``query_id``."""
 
-    ``what`` is ``"stats"``, ``"requests"`` or ``"request"`` (then ``rid`` names it).
-    """
+    query_id: int = 0
 
-    query_id: int
-    what: str
-    rid: int = -1
+
+class RequestsQuery(msgspec.Struct, tag=True, array_like=True):
+    """Ask for a summary of every live request of the asking frontend (``QueryReply.data``)."""
+
+    query_id: int = 0
+
+
+class RequestQuery(msgspec.Struct, tag=True, array_like=True):
+    """Ask for one live request's summary; ``QueryReply.found`` False if it is not live."""
+
+    rid: int
+    query_id: int = 0
+
+
+Query = StatsQuery | RequestsQuery | RequestQuery
 
 
 class Ping(msgspec.Struct, tag=True, array_like=True):
@@ -188,7 +199,9 @@ FrontendMessage = (
     | PauseAll
     | ResumeAll
     | ResetPrefixCache
-    | Query
+    | StatsQuery
+    | RequestsQuery
+    | RequestQuery
     | Ping
 )
 

@@ -48,13 +48,15 @@ from protocol.messages import (
     PauseRequest,
     Ping,
     Pong,
-    Query,
     QueryReply,
+    RequestQuery,
+    RequestsQuery,
     ResetPrefixCache,
     ResumeAll,
     ResumeRequest,
     SetPriority,
     Shutdown,
+    StatsQuery,
     StepTokens,
     TokenBatch,
     WorkerFailed,
@@ -63,21 +65,16 @@ from protocol.messages import (
     WorkerStopping,
     new_epoch,
 )
-from protocol.supervision import startup_failure_level, supervised
+from protocol.supervision import supervised
 from protocol.transport import Endpoints, make_socket, scheduler_frontend_codec, scheduler_worker_codec
 from scheduler.frontends import FRONTEND_TIMEOUT_S, Frontends
 from scheduler.scheduler import Scheduler
+from scheduler.workers import HANDSHAKE_FAILED, Workers
 
 log = logging.getLogger("sluice.scheduler")
 
 IDLE_POLL_MS = 100
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-WORKER_TIMEOUT_S = 5.0
-ANNOUNCE_INTERVAL_S = 1.0  # how often an unknown worker is asked to announce itself
 MALFORMED_LOG_INTERVAL_S = 10.0
-# How long live requests wait for a lost worker to come back before they end with an error.
-WORKER_RESTART_WAIT_S = 60.0
 
 
 class SchedulerProcess:
@@ -96,13 +93,7 @@ class SchedulerProcess:
         self.to_workers = make_socket(self.ctx, zmq.PUSH, ep.scheduler_to_worker, bind=True, curve=curve)
         # A worker process that dies drops its connection at once: this is how its loss is
         # noticed within milliseconds (heartbeats only catch a worker that hangs).
-        # A connection that never became a ZeroMQ peer (a port scan, a wrong Curve key, plain
-        # ZeroMQ against Curve) also ends in DISCONNECTED, right after its HANDSHAKE_FAILED event
-        # (both come from the one I/O thread, in order): those are not a worker's.
         self.worker_links = self.to_workers.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
-        self.failed_handshakes = 0  # their DISCONNECTED events still to come
-        self.refused_links = 0
-        self._refused_logged = -MALFORMED_LOG_INTERVAL_S
         self.poller = zmq.Poller()
         self.poller.register(self.from_frontend, zmq.POLLIN)
         self.poller.register(self.from_workers, zmq.POLLIN)
@@ -111,25 +102,18 @@ class SchedulerProcess:
         self.worker_codec = scheduler_worker_codec()
         self.core: Scheduler | None = None
         self.model: ModelInfo | None = None
-        self.ready_ranks: dict[int, ModelInfo] = {}
-        self.last_seen: dict[int, float] = {}
+        self.workers = Workers(config.tensor_parallel_size, config.max_worker_restarts)
         self.frontends = Frontends(self.to_frontend, self.frontend_codec)
-        self._announce_asked = 0.0
         self.internal_errors = 0
         self.malformed_frames = 0
         self._malformed_logged = 0.0
         self.plans_in_flight: list[int] = []  # oldest first; a second one is speculative
-        self.was_ready = False  # a worker has been ready once: later failures are not start-up failures
         self.cut_short: set[int] = set()  # speculative plans called off
-        self.failure: str | None = None
-        # A worker was lost and its requests wait to be recomputed on the next one (the reason).
-        self.outage: str | None = None
-        self._outage_since = 0.0
-        self.worker_losses = 0
         self.stopping = False
-        # Cache resets wait for the plan in flight to end. Everything else acts at once, in the
-        # order it arrived (aborts and pauses also reach the worker: ``_cancel_in_flight``).
-        self.deferred: list[object] = []
+        # A prefix-cache reset waits for the plans in flight to end (their blocks' KV is still
+        # being written). Everything else acts at once, in the order it arrived (aborts and
+        # pauses also reach the worker: ``_cancel_in_flight``).
+        self.reset_cache_pending = False
         # Worker compute time, for the device-idle ratio: busy seconds over wall seconds since
         # the previous ping (1.0 = the device did nothing).
         self.busy_total_s = 0.0
@@ -138,13 +122,15 @@ class SchedulerProcess:
             AddRequest: self.on_add,
             AbortRequest: self.on_abort,
             Ping: self.on_ping,
-            Query: self.on_query,
+            StatsQuery: self.on_stats_query,
+            RequestsQuery: self.on_requests_query,
+            RequestQuery: self.on_request_query,
             PauseAll: self.on_pause_all,
             ResumeAll: self.on_resume_all,
             PauseRequest: self.on_pause,
             ResumeRequest: self.on_resume,
             SetPriority: self.on_set_priority,
-            ResetPrefixCache: self.defer,
+            ResetPrefixCache: self.on_reset_prefix_cache,
             StepTokens: self.on_step_tokens,
             WorkerReady: self.on_worker_ready,
             WorkerHeartbeat: self.on_heartbeat,
@@ -168,19 +154,18 @@ class SchedulerProcess:
                     self._on_worker_link_event()
                 self._check_workers()
                 self._check_frontends()
-                if not self.plans_in_flight and self.deferred:
-                    self._apply_deferred()
+                if not self.plans_in_flight and self.reset_cache_pending:
+                    self._reset_prefix_cache()
                 if self._can_send_plan():
                     self._send_plan()
         finally:
             self._close()
 
     def _drain(self, sock: zmq.Socket[Any], codec: Any, routed: bool) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        # Asking the socket beats catching zmq.Again at the end of every drain (an exception
+        # built per wake-up, and there is one per worker step).
+        while sock.get(zmq.EVENTS) & zmq.POLLIN:
+            frames = sock.recv_multipart(copy=False)
             try:
                 msg = codec.decode(frames[-1].buffer)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -214,8 +199,7 @@ class SchedulerProcess:
             log.exception("INTERNAL ERROR ending rid %s after a failed handler", rid)
 
     def _can_send_plan(self) -> bool:
-        return (self.core is not None and not self.plans_in_flight and self.failure is None
-                and self.outage is None and self.core.has_work)
+        return self.core is not None and not self.plans_in_flight and self.workers.serving and self.core.has_work
 
     def _send_plan(self) -> None:
         assert self.core is not None
@@ -236,7 +220,7 @@ class SchedulerProcess:
         what runs (a waiting prompt, a deferred control) ends the chain: the next plan is then
         made normally, once the worker is done."""
         if (self.core is None or not self.config.async_scheduling or len(self.plans_in_flight) != 1
-                or self.deferred or self.failure is not None):
+                or self.reset_cache_pending or self.workers.failure is not None):
             return
         try:
             plan = self.core.continue_plan()
@@ -249,7 +233,7 @@ class SchedulerProcess:
 
     def _close(self) -> None:
         shutdown = self.worker_codec.encode(Shutdown())
-        for _ in self.ready_ranks:
+        for _ in self.workers.ready:
             with contextlib.suppress(zmq.Again):  # a worker already gone needs no goodbye
                 self.to_workers.send(shutdown, zmq.NOBLOCK)
         self.to_workers.disable_monitor()
@@ -303,8 +287,9 @@ class SchedulerProcess:
     def on_add(self, msg: AddRequest) -> None:
         rids = range(msg.rid, msg.rid + msg.n)
         reason = None
-        if self.core is None or self.failure is not None:
-            reason = self.failure or "the engine is not ready yet (a scheduler that just started waits for its workers)"
+        if self.core is None or self.workers.failure is not None:
+            reason = (self.workers.failure
+                      or "the engine is not ready yet (a scheduler that just started waits for its workers)")
         elif any(rid in self.frontends.owner for rid in rids):
             reason = f"duplicate request rid {msg.rid}"
         if reason is not None:
@@ -356,22 +341,27 @@ class SchedulerProcess:
     def _cancel_in_flight(self, plan_ids: list[int], rids: list[int], forget: bool) -> None:
         """Have the worker drop ``rids`` from ``plan_ids`` at its next step boundary, rather than
         after the whole multi-step window. Their tokens until then still arrive and count."""
-        if self.failure is not None:
+        if self.workers.failure is not None:
             return
         for plan_id in plan_ids:
             self._to_workers(CancelRows(plan_id, rids, forget))
 
     def on_ping(self, msg: Ping) -> None:
-        ready = self.model is not None and self.failure is None
+        ready = self.model is not None and self.workers.failure is None
         sender = self.frontends.sender
-        self.frontends.reply(Pong(msg.sent_at, self._workers_alive(), ready, self._stats(), self.epoch,
-                                  self.failure or self.outage or "",
+        self.frontends.reply(Pong(msg.sent_at, self.workers.alive(), ready, self._ping_stats(), self.epoch,
+                                  self.workers.failure or self.workers.outage or "",
                                   self.frontends.seq.get(sender, 0) if sender is not None else 0))
         if msg.need_model and ready:
             assert self.model is not None
             self.frontends.reply(EngineReady(self.model))
 
-    def _stats(self) -> dict[str, float | int | bool | None] | None:
+    def _counters(self) -> dict[str, float | int]:
+        return {"worker_busy_s_total": self.busy_total_s, "internal_errors": self.internal_errors,
+                "lost_batches": self.frontends.lost_batches, "malformed_frames": self.malformed_frames}
+
+    def _ping_stats(self) -> dict[str, float | int | bool | None] | None:
+        """The numbers /metrics shows, with the device-idle ratio since the previous ping."""
         if self.core is None:
             return None
         now = time.monotonic()
@@ -379,36 +369,30 @@ class SchedulerProcess:
         wall = now - mark_t
         idle = 1.0 - min(1.0, (self.busy_total_s - mark_busy) / wall) if wall > 0 else 1.0
         self._busy_mark = (now, self.busy_total_s)
-        stats: dict[str, float | int | bool | None] = {}
-        for k, v in self.core.stats().items():
-            if isinstance(v, (int, float, bool)):
-                stats[k] = v
-        stats["worker_busy_s_total"] = self.busy_total_s
-        stats["device_idle_ratio"] = idle
-        stats["internal_errors"] = self.internal_errors
-        stats["lost_batches"] = self.frontends.lost_batches
-        stats["malformed_frames"] = self.malformed_frames
-        return stats
+        stats: dict[str, float | int | bool | None] = {
+            k: v for k, v in self.core.stats().items() if isinstance(v, (int, float, bool))}
+        return stats | self._counters() | {"device_idle_ratio": idle}
 
-    def on_query(self, msg: Query) -> None:
+    def on_stats_query(self, msg: StatsQuery) -> None:
         core = self.core
         if core is None:
             self.frontends.reply(QueryReply(msg.query_id, False))
-        elif msg.what == "stats":
-            plan_in_flight = self.plans_in_flight[0] if self.plans_in_flight else None
-            stats = core.stats() | {"workers_alive": self._workers_alive(), "plan_in_flight": plan_in_flight,
-                                    "worker_busy_s_total": self.busy_total_s, "frontends": len(self.frontends),
-                                    "internal_errors": self.internal_errors,
-                                    "lost_batches": self.frontends.lost_batches,
-                                    "malformed_frames": self.malformed_frames}
-            self.frontends.reply(QueryReply(msg.query_id, True, stats))
-        elif msg.what == "requests":
-            # Only the asking frontend's requests: another frontend's ids mean nothing to it.
-            items = [core.summary(r) for r in core.requests.values() if self.frontends.owns(r.rid)]
-            self.frontends.reply(QueryReply(msg.query_id, True, items))
-        else:
-            req = core.requests.get(msg.rid)
-            self.frontends.reply(QueryReply(msg.query_id, req is not None, core.summary(req) if req else None))
+            return
+        stats = core.stats() | self._counters() | {
+            "workers_alive": self.workers.alive(), "frontends": len(self.frontends),
+            "plan_in_flight": self.plans_in_flight[0] if self.plans_in_flight else None}
+        self.frontends.reply(QueryReply(msg.query_id, True, stats))
+
+    def on_requests_query(self, msg: RequestsQuery) -> None:
+        # Only the asking frontend's requests: another frontend's ids mean nothing to it.
+        core = self.core
+        items = [core.summary(r) for r in core.requests.values() if self.frontends.owns(r.rid)] if core else []
+        self.frontends.reply(QueryReply(msg.query_id, core is not None, items))
+
+    def on_request_query(self, msg: RequestQuery) -> None:
+        req = self.core.requests.get(msg.rid) if self.core is not None else None
+        summary = self.core.summary(req) if self.core is not None and req is not None else None
+        self.frontends.reply(QueryReply(msg.query_id, req is not None, summary))
 
     def on_pause_all(self, msg: PauseAll) -> None:
         if self.core is not None:
@@ -420,8 +404,8 @@ class SchedulerProcess:
         if self.core is not None:
             self.core.paused = False
 
-    def defer(self, msg: object) -> None:
-        self.deferred.append(msg)
+    def on_reset_prefix_cache(self, msg: ResetPrefixCache) -> None:
+        self.reset_cache_pending = True
         self._cut_speculative()
 
     def _cut_speculative(self) -> None:
@@ -434,31 +418,25 @@ class SchedulerProcess:
             self.cut_short.add(plan_id)
             self._cancel_in_flight([plan_id], self.core.in_flight[plan_id].rids, forget=False)
 
-    def _apply_deferred(self) -> None:
-        msgs, self.deferred = self.deferred, []
-        core = self.core
-        if core is None:
-            return
-        for msg in msgs:
-            if isinstance(msg, ResetPrefixCache):
-                dropped = core.reset_prefix_cache()
-                log.info("prefix cache reset: %d cached blocks dropped", dropped)
+    def _reset_prefix_cache(self) -> None:
+        self.reset_cache_pending = False
+        if self.core is not None:
+            dropped = self.core.reset_prefix_cache()
+            log.info("prefix cache reset: %d cached blocks dropped", dropped)
 
     # ------------------------------------------------------------------ worker messages
 
     def on_worker_ready(self, msg: WorkerReady) -> None:
-        self.last_seen[msg.rank] = time.monotonic()
-        self.ready_ranks[msg.rank] = msg.model
-        self.was_ready = True
-        if len(self.ready_ranks) < self.config.tensor_parallel_size:
-            return
-        info = self.ready_ranks.get(0, msg.model)
+        outage = self.workers.outage
+        info = self.workers.announced(msg.rank, msg.model)
+        if info is None:
+            return  # more ranks to come
         core = self.core
         if core is not None and core.requests and (info.num_kv_blocks, info.block_size) == (
                 core.pool.num_blocks, core.block_size):
             # A worker came back (or announced itself again) with an empty state: every live
             # request is recomputed from its prompt and the tokens it has streamed.
-            if self.outage is None:
+            if outage is None:
                 core.recompute_all()
             log.info("workers ready again: %s; %d live requests resume (recomputed)", info.name, len(core.requests))
         else:
@@ -470,82 +448,51 @@ class SchedulerProcess:
         self.model = info
         self.plans_in_flight = []
         self.cut_short.clear()
-        self.failure = None
-        self.outage = None
 
     def _new_core(self, info: ModelInfo, first_plan_id: int = 0) -> Scheduler:
         return Scheduler(self.config, info.num_kv_blocks, info.block_size, info.max_model_len, info.eos_token_ids,
                          first_plan_id)
 
     def on_heartbeat(self, msg: WorkerHeartbeat) -> None:
-        now = time.monotonic()
-        self.last_seen[msg.rank] = now
-        if msg.rank not in self.ready_ranks and now - self._announce_asked >= ANNOUNCE_INTERVAL_S:
-            # A live worker this scheduler does not know: it restarted, or declared it lost.
-            self._announce_asked = now
-            log.info("worker %d is alive but unknown here: asking it to announce itself", msg.rank)
+        self.workers.heard(msg.rank)
+        if self.workers.should_ask_to_announce(msg.rank):
             data = self.worker_codec.encode(Announce())
             for _ in range(self.config.tensor_parallel_size):
                 with contextlib.suppress(zmq.Again):
                     self.to_workers.send(data, zmq.NOBLOCK)
 
     def on_worker_stopping(self, msg: WorkerStopping) -> None:
-        if msg.rank in self.ready_ranks and not self.stopping:
+        if msg.rank in self.workers.ready and not self.stopping:
             self._worker_lost(f"worker {msg.rank} was told to stop", crashed=False)
 
     def on_worker_failed(self, msg: WorkerFailed) -> None:
         reason = f"worker {msg.rank} failed: {msg.message}"
-        if msg.rank in self.ready_ranks:
+        if msg.rank in self.workers.ready:
             self._worker_lost(reason)
         else:
             self._fail(reason)  # it never came up: nothing to wait for
 
     def _on_worker_link_event(self) -> None:
         while self.worker_links.poll(0):
-            event = recv_monitor_message(self.worker_links)["event"]
-            if event & HANDSHAKE_FAILED:
-                self.failed_handshakes += 1
-                self.refused_links += 1
-                now = time.monotonic()
-                if now - self._refused_logged >= MALFORMED_LOG_INTERVAL_S:  # a port scan must not flood the log
-                    self._refused_logged = now
-                    log.warning("refused a connection on the worker port: its handshake failed (%s; %d so far)",
-                                zmq.Event(event).name, self.refused_links)
-            elif event == zmq.EVENT_DISCONNECTED:
-                if self.failed_handshakes:
-                    self.failed_handshakes -= 1  # the refused connection's own end
-                elif self.ready_ranks:
-                    self._worker_lost("the worker's connection dropped (its process exited or was killed)")
+            lost = self.workers.link_event(recv_monitor_message(self.worker_links)["event"])
+            if lost is not None:
+                self._worker_lost(lost)
 
     def _worker_lost(self, reason: str, crashed: bool = True) -> None:
-        """A ready worker is gone with every KV block it held. Live requests wait in line to be
-        recomputed on the next worker that announces itself (``sluice serve`` restarts it; a
-        container restart policy does the same for separately run components) — up to
-        ``--max-worker-restarts`` crashes, and ``WORKER_RESTART_WAIT_S`` each. A worker that
-        said it was told to stop (``crashed`` False) is not counted as a crash."""
-        if self.outage is not None or self.failure is not None or self.core is None:
+        """A ready worker is gone with every KV block it held: its live requests are set to be
+        recomputed on the next one (an outage), or end with an error past the restart budget."""
+        if self.core is None or not self.workers.serving:
             return
-        limit = self.config.max_worker_restarts
-        if crashed:
-            self.worker_losses += 1
-            if self.worker_losses > limit:
-                self._fail(f"{reason}; lost {self.worker_losses} times, more than --max-worker-restarts {limit}")
-                return
-        self.ready_ranks.clear()
+        failure = self.workers.lose(reason, crashed)
+        if failure is not None:
+            self._fail(failure)
+            return
         self.plans_in_flight = []
         self.cut_short.clear()
-        live = self.core.recompute_all()
-        self.outage = f"worker lost ({reason}); waiting for it to restart"
-        self._outage_since = time.monotonic()
-        if crashed:
-            log.error("worker lost: %s. %d live requests will be recomputed once a worker is back (loss %d of "
-                      "at most %d)", reason, live, self.worker_losses, limit)
-        else:
-            log.log(logging.WARNING if live else logging.INFO, "%s; %d live requests will be recomputed once a "
-                    "worker is back (within %.0f s)", reason, live, WORKER_RESTART_WAIT_S)
+        self.workers.start_outage(reason, crashed, self.core.recompute_all())
 
     def on_step_tokens(self, msg: StepTokens) -> None:
-        self.last_seen[0] = time.monotonic()
+        self.workers.heard(0)
         self.busy_total_s += msg.busy_s
         if self.core is None or msg.plan_id not in self.plans_in_flight:
             return
@@ -568,12 +515,6 @@ class SchedulerProcess:
 
     # ------------------------------------------------------------------ failure
 
-    def _workers_alive(self) -> bool:
-        if self.failure is not None or len(self.ready_ranks) < self.config.tensor_parallel_size:
-            return False
-        now = time.monotonic()
-        return all(now - self.last_seen.get(r, 0.0) < WORKER_TIMEOUT_S for r in self.ready_ranks)
-
     def _check_frontends(self) -> None:
         """A frontend silent for FRONTEND_TIMEOUT_S is gone (crashed, restarted, cut off): its
         requests have nobody to stream to, so they are aborted and their blocks freed."""
@@ -585,19 +526,14 @@ class SchedulerProcess:
                         FRONTEND_TIMEOUT_S, len(rids))
 
     def _check_workers(self) -> None:
-        if self.failure is None and self.ready_ranks and not self._workers_alive():
-            self._worker_lost(f"a worker sent nothing for {WORKER_TIMEOUT_S:.0f} s")
-        if self.outage is not None and time.monotonic() - self._outage_since > WORKER_RESTART_WAIT_S:
-            outage, self.outage = self.outage, None
-            self._fail(f"{outage}; no worker came back within {WORKER_RESTART_WAIT_S:.0f} s")
+        if (silent := self.workers.silent()) is not None:
+            self._worker_lost(silent)
+        if (expired := self.workers.outage_expired()) is not None:
+            self._fail(expired)
 
     def _fail(self, reason: str) -> None:
-        if self.failure is not None:
+        if not self.workers.fail(reason):
             return
-        # Before any worker was ready this is a start-up failure, which ``sluice serve`` prints.
-        log.log(logging.ERROR if self.was_ready else startup_failure_level(), "engine failed: %s", reason)
-        self.failure = reason
-        self.ready_ranks.clear()
         self.plans_in_flight = []
         self.cut_short.clear()
         if self.core is not None:

@@ -16,10 +16,40 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from scheduler.request import Request
 
 OrderKey = tuple[float | int, ...]
+
+
+class RequestQueue(Protocol):
+    """What the scheduler needs of a waiting queue, whatever its policy."""
+
+    @property
+    def key(self) -> Callable[[Request], OrderKey]:
+        """Urgency, smaller first: the running batch is kept in this order too."""
+
+    @property
+    def counts_service(self) -> bool:
+        """``charge`` does something (the scheduler skips the call per row if not)."""
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, rid: int) -> bool: ...
+
+    def __iter__(self) -> Iterator[Request]: ...
+
+    def push(self, req: Request) -> None: ...
+
+    def peek(self) -> Request | None: ...
+
+    def pop(self) -> Request: ...
+
+    def remove(self, rid: int) -> Request | None: ...
+
+    def charge(self, user: str, tokens: int) -> None:
+        """``user`` received ``tokens`` tokens of computation."""
 
 
 def fcfs_key(req: Request) -> OrderKey:
@@ -171,5 +201,5 @@ class FairQueue:
         self._service[user] = self._service.get(user, 0) + tokens
 
 
-def make_queue(policy: str) -> WaitingQueue | FairQueue:
+def make_queue(policy: str) -> RequestQueue:
     return FairQueue() if policy == "fair" else WaitingQueue(policy)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from protocol.messages import AddRequest, SamplingParams
+from protocol.messages import AddRequest, NewRequest, SamplingParams
 from protocol.stop import stop_reason
 
 if TYPE_CHECKING:
@@ -45,20 +45,34 @@ def _packer(num_tokens: int) -> Callable[..., bytes]:
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"  # waiting again after losing its blocks
+    PREEMPTED = "preempted"  # waiting again after losing its blocks (or with them swapped out)
     PAUSED = "paused"
     FINISHED = "finished"
 
 
 class Request:
     """Token bookkeeping: ``token_ids`` = prompt + outputs; ``num_computed`` of them have their
-    KV in the cache (or will have, once the plan in flight runs). ``blocks`` covers at least
-    ``num_computed`` tokens. ``on_worker`` says whether the worker holds its state."""
+    KV in the cache (or will have, once the plan in flight runs).
+
+    Its state changes only through the transitions below, which keep these invariants:
+
+    * RUNNING: ``blocks`` covers at least ``num_computed`` tokens;
+    * WAITING / PREEMPTED: no device blocks; a swapped-out request's KV is in ``host_blocks``;
+    * PAUSED: blocks kept while memory allows (``drop_kv`` takes them back);
+    * FINISHED: no blocks of any kind.
+
+    ``on_worker``: the worker holds its state (its tokens and the first ``worker_blocks`` of
+    ``blocks``), so a plan sends it deltas rather than the whole request.
+
+        WAITING ──admit──▶ RUNNING ──preempt / swap_out──▶ PREEMPTED ──admit──▶ RUNNING
+        any live ──pause──▶ PAUSED ──resume──▶ RUNNING (blocks kept) or back in line
+        any live ──finish──▶ FINISHED
+    """
 
     __slots__ = (
-        "after", "arrival_time", "block_keys", "blocks", "cut_in", "finish_reason", "host_blocks", "num_cached_tokens",
-        "num_computed", "num_preemptions", "num_prompt_tokens", "on_worker", "priority", "request_id", "rid",
-        "sampling", "scheduled_at", "status", "token_ids", "user", "worker_blocks",
+        "after", "arrival_time", "block_keys", "blocks", "host_blocks", "num_cached_tokens", "num_computed",
+        "num_preemptions", "num_prompt_tokens", "on_worker", "priority", "request_id", "rid", "sampling",
+        "scheduled_at", "status", "token_ids", "user", "worker_blocks",
     )  # fmt: skip
 
     def __init__(self, msg: AddRequest, choice: int = 0) -> None:
@@ -81,11 +95,9 @@ class Request:
         self.num_preemptions = 0
         self.on_worker = False
         self.worker_blocks = 0  # how many of ``blocks`` the worker's block table already has
-        self.finish_reason: str | None = None
         self.block_keys: list[bytes] = []  # prefix-cache keys of its first full blocks, as known so far
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served at first admission
         self.host_blocks: list[int] = []  # swap preemption: where its KV waits in host memory
-        self.cut_in = False  # scheduled at the next step, ahead of everything
         self.scheduled_at: float | None = None  # wall time of its first admission
 
     @property
@@ -97,15 +109,47 @@ class Request:
         return len(self.token_ids) - self.num_computed
 
     @property
-    def is_finished(self) -> bool:
-        return self.status is Status.FINISHED
+    def is_swapped(self) -> bool:
+        return bool(self.host_blocks)
 
     def max_total_tokens(self, max_model_len: int) -> int:
         """The most tokens this request can ever hold (prompt + every output)."""
         return min(self.num_prompt_tokens + self.sampling.max_tokens, max_model_len)
 
+    # ------------------------------------------------------------------ transitions
+
+    def admit(self, blocks: list[int], num_computed: int) -> None:
+        """Run on ``blocks``, whose first ``num_computed`` tokens' KV is there already (prefix
+        hits, or a swapped-out copy being moved in). At its first admission, those are what the
+        prefix cache served."""
+        if self.num_preemptions == 0:
+            self.num_cached_tokens = num_computed
+        if self.scheduled_at is None:
+            self.scheduled_at = time.time()
+        self.blocks = blocks
+        self.num_computed = num_computed
+        self.status = Status.RUNNING
+
+    def grow(self, blocks: list[int]) -> None:
+        """More blocks for the tokens it is about to compute."""
+        self.blocks.extend(blocks)
+
     def advance(self, n: int) -> None:
+        """``n`` more tokens computed (planned, or confirmed by the worker's reply)."""
         self.num_computed += n
+
+    def unsent_blocks(self) -> list[int]:
+        """The blocks the worker's table lacks; from now on it has them."""
+        new = self.blocks[self.worker_blocks :]
+        self.worker_blocks = len(self.blocks)
+        return new
+
+    def send_whole(self) -> NewRequest:
+        """What the worker (re)builds it from: everything known so far. Not copied: a plan is
+        encoded as soon as it is made, before any token is appended."""
+        self.on_worker = True
+        self.worker_blocks = 0
+        return NewRequest(self.rid, self.token_ids, self.num_prompt_tokens, self.sampling, self.num_computed)
 
     def add_output(self, token: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> str | None:
         """Append a sampled token; the finish reason it triggers, if any: ``protocol.stop``'s
@@ -114,6 +158,64 @@ class Request:
         num_tokens = len(self.token_ids)
         return stop_reason(token, num_tokens - self.num_prompt_tokens, num_tokens, self.sampling, eos_token_ids,
                            max_model_len)
+
+    def pause(self) -> None:
+        self.status = Status.PAUSED
+
+    def resume(self) -> bool:
+        """Back from a pause: True if it runs on at once (its blocks were kept), False if it
+        goes back in line."""
+        if self.blocks:
+            self.status = Status.RUNNING
+            return True
+        self.requeue()
+        return False
+
+    def requeue(self) -> None:
+        """In line again, as new or (with outputs, or KV in host memory) preempted."""
+        self.status = Status.PREEMPTED if self.num_outputs or self.host_blocks else Status.WAITING
+
+    def drop_kv(self) -> list[int]:
+        """Give up every device block (returned, to free) and the worker's state: its tokens
+        are computed again when it next runs. Its status is the caller's to set."""
+        blocks, self.blocks = self.blocks, []
+        self.num_computed = 0
+        self.num_preemptions += 1
+        self.on_worker = False
+        self.worker_blocks = 0
+        return blocks
+
+    def preempt(self) -> list[int]:
+        """Preempted by recompute: the blocks to free; back in line."""
+        blocks = self.drop_kv()
+        self.status = Status.PREEMPTED
+        return blocks
+
+    def swap_out(self, host_blocks: list[int]) -> list[int]:
+        """Preempted by swap: the KV moves to ``host_blocks``; returns the device blocks to free."""
+        blocks, self.blocks = self.blocks, []
+        self.host_blocks = host_blocks
+        self.num_preemptions += 1
+        self.on_worker = False
+        self.worker_blocks = 0
+        self.status = Status.PREEMPTED
+        return blocks
+
+    def take_host_blocks(self) -> list[int]:
+        """Its KV in host memory (being swapped in, or lost with the worker): the host blocks, to free."""
+        blocks, self.host_blocks = self.host_blocks, []
+        return blocks
+
+    def set_priority(self, priority: int) -> None:
+        self.priority = priority
+
+    def finish(self) -> list[int]:
+        """Ended: the device blocks to free (its host blocks must be taken first)."""
+        self.status = Status.FINISHED
+        blocks, self.blocks = self.blocks, []
+        return blocks
+
+    # ------------------------------------------------------------------ prefix cache
 
     def cached_prefix(self, pool: BlockPool, block_size: int) -> list[int]:
         """The pool's blocks holding the longest cached prefix of these tokens, found by their
@@ -148,37 +250,6 @@ class Request:
             if i >= first:
                 links.append(link)
         return links
-
-    @property
-    def is_swapped(self) -> bool:
-        return bool(self.host_blocks)
-
-    def swap_out(self, host_blocks: list[int]) -> list[int]:
-        """Preempted by swap: the KV moves to ``host_blocks``; returns the device blocks to free."""
-        blocks, self.blocks = self.blocks, []
-        self.host_blocks = host_blocks
-        self.num_preemptions += 1
-        self.on_worker = False
-        self.worker_blocks = 0
-        self.status = Status.PREEMPTED
-        return blocks
-
-    def reset_for_recompute(self) -> list[int]:
-        """Preempted by recompute: give up every block; prompt and outputs are computed again."""
-        blocks, self.blocks = self.blocks, []
-        self.num_computed = 0
-        self.num_preemptions += 1
-        self.on_worker = False
-        self.worker_blocks = 0
-        self.status = Status.PREEMPTED
-        return blocks
-
-    def finish(self, reason: str) -> list[int]:
-        """Mark finished; returns the blocks to free."""
-        self.status = Status.FINISHED
-        self.finish_reason = reason
-        blocks, self.blocks = self.blocks, []
-        return blocks
 
     def summary(self, block_size: int) -> dict[str, object]:
         return {

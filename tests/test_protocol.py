@@ -22,7 +22,8 @@ LINKS = [
     (scheduler_frontend_codec, [
         m.AddRequest(1, "cmpl-1", [1, 2, 3], SAMPLING, priority=-1, user="u", arrival_time=1.5),
         m.AbortRequest(1), m.SetPriority(1, 3, cut_in=True), m.PauseRequest(1), m.ResumeRequest(1),
-        m.PauseAll(), m.ResumeAll(), m.ResetPrefixCache(), m.Query(4, "request", 1), m.Ping(2.0, True),
+        m.PauseAll(), m.ResumeAll(), m.ResetPrefixCache(), m.StatsQuery(3), m.RequestsQuery(4),
+        m.RequestQuery(1, 5), m.Ping(2.0, True),
     ]),
     (frontend_codec, [
         m.TokenBatch([1, 2], [5, 6], [m.Finish(1, "stop", 3, 0, 1)]),
