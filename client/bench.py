@@ -127,7 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "load and workload flags do not apply (--seed, --warmup, --timeout, --save and --plot-dir do: "
                      "one plot folder per setting)")
     sc.add_argument("--scenario", choices=SCENARIO_NAMES, default=None,
-                    help="long-prefill (seed 000: short prompts arriving behind 8000-token ones; "
+                    help="long-prefill (vLLM's feature request for concurrent partial prefills: short prompts arriving behind 8000-token ones; "
                          "--min-concurrent-prefills 1 vs 2 vs no chunking); priority (001: interactive requests "
                          "amid a saturating batch load; --priority-preemption vs not); shared-prefix (003: prompts "
                          "sharing 90%%; prefix caching on vs off); preemption (004: a KV cache a third of the "

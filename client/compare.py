@@ -164,7 +164,7 @@ def focus_class(scenario: Scenario) -> str | None:
 def _save(path: Path, scenario: Scenario, args: argparse.Namespace, workload: Workload, runs: list[SettingRun]) -> None:
     doc = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "scenario": scenario.name, "seed_issue": scenario.seed, "question": scenario.question,
+        "scenario": scenario.name, "upstream": scenario.upstream, "question": scenario.question,
         "scale": args.scale, "seed": args.seed, "server_model": args.server_model, "server_args": args.server_args,
         "workload": dataclasses.asdict(workload),
         "comparison": {m.label: {run.name: m.value(run.report) for run in runs}
@@ -184,7 +184,7 @@ def run_scenario(args: argparse.Namespace) -> int:
     # servers must be known before, so they may not depend on that length.
     unfitted = scenario.build(args.scale, None)
     common = ["--model", args.server_model, *shlex.split(args.server_args), *unfitted.server_flags]
-    err.print(f"scenario {scenario.name} (seed {scenario.seed}): {scenario.question}", markup=False, highlight=False)
+    err.print(f"scenario {scenario.name} ({scenario.upstream}): {scenario.question}", markup=False, highlight=False)
     err.print(describe(unfitted), markup=False, highlight=False)
     runs: list[SettingRun] = []
     workload: Workload | None = None
@@ -212,7 +212,7 @@ def run_scenario(args: argparse.Namespace) -> int:
     model = runs[0].report["model"]
     n = sum(g.count for g in workload.groups)
     out.print(describe(workload), markup=False, highlight=False)
-    out.print(comparison_table(scenario, runs, f"sluice bench --scenario {scenario.name} (seed {scenario.seed}): "
+    out.print(comparison_table(scenario, runs, f"sluice bench --scenario {scenario.name} ({scenario.upstream}): "
                                f"{model}, scale {args.scale:g}, {n} requests per setting"))
     for run in runs:
         out.print(f"  {run.name}: {shlex.join(run.flags)}", style="dim", markup=False, highlight=False)

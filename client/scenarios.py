@@ -1,4 +1,4 @@
-"""The scenarios of ``sluice bench --scenario NAME``: one per reference issue in ``shared/seeds``.
+"""The scenarios of ``sluice bench --scenario NAME``: one per upstream discussion Sluice answers.
 
 A scenario is a workload and the server settings it compares (name -> ``sluice serve`` flags).
 The runner (``client.compare``) starts one server per setting, one after another, sends the same
@@ -97,7 +97,7 @@ class Metric:
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    seed: str  # the reference issue it comes from: shared/seeds/<seed>_*.txt
+    upstream: str  # the upstream discussion whose situation it measures
     question: str  # what the comparison answers, one line
     settings: Mapping[str, tuple[str, ...]]  # setting name -> sluice serve flags; the first is the baseline
     build: Callable[[float, int | None], Workload]  # (scale, the server's max_model_len or None)
@@ -114,16 +114,16 @@ def _summary(cls: str | None, key: str, sub: str | None = None) -> tuple[str, ..
     return (*(("summary",) if cls is None else ("by_class", cls)), key, *((sub,) if sub else ()))
 
 
-# --- long-prefill (seed 000): one long prompt must not block everyone --------------------------
+# --- long-prefill (vLLM's feature request for concurrent partial prefills): one long prompt must not block everyone --------------------------
 
-LONG_PROMPT = 8000  # the seed's example, and SmolLM2's context is 8192: never longer, at any scale
+LONG_PROMPT = 8000  # the example in that request, and SmolLM2's context is 8192: never longer, at any scale
 LONG_OUTPUT, SHORT_PROMPT, SHORT_OUTPUT = 16, 300, 32
 SHORT_DELAY_S = 0.3  # the first short prompt arrives this long after the first long one
 # A long prompt arrives every LONG_GAP_PER_TOKEN_S x its length: 20 s at 8000 tokens, about what its
 # prefill alone takes on SmolLM2 here, so one long prompt is (mostly) being prefilled at a time.
 # All of them at once would put two long prompts in the two prefill slots of
 # --min-concurrent-prefills 2 and tell nothing about the short ones. One long prompt at scale 1
-# (the seed's example): here each takes 20 to 50 s to prefill, two made the run 3.5 minutes.
+# (the example in that request): here each takes 20 to 50 s to prefill, two made the run 3.5 minutes.
 LONG_GAP_PER_TOKEN_S = 0.0025
 
 
@@ -142,7 +142,7 @@ def long_prefill(scale: float, max_model_len: int | None) -> Workload:
 
 LONG_PREFILL = Scenario(
     name="long-prefill",
-    seed="000",
+    upstream="vLLM's feature request for concurrent partial prefills",
     question="does a long prompt being prefilled hold up the short ones arriving behind it?",
     settings={
         # The default budget (2048) chunks a long prompt, and the prompt takes all of it.
@@ -166,7 +166,7 @@ LONG_PREFILL = Scenario(
 )
 
 
-# --- priority (seed 001): interactive requests amid a saturating batch load ---------------------
+# --- priority (vLLM's priority-scheduling RFC): interactive requests amid a saturating batch load ---------------------
 
 SEATS = 8  # --max-num-seqs: the batch load alone keeps more requests than this in the server
 
@@ -184,7 +184,7 @@ def priority(scale: float, max_model_len: int | None) -> Workload:
 
 PRIORITY = Scenario(
     name="priority",
-    seed="001",
+    upstream="vLLM's priority-scheduling RFC",
     question="do interactive (priority 0) requests get a seat at once amid batch (priority 5) traffic, and at what cost?",
     settings={
         # Priority orders the waiting queue only: an interactive request waits for a seat to free.
@@ -205,7 +205,7 @@ PRIORITY = Scenario(
 )
 
 
-# --- shared-prefix (seed 003): prompts that share 90% of their tokens ---------------------------
+# --- shared-prefix (vLLM's proposal for prefix-cache-aware admission): prompts that share 90% of their tokens ---------------------------
 
 def shared_prefix(scale: float, max_model_len: int | None) -> Workload:
     prompt = _scaled(1024, scale, 64)
@@ -217,7 +217,7 @@ def shared_prefix(scale: float, max_model_len: int | None) -> Workload:
 
 SHARED_PREFIX = Scenario(
     name="shared-prefix",
-    seed="003",
+    upstream="vLLM's proposal for prefix-cache-aware admission",
     question="what does prefix caching save when every prompt starts with the same 90%?",
     settings={"no-caching": ("--no-enable-prefix-caching",), "caching": ("--enable-prefix-caching",)},
     build=shared_prefix,
@@ -233,7 +233,7 @@ SHARED_PREFIX = Scenario(
 )
 
 
-# --- preemption (seed 004): more demand than KV blocks ------------------------------------------
+# --- preemption (vLLM's guide to preemption and chunked prefill): more demand than KV blocks ------------------------------------------
 
 KV_SHARE = 3  # the cache holds a third of the workload's blocks at full length
 
@@ -246,7 +246,7 @@ def preemption(scale: float, max_model_len: int | None) -> Workload:
 
 PREEMPTION = Scenario(
     name="preemption",
-    seed="004",
+    upstream="vLLM's guide to preemption and chunked prefill",
     question="when the KV cache runs out, is it cheaper to recompute a preempted request or swap it to host memory?",
     settings={"recompute": ("--preemption-mode", "recompute"), "swap": ("--preemption-mode", "swap")},
     build=preemption,

@@ -1,6 +1,6 @@
 """Admission: a waiting request becomes a running one with its first chunk in a step.
 
-It counts only what the prefix cache does not already hold (seed 003): the blocks beyond its
+It counts only what the prefix cache does not already hold (vLLM's proposal for prefix-cache-aware admission): the blocks beyond its
 cached prefix, and its uncached tokens against the step's budget. A fully cached prompt computes
 only its last token, into a copy of its last cached block. A swapped-out request gets device
 blocks and its host copy moved back in. If a seat, budget or blocks are short, it may preempt the

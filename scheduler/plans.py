@@ -1,7 +1,7 @@
 """Plans: a step made into the ``StepPlan`` the worker runs, and the worker's replies made into
 tokens. One place for everything a plan's life touches:
 
-* **multi-step** (seed 002) — a plan covers ``num_scheduler_steps`` decode steps when every row
+* **multi-step** (vLLM's multi-step scheduling RFC) — a plan covers ``num_scheduler_steps`` decode steps when every row
   samples and no admissible prompt was left out for lack of token budget, with look-ahead blocks
   reserved for the extra tokens;
 * **async continuation** — the next decode window is planned while the current one runs

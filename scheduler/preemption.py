@@ -1,5 +1,5 @@
 """Making room in the KV cache: paused requests give their blocks back first, then running ones
-are preempted, least urgent and latest arrived first (seed 004).
+are preempted, least urgent and latest arrived first (vLLM's guide to preemption and chunked prefill).
 
 How a preempted request gives up its KV is a strategy (``--preemption-mode``): ``Recompute``
 frees its blocks and computes its tokens again when it next runs; ``Swap`` copies its blocks to

@@ -7,17 +7,17 @@ One step, under one token budget (``max_num_batched_tokens``) and ``max_num_seqs
 2. **decodes** — running requests with one token left to compute, most urgent first;
 3. **prefills** — running requests mid-prompt, then waiting ones in the policy's order. The
    prefill budget left after decodes is split so that at least ``min_concurrent_prefills``
-   prompts advance when that many exist (seed 000); ``long_prefill_threshold`` caps one chunk;
+   prompts advance when that many exist (vLLM's feature request for concurrent partial prefills); ``long_prefill_threshold`` caps one chunk;
    the last prompt that does not fit is chunked. Admission counts only the blocks and tokens the
-   prefix cache does not already hold (seed 003). A waiting request that cannot get blocks or a
+   prefix cache does not already hold (vLLM's proposal for prefix-cache-aware admission). A waiting request that cannot get blocks or a
    seat preempts the fewest strictly less urgent running requests, if ``priority_preemption``
-   (seed 001) — otherwise it waits;
+   (vLLM's priority-scheduling RFC) — otherwise it waits;
 4. **blocks** — if the pool runs dry for a running request, paused requests give their blocks back
    first, then the least urgent, latest-arrived running request not yet scheduled is preempted
-   (``recompute`` or ``swap``, seed 004);
+   (``recompute`` or ``swap``, vLLM's guide to preemption and chunked prefill);
 5. **multi-step** — when every row samples in this step and no admissible prompt was left out
    for lack of token budget, the plan covers ``num_scheduler_steps`` steps, with look-ahead blocks
-   reserved for the extra tokens (seed 002).
+   reserved for the extra tokens (vLLM's multi-step scheduling RFC).
 
 Every step moves each row's computed count toward its token count; chunked prefill, prefix hits
 and decode are the same rule. Tokens reported by the worker then append outputs and apply stops.
@@ -343,7 +343,7 @@ class Scheduler:
         return True
 
     def _prefill_share(self, budget: int, num_running_prefills: int) -> int:
-        """Most tokens one prompt may take this step (seed 000: split across k prompts)."""
+        """Most tokens one prompt may take this step (vLLM's feature request for concurrent partial prefills: split across k prompts)."""
         cap = self.config.long_prefill_threshold or budget
         k = self.config.min_concurrent_prefills
         if k > 1:

@@ -25,7 +25,7 @@ def add_tokens(sched: Scheduler, rid: int, tokens: list[int], max_tokens: int = 
     assert sched.add(msg) == []
 
 
-# ------------------------------------------------------------------ seed 003: prefix-cache-aware admission
+# ------------------------------------------------------------------ prefix-cache-aware admission: prefix-cache-aware admission
 
 
 def test_seed_003_sixteen_block_prompt_with_twelve_cached_needs_four() -> None:
@@ -98,7 +98,7 @@ def test_prefix_cache_reset_drops_only_unheld_blocks() -> None:
     assert sched.pool.num_cached_free == 0
 
 
-# ------------------------------------------------------------------ seed 001: priorities, cut-in, pause
+# ------------------------------------------------------------------ priority scheduling: priorities, cut-in, pause
 
 
 def test_priority_preemption_evicts_the_fewest_less_urgent() -> None:
@@ -183,7 +183,7 @@ def test_paused_request_releases_blocks_under_memory_pressure_and_recomputes() -
     assert run_to_end(sched, worker) == {0: "length"}
 
 
-# ------------------------------------------------------------------ seed 004: swap
+# ------------------------------------------------------------------ preemption: swap
 
 
 def test_swap_preemption_moves_kv_to_host_and_back_without_recompute() -> None:
