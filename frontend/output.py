@@ -293,8 +293,11 @@ class OutputProcessor:
             if c is not None:
                 c.cached_tokens = cached
         logprobs = unpack_logprobs(batch.logprobs) if len(batch.logprobs) > 1 else None
+        # A batch may carry several steps of a request (the scheduler merges the steps it gets
+        # at once): a finish goes with the request's last token in it.
+        last = {rid: i for i, rid in enumerate(batch.rids) if rid in finishes} if finishes else None
         counted = 0
-        for rid, token in zip(batch.rids, batch.token_ids, strict=True):
+        for i, (rid, token) in enumerate(zip(batch.rids, batch.token_ids, strict=True)):
             c = choices.get(rid)
             if c is None:
                 continue  # ended here already (a stop string, a client gone): its tokens are void
@@ -303,7 +306,7 @@ class OutputProcessor:
                 self.num_waiting_first_token -= 1
             c.arrivals.append(now)
             c.completion_tokens += 1
-            finish = finishes.pop(rid, None) if finishes else None
+            finish = finishes.pop(rid) if finishes is not None and last is not None and last.get(rid) == i else None
             lp = logprobs.get(rid) if logprobs else None
             if finish is not None and finish.reason == FinishReason.STOP and token in c.silent_ids:
                 text = ""

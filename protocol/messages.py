@@ -212,8 +212,9 @@ FrontendMessage = (
 class TokenBatch(msgspec.Struct, tag=True, array_like=True):
     """New tokens of one worker step, and the requests that ended with it.
 
-    ``rids[i]`` gained ``token_ids[i]``. A request may appear in ``finished`` without a token
-    (abort, error). ``logprobs``: the step's ``pack_logprobs`` bytes, passed through as the
+    ``rids[i]`` gained ``token_ids[i]``; a request may have several tokens in one batch (several
+    steps the scheduler received at once), in order. A request may appear in ``finished``
+    without a token (abort, error); with tokens, its finish came with the last of them. ``logprobs``: the step's ``pack_logprobs`` bytes, passed through as the
     worker made them (they may name rids this batch does not carry: those are ignored).
     ``started``: ``(rid, cached prompt tokens)`` of the requests whose first token this is, so
     usage is known even when the frontend ends a request itself (a stop string).

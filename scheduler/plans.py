@@ -216,14 +216,15 @@ class Plans:
         requests, running, paused = self.requests, Status.RUNNING, Status.PAUSED  # (Enum look-ups are slow on 3.11)
         plan_rows = plan.rows if plan is not None else frozenset()
         queue, counts_service = self.queue, self.queue.counts_service
-        caching = self.pool.enable_caching
+        caching, block_size = self.pool.enable_caching, self.block_size
+        last_slot = block_size - 1
         eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
         for rid, token in zip(out.rids, out.token_ids, strict=True):
             req = requests.get(rid)
             if req is None or not (req.status is running or (req.status is paused and rid in plan_rows)):
                 continue  # finished or preempted while the plan ran: its tokens are void
             if computes_previous:
-                if caching:
+                if caching and req.num_computed % block_size == last_slot:  # it fills a block
                     self._register_full_blocks(req, 1)
                 req.advance(1)  # the worker computed the token it sampled last step
                 if counts_service:

@@ -74,6 +74,7 @@ from scheduler.workers import HANDSHAKE_FAILED, Workers
 log = logging.getLogger("sluice.scheduler")
 
 IDLE_POLL_MS = 100
+CHECK_INTERVAL_S = 0.05  # how often silent workers and frontends and a long outage are looked for
 MALFORMED_LOG_INTERVAL_S = 10.0
 
 
@@ -114,6 +115,9 @@ class SchedulerProcess:
         # being written). Everything else acts at once, in the order it arrived (aborts and
         # pauses also reach the worker: ``_cancel_in_flight``).
         self.reset_cache_pending = False
+        self._next_check = 0.0
+        self._merging = False  # token batches are being merged (``_to_owners``)
+        self._outgoing: TokenBatch | None = None
         # Worker compute time, for the device-idle ratio: busy seconds over wall seconds since
         # the previous ping (1.0 = the device did nothing).
         self.busy_total_s = 0.0
@@ -147,13 +151,24 @@ class SchedulerProcess:
                 timeout = 0 if self._can_send_plan() else IDLE_POLL_MS
                 ready = dict(self.poller.poll(timeout))
                 if self.from_workers in ready:
-                    self._drain(self.from_workers, self.worker_codec, routed=False)
+                    # The steps' tokens drained in one wake-up go to each frontend as one batch:
+                    # nothing waits for it (they have all arrived), and a scheduler that fell
+                    # behind catches up with a send per wake-up, not one per step.
+                    self._merging = True
+                    try:
+                        self._drain(self.from_workers, self.worker_codec, routed=False)
+                    finally:
+                        self._merging = False
+                        self._flush_outgoing()
                 if self.from_frontend in ready:
                     self._drain(self.from_frontend, self.frontend_codec, routed=True)
                 if self.worker_links in ready:
                     self._on_worker_link_event()
-                self._check_workers()
-                self._check_frontends()
+                now = time.monotonic()
+                if now >= self._next_check:  # timeouts are seconds: not worth every wake-up
+                    self._next_check = now + CHECK_INTERVAL_S
+                    self._check_workers()
+                    self._check_frontends()
                 if not self.plans_in_flight and self.reset_cache_pending:
                     self._reset_prefix_cache()
                 if self._can_send_plan():
@@ -164,7 +179,7 @@ class SchedulerProcess:
     def _drain(self, sock: zmq.Socket[Any], codec: Any, routed: bool) -> None:
         # Asking the socket beats catching zmq.Again at the end of every drain (an exception
         # built per wake-up, and there is one per worker step).
-        while sock.get(zmq.EVENTS) & zmq.POLLIN:
+        while int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
             frames = sock.recv_multipart(copy=False)
             try:
                 msg = codec.decode(frames[-1].buffer)
@@ -265,10 +280,31 @@ class SchedulerProcess:
 
 
     def _to_owners(self, batch: TokenBatch) -> None:
-        """Tokens and finishes to the frontends that own them. A batch a frontend could not be
-        sent (its link is down or reconnecting) is lost to it: the requests in it that are still
-        running are aborted now, freeing their blocks, and the frontend, finding a gap in its
-        batches' numbers, ends its streams with an error."""
+        """Tokens and finishes to the frontends that own them (merged with the batches before
+        it while the worker's inbox is drained: ``_flush_outgoing`` sends them)."""
+        if not self._merging:
+            self._send_to_owners(batch)
+            return
+        pending = self._outgoing
+        if pending is not None and len(pending.logprobs) <= 1 and len(batch.logprobs) <= 1:
+            # In order: a request's tokens, then its finish (nothing of it follows a finish).
+            pending.rids += batch.rids
+            pending.token_ids += batch.token_ids
+            pending.finished += batch.finished
+            pending.started += batch.started
+            return
+        self._flush_outgoing()
+        self._outgoing = batch
+
+    def _flush_outgoing(self) -> None:
+        batch, self._outgoing = self._outgoing, None
+        if batch is not None:
+            self._send_to_owners(batch)
+
+    def _send_to_owners(self, batch: TokenBatch) -> None:
+        """A batch a frontend could not be sent (its link is down or reconnecting) is lost to
+        it: the requests in it that are still running are aborted now, freeing their blocks, and
+        the frontend, finding a gap in its batches' numbers, ends its streams with an error."""
         for rid in self.frontends.to_owners(batch):
             if self.core is not None and rid in self.core.requests:
                 self._abort(rid, FinishReason.ERROR, "output lost on the link to the frontend")
@@ -540,6 +576,7 @@ class SchedulerProcess:
             finishes = self.core.finish_all(FinishReason.ERROR, reason)
             if finishes:
                 self._to_owners(TokenBatch([], [], finishes))
+        self._flush_outgoing()  # the finishes go before the word that the engine failed
         self.frontends.broadcast(EngineError(reason))
 
 

@@ -140,9 +140,11 @@ class Request:
 
     def unsent_blocks(self) -> list[int]:
         """The blocks the worker's table lacks; from now on it has them."""
-        new = self.blocks[self.worker_blocks :]
-        self.worker_blocks = len(self.blocks)
-        return new
+        have, now = self.worker_blocks, len(self.blocks)
+        if have == now:  # most rows of most steps
+            return []
+        self.worker_blocks = now
+        return self.blocks[have:]
 
     def send_whole(self) -> NewRequest:
         """What the worker (re)builds it from: everything known so far. Not copied: a plan is

@@ -78,9 +78,9 @@ class Harness:
     def __init__(self, config: SchedulerConfig, num_blocks: int, requests: list[AddRequest]) -> None:
         self.sched = Scheduler(config, num_blocks, BLOCK_SIZE, MAX_MODEL_LEN, [EOS])
         for msg in requests:
-            finish = self.sched.add(msg)
-            if finish is not None:
-                raise SystemExit(f"request {msg.rid} refused: {finish.message}")
+            refused = self.sched.add(msg)
+            if refused:
+                raise SystemExit(f"request {msg.rid} refused: {refused[0].message}")
         self.left: dict[int, int] = {}  # rid -> tokens the worker has yet to compute
         self.sampled: set[int] = set()  # rids that have sampled at least one token
         self.last_plan: StepPlan | None = None

@@ -85,6 +85,24 @@ async def test_tokens_reach_their_stream_and_the_finish_ends_it(tmp_path: Path) 
         assert client.num_live == 0 and len(client.outputs) == 0
 
 
+async def test_a_batch_with_several_steps_of_a_request_ends_it_after_its_last_token(tmp_path: Path) -> None:
+    """The scheduler merges the steps it receives at once: one batch may hold a request's
+    tokens of several steps, its finish with the last of them."""
+    async with connected(tmp_path) as (client, scheduler):
+        assert client.model is not None
+        ids = ModelTokenizer(client.model).encode_text("one two three")
+        output = output_for(client, [1, 5, 6], streaming=False)
+        handle = await client.add(output)
+        (add,) = await scheduler.wait_for(AddRequest)
+        rid = add.rid
+        await scheduler.send(TokenBatch([rid] * len(ids), ids, [Finish(rid, "length", 3, 0, len(ids))]))
+        async with handle:
+            await asyncio.wait_for(output.done.wait(), 10)
+        choice = output.body()["choices"][0]
+        assert choice["text"] == "one two three" and choice["finish_reason"] == "length"
+        assert output.body()["usage"]["completion_tokens"] == len(ids) > 1
+
+
 async def test_leaving_the_handle_aborts_a_request_still_running(tmp_path: Path) -> None:
     async with connected(tmp_path) as (client, scheduler):
         output = output_for(client, [1, 5, 6], n=2)
