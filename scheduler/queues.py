@@ -34,6 +34,10 @@ class RequestQueue(Protocol):
     def counts_service(self) -> bool:
         """``charge`` does something (the scheduler skips the call per row if not)."""
 
+    @property
+    def ranks_by_priority(self) -> bool:
+        """Priority classes order it: a waiting request may outrank a running one (fcfs: never)."""
+
     def __len__(self) -> int: ...
 
     def __contains__(self, rid: int) -> bool: ...
@@ -70,11 +74,12 @@ POLICIES: dict[str, Callable[[Request], OrderKey]] = {
 class WaitingQueue:
     """One heap ordered by the policy's key. ``charge`` is a no-op: only ``fair`` counts service."""
 
-    __slots__ = ("_heap", "_live", "_pushes", "key")
+    __slots__ = ("_heap", "_live", "_pushes", "key", "ranks_by_priority")
     counts_service = False  # whether ``charge`` does anything: the scheduler skips it per row if not
 
     def __init__(self, policy: str) -> None:
         self.key = POLICIES[policy]
+        self.ranks_by_priority = policy != "fcfs"
         # Entries carry a push sequence number; only the latest push of a rid is live.
         self._heap: list[tuple[OrderKey, int, Request]] = []
         self._live: dict[int, tuple[int, Request]] = {}
@@ -131,6 +136,7 @@ class FairQueue:
 
     __slots__ = ("_queues", "_service", "_where", "key")
     counts_service = True
+    ranks_by_priority = True
 
     def __init__(self, policy: str = "fair") -> None:
         self.key = priority_key

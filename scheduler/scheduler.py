@@ -56,8 +56,8 @@ class Scheduler:
         host_blocks = min(config.num_host_blocks or num_blocks, num_blocks)
         self.host_pool = BlockPool(host_blocks) if config.preemption_mode == "swap" else None
         self.queue = make_queue(config.scheduling_policy)
-        # fcfs ignores priorities: a waiting request preempts nobody there.
-        self.preempts_by_priority = config.priority_preemption and config.scheduling_policy != "fcfs"
+        # A queue that ignores priorities (fcfs) has nobody outranking anybody: no one is preempted.
+        self.preempts_by_priority = config.priority_preemption and self.queue.ranks_by_priority
         self.key = self.queue.key  # urgency order: smaller is more urgent
         self.running = RunningBatch(self.key, config.max_num_seqs_per_priority)
         self.paused_requests: dict[int, Request] = {}
@@ -67,7 +67,7 @@ class Scheduler:
         self._held: dict[int, list[Request]] = {}
         self.plans = Plans(config, block_size, max_model_len, tuple(eos_token_ids), self.pool, self.queue,
                            self.requests, self._held, self._release_held, self._end, first_plan_id)
-        strategy = Swap(self.pool, self.host_pool) if self.host_pool is not None else Recompute(self.pool)
+        strategy = Recompute(self.pool) if self.host_pool is None else Swap(self.pool, self.host_pool)
         self.preemptor = Preemptor(self.pool, strategy, self.running, self.paused_requests, self.queue,
                                    self.plans.forget)
         self.admission = Admission(config, block_size, self.pool, self.host_pool, self.queue, self.running,

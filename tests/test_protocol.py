@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from protocol import messages as m
@@ -90,3 +91,46 @@ def test_stop_rule_each_case_and_min_tokens_with_ignore_eos() -> None:
     assert stop_reason(2, 1, 11, m.SamplingParams(), frozenset({2, 3}), 20) == STOP  # any EOS collection
     p = m.SamplingParams(max_tokens=5)
     assert not length_reached(4, 19, p, 20) and length_reached(5, 6, p, 20) and length_reached(1, 20, p, 20)
+
+
+# The wire format pinned: array_like structs are encoded by field position, so a field moved
+# (instead of appended) would still round-trip in one process yet break every peer running the
+# other order. These bytes were taken from the format as released; a change here is a protocol
+# change, for every component at once.
+_S = m.SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[7], seed=3)
+_SAMPLING_HEX = ("9e05cb0000000000000000cb3ff00000000000000000039107c2c0cb0000000000000000cb3ff0000000000000"
+                 "cb0000000000000000cb000000000000000090")
+FIXED_BYTES = [
+    (m.AddRequest(1, "cmpl-1", [1, 2, 3], _S, priority=-1, user="u", arrival_time=1.5, n=2),
+     "99aa4164645265717565737401a6636d706c2d3193010203" + _SAMPLING_HEX + "ffa175cb3ff800000000000002"),
+    (m.TokenBatch([1, 2], [5, 6], [m.Finish(1, "stop", 3, 0, 1)], m.pack_logprobs([(2, (-0.5, [6], [-0.5]))]),
+                  [(2, 16)], 7),
+     "97aa546f6b656e4261746368920102920506919801a473746f70030001a0cb00000000000000000091920293cbbfe000000000"
+     "0000910691cbbfe00000000000009192021007"),
+    (m.StepPlan(7, [m.NewRequest(1, [1, 2], 2, _S, num_computed=1)], [1], [2], [[0]], num_steps=8, forget=[3]),
+     "9ca853746570506c616e0791950192010202" + _SAMPLING_HEX + "0191019102919100089103909090c2"),
+    (m.StepTokens(7, 0, [1], [9], False, 0.25), "98aa53746570546f6b656e73070091019109c2cb3fd0000000000000c0"),
+    (m.Pong(1.0, True, False, None, 9, "", 4), "98a4506f6e67cb3ff0000000000000c3c2c009a004"),
+]
+
+
+@pytest.mark.parametrize(("msg", "wire"), FIXED_BYTES, ids=[type(msg).__name__ for msg, _ in FIXED_BYTES])
+def test_the_wire_format_is_pinned(msg: object, wire: str) -> None:
+    assert msgspec.msgpack.encode(msg).hex() == wire
+
+
+def test_a_reordered_field_fails_the_pinned_bytes() -> None:
+    """What the test above guards against: the same fields in another order encode differently."""
+
+    class Reordered(msgspec.Struct, tag="StepTokens", array_like=True):
+        plan_id: int
+        step: int
+        token_ids: list[int]  # swapped with rids
+        rids: list[int]
+        last: bool
+        busy_s: float = 0.0
+        logprobs: msgspec.Raw = m.NO_LOGPROBS
+
+    wire = dict((type(msg).__name__, hexed) for msg, hexed in FIXED_BYTES)["StepTokens"]
+    same_message = Reordered(plan_id=7, step=0, token_ids=[9], rids=[1], last=False, busy_s=0.25)
+    assert msgspec.msgpack.encode(same_message).hex() != wire
