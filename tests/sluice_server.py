@@ -78,6 +78,22 @@ class SluiceServer:
         return self.proc.returncode
 
 
+def stop_processes(procs: list[subprocess.Popen[bytes]], timeout: float = 10.0) -> list[int]:
+    """SIGTERM to each (the last started first), then wait; SIGKILL whatever is still running
+    after ``timeout``. Returns the exit statuses, in ``procs``' order."""
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    statuses = []
+    for proc in procs:
+        try:
+            statuses.append(proc.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            statuses.append(proc.wait())
+    return statuses
+
+
 @contextlib.contextmanager
 def running_server(*flags: str, log_dir: Path) -> Iterator[SluiceServer]:
     server = SluiceServer(*flags, log_dir=log_dir)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
-from sluice_server import free_port, http_status
+from sluice_server import free_port, http_status, stop_processes
 from tcp_proxy import CuttableProxy
 
 
@@ -67,16 +66,10 @@ def test_three_components_over_tcp(tmp_path: Path) -> None:
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 5
     finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                assert p.wait(timeout=10) == 0
-            finally:
-                if p.poll() is None:
-                    p.kill()
+        statuses = stop_processes(procs)
         for f in logs:
             f.close()
+    assert statuses == [0] * len(procs)
 
 
 def test_output_lost_on_a_dropped_link_ends_the_stream_with_an_error_and_serving_goes_on(tmp_path: Path) -> None:
@@ -124,14 +117,7 @@ def test_output_lost_on_a_dropped_link_ends_the_stream_with_an_error_and_serving
         assert re.search(r"^sluice_lost_output_batches_total [1-9]", metrics, re.M), metrics
         assert proxies[1].connections >= 2, "the frontend reconnected"
     finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            finally:
-                if p.poll() is None:
-                    p.kill()
+        stop_processes(procs)
         for proxy in proxies:
             proxy.close()
         for f in logs:

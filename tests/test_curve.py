@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from sluice_server import free_port, http_status
+from sluice_server import free_port, http_status, stop_processes
 from test_components_tcp import _free_port_block
 
 from protocol.config import ConfigError, FrontendConfig, SchedulerConfig, WorkerConfig
@@ -164,13 +164,6 @@ def test_refused_connections_on_the_worker_port_are_not_a_worker_lost(tmp_path: 
         scheduler_log = (tmp_path / "scheduler.log").read_text()
         assert "connection dropped" not in scheduler_log and "refused a connection on the worker port" in scheduler_log
     finally:
-        for proc in reversed(procs):
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
+        stop_processes(procs, timeout=20)
         for f in logs:
             f.close()
