@@ -195,6 +195,8 @@ class Output:
                 self.reasons[choice.index] = FinishReason.ERROR
         self.open = 0
         if self.streaming:
+            if self.backlogged:
+                self._render_backlog()  # text merged for the next write goes before the error
             self.put(error_chunk(message))
         self._complete()
 

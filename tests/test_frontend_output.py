@@ -1,0 +1,113 @@
+"""The output processor alone (no sockets): a client that keeps up gets one chunk per token; one
+that lags gets what piled up in one write, its text merged past ``COALESCE_AFTER`` chunks (never
+with logprobs); and whatever ends the response, nothing is written after ``[DONE]``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fake_scheduler import model_info
+
+from frontend.output import COALESCE_AFTER, Output, OutputProcessor
+from frontend.render import CompletionRenderer
+from frontend.tokenizer import ModelTokenizer
+from protocol.messages import AddRequest, Finish, SamplingParams, TokenBatch, pack_logprobs
+
+TOKENIZER = ModelTokenizer(model_info())
+TEXT = "The quick brown fox jumps over the lazy dog. " * 40
+
+
+def make(logprobs: int | None = None, n: int = 1) -> tuple[OutputProcessor, Output, list[int]]:
+    aborted: list[int] = []
+    processor = OutputProcessor(aborted.append)
+    request = AddRequest(10, "cmpl-x", [1, 5, 6], SamplingParams(max_tokens=4096, ignore_eos=True, logprobs=logprobs),
+                         n=n)
+    renderer = CompletionRenderer("cmpl-x", 0, "m", TOKENIZER, [1, 5, 6], False, logprobs)
+    output = Output(request, TOKENIZER, [], renderer, streaming=True, include_usage=False)
+    processor.add(output)
+    return processor, output, aborted
+
+
+def events(data: bytes) -> list[dict]:
+    return [json.loads(e[len(b"data: "):]) for e in data.split(b"\n\n") if e.startswith(b"data: {")]
+
+
+def batch(rid: int, token: int, last: bool, count: int, logprobs: bool = False) -> TokenBatch:
+    finished = [Finish(rid, "length", 3, 0, count)] if last else []
+    lp = pack_logprobs([(rid, (-1.0, [token], [-1.0]))]) if logprobs else pack_logprobs([])
+    return TokenBatch([rid], [token], finished, lp)
+
+
+def test_a_client_that_keeps_up_gets_a_chunk_per_token_and_one_that_lags_gets_the_rest_merged() -> None:
+    ids = TOKENIZER.encode_text(TEXT)
+    assert len(ids) > COALESCE_AFTER + 10
+
+    async def steady() -> list[bytes]:
+        processor, output, _ = make()
+        writes = []
+        for i, token in enumerate(ids):
+            processor.process(batch(10, token, i == len(ids) - 1, i + 1))
+            while output.buffer:
+                data = await output.take()
+                assert data is not None
+                writes.append(data)
+        assert await output.take() is None
+        return writes
+
+    async def lagging() -> list[bytes]:
+        processor, output, _ = make()
+        for i, token in enumerate(ids):
+            processor.process(batch(10, token, i == len(ids) - 1, i + 1))
+        writes = []
+        while (data := await output.take()) is not None:
+            writes.append(data)
+        return writes
+
+    steady_writes, lagging_writes = asyncio.run(steady()), asyncio.run(lagging())
+    steady_events = [e for w in steady_writes for e in events(w)]
+    assert all(len(events(w)) == 1 for w in steady_writes[:-1])  # the last write: the final chunk and [DONE]
+    assert len(steady_events) == len(ids)
+    assert len(lagging_writes) == 1, "what piled up goes out in one write"
+    lagged = events(lagging_writes[0])
+    assert len(lagged) == COALESCE_AFTER + 1  # a chunk per token, then the rest merged into the final one
+    for evs in (steady_events, lagged):
+        assert "".join(e["choices"][0]["text"] for e in evs) == TOKENIZER.decode(ids)
+        assert evs[-1]["choices"][0]["finish_reason"] == "length"
+    assert lagging_writes[0].endswith(b"data: [DONE]\n\n")
+
+
+def test_logprobs_chunks_are_never_merged() -> None:
+    ids = TOKENIZER.encode_text(TEXT)[: COALESCE_AFTER + 20]
+
+    async def run() -> bytes:
+        processor, output, _ = make(logprobs=1)
+        for i, token in enumerate(ids):
+            processor.process(batch(10, token, i == len(ids) - 1, i + 1, logprobs=True))
+        return b"".join([data async for data in _drain(output)])
+
+    evs = events(asyncio.run(run()))
+    assert len(evs) == len(ids) and all(len(e["choices"][0]["logprobs"]["tokens"]) == 1 for e in evs)
+
+
+def test_an_error_after_a_backlog_comes_after_the_merged_text_and_before_done() -> None:
+    ids = TOKENIZER.encode_text(TEXT)[: COALESCE_AFTER + 20]
+
+    async def run() -> bytes:
+        processor, output, _ = make(n=2)
+        for token in ids:
+            processor.process(TokenBatch([10], [token]))  # choice 0 lags far behind
+        processor.process(TokenBatch([], [], [Finish(11, "error", 3, 0, 0, "the worker died")]))
+        return b"".join([data async for data in _drain(output)])
+
+    data = asyncio.run(run())
+    assert data.endswith(b"data: [DONE]\n\n") and data.count(b"data: [DONE]") == 1
+    body = data[: -len(b"data: [DONE]\n\n")]
+    assert body.rstrip().endswith(b"}}") and b"the worker died" in body.rsplit(b"data: ", 1)[1]
+    texts = "".join(e["choices"][0]["text"] for e in events(body) if "choices" in e)
+    assert texts == TOKENIZER.decode(ids)
+
+
+async def _drain(output: Output):  # type: ignore[no-untyped-def]
+    while (data := await output.take()) is not None:
+        yield data
