@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib.util
 import logging
 import os
@@ -27,6 +28,7 @@ from protocol.config import (
     to_json,
 )
 from protocol.curve import CurveKeyError, CurveKeys, write_keys
+from protocol.models import unknown_model
 
 C = TypeVar("C")
 
@@ -138,6 +140,7 @@ def build_parser(env_command: str | None = None) -> argparse.ArgumentParser:
     variables (only the one being run: a bad variable must not break the other commands)."""
     parser = argparse.ArgumentParser(prog="sluice", description="Sluice LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.set_defaults(commands=sub.choices)  # each command's parser, for its own usage on errors
     # Every default shown in --help (a default that is "auto" says what auto means in the text).
     defaults = argparse.ArgumentDefaultsHelpFormatter
     serve = sub.add_parser("serve", help="run frontend, scheduler and one worker on this machine",
@@ -232,9 +235,33 @@ def _exec_component(module: str, config: object) -> None:
     os.execv(sys.executable, [sys.executable, "-m", module, "--config", to_json(config)])
 
 
+def parse(parser: argparse.ArgumentParser, given: list[str]) -> argparse.Namespace:
+    """``given`` parsed; a flag a command does not know is refused by that command's parser (its
+    usage, not the top level's), with the closest flag it has when one is close."""
+    args, extras = parser.parse_known_args(given)
+    if extras:
+        command: argparse.ArgumentParser = args.commands[args.command]
+        flags = [f for f in command._option_string_actions if f.startswith("--")]
+        unknown = next((e.split("=", 1)[0] for e in extras if e.startswith("-")), "")
+        near = difflib.get_close_matches(unknown, flags, n=1, cutoff=0.6)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        command.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+    return args
+
+
+def _check_model(model: str) -> None:
+    """``sluice serve`` loads ``--model`` on this machine: a name that cannot load is said in one
+    line now (with the closest name), rather than after three processes start to fail in the
+    worker."""
+    problem = unknown_model(model)
+    if problem is not None:
+        print(f"sluice: error: {problem}", file=sys.stderr)
+        sys.exit(1)  # as a model that fails to load: the flag itself was well formed
+
+
 def main(argv: list[str] | None = None) -> None:
     given = sys.argv[1:] if argv is None else argv
-    args = build_parser(env_command=given[0] if given else None).parse_args(given)
+    args = parse(build_parser(env_command=given[0] if given else None), given)
     if args.command in CLIENT_COMMANDS:  # clients of a server, not parts of one: no logging setup, no configs
         sys.exit(importlib.import_module(CLIENT_COMMANDS[args.command][0]).run(args))
     if args.command == "keys":
@@ -245,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level)
     try:
         if args.command == "serve":
+            _check_model(args.model)
             _check_default_model(args.model)
             from frontend.serve import serve
 

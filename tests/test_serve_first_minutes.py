@@ -42,10 +42,21 @@ def run_serve(*flags: str, env: dict[str, str] | None = None, timeout: float = 1
 def test_a_bad_model_is_one_error_line_and_exit_1() -> None:
     done = run_serve("--model", "/nowhere/model-dir")
     said = (done.stdout + done.stderr).splitlines()
-    errors = [line for line in said if "not a directory" in line]
+    errors = [line for line in said if "no such file or directory" in line]
     assert done.returncode == 1, said
     assert len(errors) == 1 and errors[0].startswith("sluice: error: "), said
     assert not any("Uvicorn running" in line or "Traceback" in line for line in said), said
+
+
+def test_a_mistyped_model_or_flag_is_answered_with_the_closest_one() -> None:
+    model = run_serve("--model", "smollm3", timeout=60)
+    assert model.returncode == 1 and model.stderr.strip().splitlines() == [
+        "sluice: error: --model smollm3: no such file or directory; did you mean 'smollm2'? (--model takes "
+        "'smollm2', 'tiny', a .gguf file, a Hugging Face-format directory or a Hugging Face Hub id)"]
+    flag = run_serve("--modle", "tiny", timeout=60)
+    last = flag.stderr.strip().splitlines()[-1]
+    assert flag.returncode == 2 and flag.stderr.startswith("usage: sluice serve "), flag.stderr[:200]
+    assert last == "sluice serve: error: unrecognized arguments: --modle tiny (did you mean --model?)"
 
 
 def test_a_port_in_use_is_one_error_line_with_a_hint_before_anything_loads() -> None:

@@ -116,7 +116,7 @@ def test_a_model_that_cannot_load_is_reported_then_exit_1(tmp_path: Path, schedu
     s = scheduler_for(model=str(tmp_path / "nowhere"), num_kv_blocks=4)
     failed = s.receive()
     assert isinstance(failed, WorkerFailed) and failed.rank == 0
-    assert "nowhere: not a directory" in failed.message and "\n" not in failed.message
+    assert "nowhere: no such file or directory" in failed.message and "\n" not in failed.message
     assert s.proc.wait(timeout=60) == 1
 
 

