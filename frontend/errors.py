@@ -65,9 +65,13 @@ def from_decode_error(e: msgspec.DecodeError) -> APIError:
     text = str(e)
     if isinstance(e, msgspec.ValidationError):
         unknown = _UNKNOWN.search(text)
-        if unknown and text.endswith("`"):  # no " - at `$.…`": a top-level field, OpenAI's wording
+        if unknown and " - at `$" not in text:  # a top-level field: OpenAI's wording
             return APIError(400, f"Unrecognized request argument supplied: {unknown.group(1)}",
                             param=unknown.group(1), code="unknown_field")
+        if unknown:  # inside an object (a chat message): the whole path names it
+            where = text.rsplit(" - at `$.", 1)[1].rstrip("`")
+            return APIError(400, f"Unrecognized field `{unknown.group(1)}` in {where}",
+                            param=f"{where}.{unknown.group(1)}", code="unknown_field")
         m = _PATH.search(text) or _MISSING.search(text) or unknown
         return bad_request(text, param=m.group(1) if m else None)
     return bad_request(f"request body is not valid JSON: {text}")

@@ -22,7 +22,14 @@ from starlette.responses import Response
 from frontend.errors import APIError, bad_request
 from frontend.output import Output
 from frontend.render import ChatRenderer, CompletionRenderer, Renderer
-from frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, decode, message_text
+from frontend.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    decode,
+    message_text,
+    unsupported_message_fields,
+)
 from frontend.sse import StreamResponse, collect
 from frontend.state import AppState
 from frontend.tokenizer import ChatTemplateError, ModelTokenizer, PromptTooLong
@@ -221,6 +228,10 @@ def _check_unsupported_chat_fields(body: ChatCompletionRequest) -> None:
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise bad_request("response_format other than text (JSON mode, structured outputs) is not supported",
                           "response_format")
+    unsupported = unsupported_message_fields(body.messages)
+    if unsupported is not None:
+        param, message = unsupported
+        raise bad_request(message, param)
 
 
 async def chat_completions(request: Request) -> Response | StreamResponse:

@@ -85,10 +85,36 @@ class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True
     best_of: Annotated[int, Meta(ge=1, le=1)] | None = None  # OpenAI's; only 1 (the default) is served
 
 
-class ChatMessage(msgspec.Struct):
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """A field Sluice cannot render is refused naming it, never dropped: an assistant turn whose
+    tool call vanished would be an empty turn, and the model's answer nonsense."""
+
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # OpenAI's tool-calling fields: known, so refused by name (``unsupported_message_fields``).
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    refusal: str | None = None
+
+
+def unsupported_message_fields(messages: list[ChatMessage]) -> tuple[str, str] | None:
+    """(param, message) for the first message Sluice cannot render as asked: a role other than
+    ``CHAT_ROLES``, or a tool call or tool result (tool calling is not supported yet)."""
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if m.role in ("tool", "function"):
+            return f"{where}.role", f"{where}: role {m.role!r} (a tool's result) is not supported: tool calling is not"
+        if m.role not in CHAT_ROLES:
+            return f"{where}.role", f"{where}: unknown role {m.role!r}; expected one of {', '.join(CHAT_ROLES)}"
+        for field in ("tool_calls", "tool_call_id", "function_call"):
+            if getattr(m, field) is not None:
+                return f"{where}.{field}", f"{where}.{field} is not supported: tool calling is not"
+    return None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):

@@ -18,7 +18,13 @@ from starlette.responses import Response
 
 from frontend.errors import bad_request
 from frontend.openai_api import _check_model, _check_token_ids, _tokenize
-from frontend.schemas import DetokenizeRequest, TokenizeRequest, decode, message_text
+from frontend.schemas import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    decode,
+    message_text,
+    unsupported_message_fields,
+)
 from frontend.state import AppState
 from frontend.tokenizer import ChatTemplateError
 
@@ -39,6 +45,9 @@ async def tokenize(request: Request) -> Response:
             tokens = await _tokenize(len(body.prompt), tokenizer.encode_text, body.prompt)
     else:
         assert body.messages is not None
+        unsupported = unsupported_message_fields(body.messages)
+        if unsupported is not None:
+            raise bad_request(unsupported[1], unsupported[0])
         try:
             messages = [{"role": m.role, "content": message_text(m)} for m in body.messages]
             size = sum(len(m["role"]) + len(m["content"]) for m in messages)

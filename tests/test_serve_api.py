@@ -154,6 +154,17 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "no role"}]}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hello"}, 400, "messages"),
+    # Never half-accepted: a field or role the template cannot render is named, not dropped.
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "human", "content": "hi"}]}, 400,
+     "messages[0].role"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, 400, "messages[1].tool_calls"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x", "colour": "red"}]},
+     400, "messages[0].colour"),
+    ("/tokenize", {"model": "tiny", "messages": [{"role": "human", "content": "hi"}]}, 400, "messages[0].role"),
     ("/v1/nothing-here", {}, 404, None),
 ]
 
