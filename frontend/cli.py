@@ -92,6 +92,10 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        help="KV cache size, e.g. 2GiB (default: auto: 90%% of free GPU memory less 1 GiB on CUDA; on "
                             "a CPU twice the weights' bytes, at least 256 MiB, at most a quarter of RAM)" + SAYS_DEFAULT)
         p.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output (default: model's)" + SAYS_DEFAULT)
+        p.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+                       help="auto: the model's sampling defaults (its generation_config.json; the built-in "
+                            "smollm2: its model card's temperature 0.2, top-p 0.9) apply to requests that do not "
+                            "set them; none: OpenAI's (temperature 1)")
         p.add_argument("--worker-threads", type=int, default=0,
                        help="CPU threads of the worker's forward pass (default 0: every core for models of "
                             "50M+ parameters, one core fewer for smaller ones; OMP_NUM_THREADS, when set, wins)")

@@ -96,23 +96,25 @@ def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})",
                           "min_tokens")
+    defaults = model.sampling_defaults
+    top_k = int(body.sampling_field("top_k", defaults))
     stop_ids = list(dict.fromkeys(body.stop_token_ids or []))
     _check_token_ids(stop_ids, model.vocab_size, "stop_token_ids")
     logit_bias = _logit_bias(body.logit_bias or {}, model.vocab_size)
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
+        temperature=body.sampling_field("temperature", defaults),
+        top_p=body.sampling_field("top_p", defaults),
         # top_k >= vocab keeps every token, as 0 does; sent as is, 2**63 killed the worker
         # (torch.tensor overflow) on every restart that recomputed it.
-        top_k=body.top_k if 0 < body.top_k < model.vocab_size else 0,
+        top_k=top_k if 0 < top_k < model.vocab_size else 0,
         min_tokens=body.min_tokens,
         seed=body.seed,
         stop_token_ids=stop_ids,
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
-        min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty,
+        min_p=body.sampling_field("min_p", defaults),
+        repetition_penalty=body.sampling_field("repetition_penalty", defaults),
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         logit_bias=logit_bias,

@@ -30,6 +30,9 @@ MAX_USER_CHARS = 256  # `user` travels with the request to the scheduler and int
 
 T = TypeVar("T")
 
+# OpenAI's defaults (vLLM's for its extensions), where neither the request nor the model says.
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 TokenId = Annotated[int, Meta(ge=0)]
@@ -49,9 +52,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     max_tokens: PositiveInt | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: Annotated[int, Meta(ge=-1)] = 0  # -1, 0 and the vocabulary size or more all mean off
+    # Sampling fields left unset (None) take the model's defaults, else OpenAI's (``SAMPLING_DEFAULTS``).
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None  # -1, 0 and the vocabulary size or more all mean off
     min_tokens: NonNegInt = 0
     seed: Seed | None = None
     stop: str | Annotated[list[str], Meta(max_length=MAX_STOP)] | None = None
@@ -64,12 +68,19 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     user: Annotated[str, Meta(max_length=MAX_USER_CHARS)] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0  # vLLM's extension
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0  # vLLM's extension
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None  # vLLM's extension
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None  # vLLM's extension
     logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]],
                           Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     # vLLM's extension: also return the prompt's and the output's token ids.
     return_token_ids: bool = False
+
+    def sampling_field(self, name: str, model_defaults: dict[str, float]) -> float:
+        """A sampling field as set by the request, else the model's default, else OpenAI's."""
+        value = getattr(self, name)
+        if value is not None:
+            return float(value)
+        return model_defaults.get(name, SAMPLING_DEFAULTS[name])
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

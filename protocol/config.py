@@ -125,6 +125,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     served_model_name: str | None = None
     worker_threads: int = 0  # CPU threads of the forward pass; 0: chosen from the cores and the model
+    generation_config: str = "auto"  # auto: the model's sampling defaults apply; none: OpenAI's
     tensor_parallel_size: int = 1
     rank: int = 0
     curve_keys: str | None = None
@@ -142,6 +143,8 @@ class WorkerConfig:
         if self.tensor_parallel_size > 1:
             # The flag and the per-rank wiring exist; sharded layers and a plan fan-out do not yet.
             raise ConfigError("--tensor-parallel-size > 1 is not supported yet; use 1")
+        if self.generation_config not in ("auto", "none"):
+            raise ConfigError("--generation-config must be auto or none")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError("--dtype must be auto, float32, bfloat16 or float16")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

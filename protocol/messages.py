@@ -245,6 +245,10 @@ class ModelInfo(msgspec.Struct, frozen=True):
     add_bos_token: bool
     num_kv_blocks: int
     block_size: int
+    # The model's own sampling defaults (its generation config), applied to a request's fields it
+    # does not set; and where they come from, for the logs.
+    sampling_defaults: dict[str, float] = {}
+    sampling_defaults_from: str = ""
 
 
 class EngineReady(msgspec.Struct, tag=True, array_like=True):

@@ -53,6 +53,8 @@ def test_sluice_loads_the_directory_as_the_gguf_file(converted: Path, from_gguf:
         p.name: 0o666 & ~mask for p in converted.iterdir()}  # the weights too, not just the json
     assert (a.eos_token_ids, a.bos_token_id, a.add_bos_token, a.chat_template, a.vocab_size, a.max_model_len) == (
         b.eos_token_ids, b.bos_token_id, b.add_bos_token, b.chat_template, b.vocab_size, b.max_model_len)
+    # The model card's sampling defaults travel in generation_config.json: the same as the file's.
+    assert a.sampling_defaults == b.sampling_defaults == {"temperature": 0.2, "top_p": 0.9}
     dir_tok, gguf_tok = Tokenizer.from_str(a.tokenizer_json), Tokenizer.from_str(b.tokenizer_json)
     for text in TEXTS:
         assert dir_tok.encode(text).ids == gguf_tok.encode(text).ids, text

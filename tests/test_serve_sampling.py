@@ -4,11 +4,16 @@ what is generated the way they should, seeded requests repeat, bad values are Op
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from sluice_server import SluiceServer, running_server
+
+from worker.tiny import materialize_tiny
 
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 
@@ -90,3 +95,31 @@ def test_logit_bias_keys_that_are_not_plain_token_ids_are_400s(server: SluiceSer
         error = r.json()["error"]
         assert error["param"] == "logit_bias" and error["type"] == "invalid_request_error", (key[:30], error)
     assert _ids(server.url, max_tokens=2, logit_bias={"077": 100}) == [77, 77]
+
+
+def test_the_models_sampling_defaults_apply_to_requests_that_leave_them_unset(tmp_path: Path) -> None:
+    """A generation_config.json with temperature 0: a request that sets no temperature is greedy
+    (the same text as an explicit temperature 0), one that sets 1.5 samples; with
+    --generation-config none, OpenAI's default (temperature 1) applies again. Start-up says
+    which defaults apply."""
+    model = tmp_path / "greedy-tiny"
+    shutil.copytree(materialize_tiny(), model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(config | {"temperature": 0.0}))
+    body = {"prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True}
+    with running_server("--model", str(model), "--num-kv-blocks", "64", log_dir=tmp_path) as server:
+        def text(**extra: object) -> str:
+            r = httpx.post(f"{server.url}/v1/completions", json=body | extra, timeout=60)
+            assert r.status_code == 200, r.text
+            return str(r.json()["choices"][0]["text"])
+
+        greedy = text(temperature=0)
+        assert text() == text() == greedy
+        assert len({text(temperature=1.5, seed=s) for s in range(4)} - {greedy}) >= 1
+        assert f"sampling defaults from {model / 'generation_config.json'}: temperature 0" in server.log()
+    with running_server("--model", str(model), "--num-kv-blocks", "64", "--generation-config", "none",
+                        log_dir=tmp_path) as server:
+        samples = {httpx.post(f"{server.url}/v1/completions", json=body | {"seed": s}, timeout=60)
+                   .json()["choices"][0]["text"] for s in range(4)}
+        assert samples != {greedy}, "OpenAI's default temperature 1 samples"
+        assert "sampling defaults from" not in server.log()

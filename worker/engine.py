@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
+
 from protocol.config import WorkerConfig
 from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
 from worker import cpu_matmul
@@ -25,6 +27,7 @@ from worker.loader import (
 from worker.model_config import LlamaConfig
 from worker.model_info import build_gguf_model_info, build_model_info
 from worker.runner import ModelRunner
+from worker.sampling_defaults import sampling_defaults
 
 log = logging.getLogger("sluice.worker")
 
@@ -67,6 +70,11 @@ class Worker:
         else:
             self.info = build_model_info(source, cfg, name=name, max_model_len=self.max_model_len,
                                          num_kv_blocks=num_blocks, block_size=config.block_size)
+        defaults, origin = sampling_defaults(config.model, source, config.generation_config)
+        if defaults:
+            self.info = msgspec.structs.replace(self.info, sampling_defaults=defaults, sampling_defaults_from=origin)
+            log.info("sampling defaults from %s: %s (a request's own values win; --generation-config none for "
+                     "OpenAI's)", origin, ", ".join(f"{k} {v:g}" for k, v in defaults.items()))
         # The host-copy buffer is sized for the most rows a step can have.
         self.runner = ModelRunner(model, cache, self.device, self.max_model_len, self.info.eos_token_ids,
                                   config.max_num_seqs)

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.loader import DTYPES, load_model, resolve_model_dir
 from worker.model_config import LlamaConfig, ModelLoadError
+from worker.sampling_defaults import sampling_defaults
 
 
 def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -70,8 +71,10 @@ def tokenizer_config(ckpt: GGUFCheckpoint) -> dict[str, Any]:
     return out
 
 
-def convert(source: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> None:
-    """Write ``source`` (a GGUF file) to ``out_dir`` (created; must not hold files already)."""
+def convert(source: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
+            sampling: dict[str, float] | None = None) -> None:
+    """Write ``source`` (a GGUF file) to ``out_dir`` (created; must not hold files already);
+    ``sampling``: the model's sampling defaults, for its generation_config.json."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ModelLoadError(f"{out_dir}: exists and is not an empty directory")
     ckpt = GGUFCheckpoint(source)
@@ -85,7 +88,8 @@ def convert(source: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> 
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out_dir / "config.json", hf_config(cfg, dtype))
     _write_json(out_dir / "generation_config.json",
-                {"bos_token_id": cfg.bos_token_id, "eos_token_id": hf_config(cfg, dtype)["eos_token_id"]})
+                {"bos_token_id": cfg.bos_token_id, "eos_token_id": hf_config(cfg, dtype)["eos_token_id"]}
+                | (sampling or {}))
     (out_dir / "tokenizer.json").write_text(tokenizer.to_str())
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config(ckpt))
     _as_umask_allows(out_dir)
@@ -115,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         source = resolve_model_dir(args.source)
         if not source.is_file():
             raise ModelLoadError(f"{source}: not a GGUF file")
-        convert(source, args.out_dir, DTYPES[args.dtype])
+        # The built-in SmolLM2's defaults come with it, so the directory serves as the file does.
+        convert(source, args.out_dir, DTYPES[args.dtype], sampling_defaults(args.source, source, "auto")[0])
     except ModelLoadError as e:
         print(f"sluice convert: error: {e}", file=sys.stderr)
         return 1
