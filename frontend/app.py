@@ -20,7 +20,7 @@ from frontend import admin, openai_api, tokenize_api
 from frontend.body_limit import BodyLimit
 from frontend.engine_client import EngineClient
 from frontend.errors import APIError
-from frontend.sse import StallWatchdog
+from frontend.sse import StreamWatchdog
 from frontend.state import AppState
 from protocol.config import FrontendConfig
 from protocol.curve import CurveKeys
@@ -91,7 +91,7 @@ def build_app(config: FrontendConfig, client: EngineClient | None = None) -> Sta
     engine = client or EngineClient(config.address, CurveKeys.load(config.curve_keys, server=False))
     state = AppState(config, engine)
 
-    watchdog = StallWatchdog(lambda: (h.output for h in engine.handles), config.client_stall_timeout)
+    watchdog = StreamWatchdog(lambda: (h.output for h in engine.handles), config.client_stall_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

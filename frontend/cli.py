@@ -126,6 +126,9 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
         p.add_argument("--max-worker-restarts", type=int, default=3,
                        help="worker losses survived: each time, live requests are recomputed on the restarted "
                             "worker and their streams continue; past this, they end with an error")
+        p.add_argument("--worker-restart-wait", type=float, default=60.0,
+                       help="seconds live requests wait for a lost worker to come back (their streams stay open, "
+                            "with keep-alive comments); then they end with an error")
         _bool_flag(p, "--enable-prefix-caching", True, "reuse KV blocks of identical prompt prefixes")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="what the processes log (debug also logs each HTTP request)")

@@ -96,6 +96,8 @@ class Output:
         self.done = asyncio.Event()
         self._waiter: asyncio.Future[None] | None = None
         self.write_started = 0.0  # monotonic start of a write still in progress; 0 when none
+        self.last_write = 0.0  # monotonic end of the last write (0: the headers are not out yet)
+        self.produced = False  # a token was rendered (a stream with none may still get a plain error)
         self.writer: asyncio.Task[Any] | None = None  # the task writing it (the stall watchdog cancels it)
         self.stalled = False  # dropped by the stall watchdog
         self.gone = False  # the client hung up
@@ -148,6 +150,7 @@ class Output:
 
     def emit(self, choice: Choice, text: str, token_id: int, logprob: Logprob) -> None:
         """One token of ``choice`` that does not end it."""
+        self.produced = True
         if not self.streaming:
             choice.parts.append(text)
             choice.token_ids.append(token_id)
@@ -166,6 +169,7 @@ class Output:
 
     def end(self, choice: Choice, text: str, token_ids: list[int], logprobs: list[Logprob], reason: str) -> None:
         """``choice`` ends with ``text`` (and the tokens it came from, if any)."""
+        self.produced = True
         choice.ended = True
         self.reasons[choice.index] = reason
         self.open -= 1

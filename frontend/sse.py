@@ -7,12 +7,16 @@ lifetime is one ``RequestHandle`` around the whole response, from before the hea
 however the response ends (finished, client gone before or after the first chunk, a send that
 raises, a stalled client dropped), leaving the handle aborts what still runs in the scheduler.
 
+A stream's headers wait up to ``HEADERS_WAIT_S`` for its first output, so a request the engine
+refuses at once (no worker) gets a 503 like any other request, not a 200 and an error event.
+
 Uvicorn applies flow control: when a client stops reading, the socket buffers fill and the next
 write waits. So a stalled stream never makes the frontend buffer its output without bound (its
 text is merged into one pending chunk, see ``Output.emit``), and other streams are not slowed. A
 write that stays blocked for ``--client-stall-timeout`` seconds means the client is gone in all
-but name: ``StallWatchdog`` (one task for all streams, instead of a timer around every write)
-cancels that writer, which closes the connection and aborts the request.
+but name: ``StreamWatchdog`` (one task for all streams, instead of a timer around every write)
+cancels that writer, which closes the connection and aborts the request. It also sends a
+keep-alive comment on a stream silent for ``KEEPALIVE_S``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ log = logging.getLogger("sluice.frontend")
 # here on purpose (already logged as such), that line would only mislead.
 INCOMPLETE = "ASGI callable returned without completing response."
 WATCHDOG_INTERVAL_S = 1.0
+HEADERS_WAIT_S = 1.0  # a stream's headers wait this long for its first output (a refusal is a 503)
+KEEPALIVE_S = 5.0  # a stream silent this long gets an SSE comment: proxies (nginx: 60 s) keep it open
+KEEPALIVE = b": keep-alive\n\n"
 
 
 class _ExpectedIncomplete(logging.Filter):
@@ -72,11 +79,20 @@ class StreamResponse:
         write = scope.get("sluice.send", send)  # the server's own (``app.SluiceApp``)
         try:
             async with self.handle:
+                first = await self._first_output(output)
+                if output.error is not None and not output.produced:
+                    # The engine refused it before any token (no worker, a failure): a plain 503,
+                    # as a request that does not stream gets, rather than a stream of one error.
+                    await APIError(503, output.error, code="engine_error").response()(scope, receive, send)
+                    return
                 await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-                while (data := await output.take()) is not None:
+                data = first
+                while data is not None:
                     output.write_started = time.monotonic()
                     await write({"type": "http.response.body", "body": data, "more_body": True})
+                    output.last_write = output.write_started
                     output.write_started = 0.0
+                    data = await output.take()
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not output.stalled:
@@ -88,6 +104,20 @@ class StreamResponse:
                 task.uncancel()
         finally:
             watcher.cancel()
+
+
+    @staticmethod
+    async def _first_output(output: Output) -> bytes | None:
+        """The first bytes to write, if they come within ``HEADERS_WAIT_S``: headers wait that
+        long for them, so a request the engine refuses at once gets a status that says so."""
+        waiting = asyncio.ensure_future(output.take())
+        done, _ = await asyncio.wait([waiting], timeout=HEADERS_WAIT_S)
+        if done:
+            return waiting.result()
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        return b""  # nothing yet: headers now, output as it comes
 
 
 async def collect(handle: RequestHandle, receive: Receive) -> Output:
@@ -109,9 +139,12 @@ async def collect(handle: RequestHandle, receive: Receive) -> Output:
     return output
 
 
-class StallWatchdog:
-    """Drops streams whose write has been blocked for ``timeout`` seconds: checks every second,
-    so a stalled client is dropped between ``timeout`` and ``timeout + 1`` seconds in."""
+class StreamWatchdog:
+    """Looks at every stream once a second: drops one whose write has been blocked for
+    ``timeout`` seconds (between ``timeout`` and ``timeout + 1`` seconds in), and gives one that
+    has been silent for ``KEEPALIVE_S`` an SSE comment (clients ignore it; proxies that close idle
+    connections see traffic) — while a request waits in a long queue, a paused one, or one whose
+    worker is being restarted."""
 
     def __init__(self, outputs: Callable[[], Iterable[Output]], timeout: float) -> None:
         self._outputs = outputs
@@ -124,9 +157,15 @@ class StallWatchdog:
 
     def check(self, now: float) -> None:
         for output in list(self._outputs()):
+            if output.writer is None or output.stalled:
+                continue  # not a stream being written
             started = output.write_started
-            if started and now - started > self.timeout and output.writer is not None and not output.stalled:
+            if started and now - started > self.timeout:
                 log.warning("a client read nothing for %.0f s: stream dropped, request aborted", self.timeout)
                 output.stalled = True
                 _expected.pending += 1
                 output.writer.cancel()
+            elif (not started and output.last_write and now - output.last_write >= KEEPALIVE_S
+                  and not output.buffer and not output.closed):
+                output.last_write = now
+                output.put(KEEPALIVE)

@@ -61,6 +61,8 @@ class SchedulerConfig:
     # Worker losses survived (live requests recomputed on the restarted worker); past this many,
     # requests end with an error. ``sluice serve`` restarts its worker as often.
     max_worker_restarts: int = 3
+    # How long live requests wait for a lost worker to come back before they end with an error.
+    worker_restart_wait: float = 60.0
     tensor_parallel_size: int = 1
     curve_keys: str | None = None  # a `sluice keys` directory: CurveZMQ on the links
     insecure_zmq: bool = False  # allow plain ZeroMQ on a non-loopback address
@@ -77,6 +79,8 @@ class SchedulerConfig:
                                   f"positive integer, got {n!r}")
         _positive("--max-num-batched-tokens", self.max_num_batched_tokens)
         _positive("--min-concurrent-prefills", self.min_concurrent_prefills)
+        if self.worker_restart_wait <= 0:
+            raise ConfigError("--worker-restart-wait must be > 0 seconds")
         if self.max_worker_restarts < 0:
             raise ConfigError("--max-worker-restarts must be >= 0")
         _positive("--num-scheduler-steps", self.num_scheduler_steps)

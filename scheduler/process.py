@@ -103,7 +103,7 @@ class SchedulerProcess:
         self.worker_codec = scheduler_worker_codec()
         self.core: Scheduler | None = None
         self.model: ModelInfo | None = None
-        self.workers = Workers(config.tensor_parallel_size, config.max_worker_restarts)
+        self.workers = Workers(config.tensor_parallel_size, config.max_worker_restarts, config.worker_restart_wait)
         self.frontends = Frontends(self.to_frontend, self.frontend_codec)
         self.internal_errors = 0
         self.malformed_frames = 0
@@ -326,6 +326,10 @@ class SchedulerProcess:
         if self.core is None or self.workers.failure is not None:
             reason = (self.workers.failure
                       or "the engine is not ready yet (a scheduler that just started waits for its workers)")
+        elif self.workers.outage is not None:
+            # Live requests wait for the worker to come back; a new one is refused now (503),
+            # rather than wait in silence for a worker that may not come.
+            reason = f"no worker: {self.workers.outage}; retry when /ready answers 200"
         elif any(rid in self.frontends.owner for rid in rids):
             reason = f"duplicate request rid {msg.rid}"
         if reason is not None:

@@ -1,7 +1,7 @@
 """The workers as the scheduler knows them, and the engine state that follows from them.
 
     STARTING ──every rank ready──▶ SERVING ──a rank lost──▶ OUTAGE ──every rank ready──▶ SERVING
-    OUTAGE ──no worker back within WORKER_RESTART_WAIT_S──▶ FAILED
+    OUTAGE ──no worker back within --worker-restart-wait──▶ FAILED
     SERVING ──a crash past --max-worker-restarts──▶ FAILED
     STARTING ──a rank fails to load──▶ FAILED
 
@@ -29,17 +29,16 @@ log = logging.getLogger("sluice.scheduler")
 
 WORKER_TIMEOUT_S = 5.0
 ANNOUNCE_INTERVAL_S = 1.0  # how often an unknown worker is asked to announce itself
-# How long live requests wait for a lost worker to come back before they end with an error.
-WORKER_RESTART_WAIT_S = 60.0
 REFUSED_LOG_INTERVAL_S = 10.0  # a port scan must not flood the log
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class Workers:
-    def __init__(self, tensor_parallel_size: int, max_worker_restarts: int) -> None:
+    def __init__(self, tensor_parallel_size: int, max_worker_restarts: int, restart_wait_s: float = 60.0) -> None:
         self.size = tensor_parallel_size
         self.max_restarts = max_worker_restarts
+        self.restart_wait_s = restart_wait_s  # how long live requests wait for a lost worker
         self.ready: dict[int, ModelInfo] = {}
         self.last_seen: dict[int, float] = {}
         self.was_ready = False  # a worker has been ready once: later failures are not start-up failures
@@ -122,11 +121,11 @@ class Workers:
         self.outage = f"worker lost ({reason}); waiting for it to restart"
         self.outage_since = time.monotonic()
         if crashed:
-            log.error("worker lost: %s. %d live requests will be recomputed once a worker is back (loss %d of "
-                      "at most %d)", reason, live, self.crashes, self.max_restarts)
+            log.error("worker lost: %s. %d live requests will be recomputed once a worker is back within %g s "
+                      "(loss %d of at most %d)", reason, live, self.restart_wait_s, self.crashes, self.max_restarts)
         else:
             log.log(logging.WARNING if live else logging.INFO, "%s; %d live requests will be recomputed once a "
-                    "worker is back (within %.0f s)", reason, live, WORKER_RESTART_WAIT_S)
+                    "worker is back (within %.0f s)", reason, live, self.restart_wait_s)
 
     def silent(self) -> str | None:
         """A rank that sent nothing for ``WORKER_TIMEOUT_S`` (hung): the loss, if one did."""
@@ -135,10 +134,10 @@ class Workers:
         return None
 
     def outage_expired(self) -> str | None:
-        """No worker came back within ``WORKER_RESTART_WAIT_S``: the failure to declare, if so."""
-        if self.outage is not None and time.monotonic() - self.outage_since > WORKER_RESTART_WAIT_S:
+        """No worker came back within ``--worker-restart-wait``: the failure to declare, if so."""
+        if self.outage is not None and time.monotonic() - self.outage_since > self.restart_wait_s:
             outage, self.outage = self.outage, None
-            return f"{outage}; no worker came back within {WORKER_RESTART_WAIT_S:.0f} s"
+            return f"{outage}; no worker came back within {self.restart_wait_s:g} s (--worker-restart-wait)"
         return None
 
     def fail(self, reason: str) -> bool:

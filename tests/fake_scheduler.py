@@ -13,7 +13,18 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from protocol.messages import EngineReady, FrontendMessage, ModelInfo, Ping, Pong, TokenBatch, new_epoch
+from protocol.messages import (
+    AddRequest,
+    EngineReady,
+    Finish,
+    FinishReason,
+    FrontendMessage,
+    ModelInfo,
+    Ping,
+    Pong,
+    TokenBatch,
+    new_epoch,
+)
 from protocol.transport import Endpoints, make_socket, scheduler_frontend_codec
 from worker.tiny import build_byte_level_tokenizer
 
@@ -36,6 +47,7 @@ class FakeScheduler:
         self.received: list[FrontendMessage] = []
         self.frontend: bytes | None = None
         self.answer_pings = True
+        self.refuse_adds: str | None = None  # an error every AddRequest is answered with
         self.epoch = new_epoch()
         self.seq = 0
         self._arrived = asyncio.Event()
@@ -67,6 +79,9 @@ class FakeScheduler:
                 continue
             self.received.append(msg)
             self._arrived.set()
+            if self.refuse_adds is not None and isinstance(msg, AddRequest):
+                await self.send(TokenBatch([], [], [Finish(msg.rid + i, FinishReason.ERROR, 0, 0, 0, self.refuse_adds)
+                                                    for i in range(msg.n)]))
 
     async def _send(self, msg: object) -> None:
         assert self.frontend is not None

@@ -249,20 +249,7 @@ async def test_a_client_gone_before_the_first_chunk_has_its_request_aborted(tmp_
     aborted all the same — not run on to ``max_tokens`` for nobody."""
     async with connected(tmp_path) as (client, scheduler):
         app = build_app(FrontendConfig(address=f"ipc://{tmp_path}/engine"), client)
-        body = json.dumps({"prompt": "Hello", "max_tokens": 500, "stream": True}).encode()
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
-                                                                 (b"content-length", str(len(body)).encode())],
-                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {}, "app": app}
-        messages = [{"type": "http.request", "body": body, "more_body": False}]
-        hang_up = asyncio.Event()
-
-        async def receive() -> dict[str, object]:
-            if messages:
-                return messages.pop(0)
-            await hang_up.wait()
-            return {"type": "http.disconnect"}
+        scope, receive = _asgi_post(app, {"prompt": "Hello", "max_tokens": 500, "stream": True})
 
         async def send(message: dict[str, object]) -> None:
             raise OSError("the client has gone")
@@ -272,6 +259,45 @@ async def test_a_client_gone_before_the_first_chunk_has_its_request_aborted(tmp_
         (add,) = await scheduler.wait_for(AddRequest)
         (abort,) = await scheduler.wait_for(AbortRequest)
         assert abort.rid == add.rid and client.num_live == 0
+
+
+async def test_a_stream_the_engine_refuses_at_once_gets_a_503(tmp_path: Path) -> None:
+    """No worker (it is being restarted): the scheduler refuses a new request at once. A stream's
+    headers wait a moment for its first output, so the client gets a 503 it can retry on, as a
+    request that does not stream does — not a 200 and an error event."""
+    async with connected(tmp_path) as (client, scheduler):
+        scheduler.refuse_adds = "no worker: worker lost (test); retry when /ready answers 200"
+        app = build_app(FrontendConfig(address=f"ipc://{tmp_path}/engine"), client)
+        sent: list[dict[str, object]] = []
+
+        async def send(message: dict[str, object]) -> None:
+            sent.append(message)
+
+        for stream in (True, False):
+            sent.clear()
+            await app(*_asgi_post(app, {"prompt": "Hello", "max_tokens": 5, "stream": stream}), send)
+            assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 503, sent[:1]
+            body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))  # type: ignore[misc]
+            assert body["error"]["code"] == "engine_error" and "no worker" in body["error"]["message"]
+        assert client.num_live == 0
+
+
+def _asgi_post(app: object, body: dict[str, object]) -> tuple[dict[str, object], object]:
+    data = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                                             (b"content-length", str(len(data)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {}, "app": app}
+    messages = [{"type": "http.request", "body": data, "more_body": False}]
+
+    async def receive() -> dict[str, object]:
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()  # the client stays
+        return {"type": "http.disconnect"}
+
+    return scope, receive
 
 
 logging.getLogger("sluice.frontend").setLevel(logging.INFO)

@@ -11,6 +11,7 @@ from fake_scheduler import model_info
 
 from frontend.output import COALESCE_AFTER, Output, OutputProcessor
 from frontend.render import CompletionRenderer
+from frontend.sse import KEEPALIVE, KEEPALIVE_S, StreamWatchdog
 from frontend.tokenizer import ModelTokenizer
 from protocol.messages import AddRequest, Finish, SamplingParams, TokenBatch, pack_logprobs
 
@@ -111,3 +112,26 @@ def test_an_error_after_a_backlog_comes_after_the_merged_text_and_before_done() 
 async def _drain(output: Output):  # type: ignore[no-untyped-def]
     while (data := await output.take()) is not None:
         yield data
+
+
+def test_the_watchdog_keeps_a_silent_stream_alive_and_drops_a_stalled_one() -> None:
+    async def run() -> None:
+        _, quiet, _ = make()
+        _, stalled, _ = make()
+        never = asyncio.get_running_loop().create_future()
+        quiet.writer = asyncio.ensure_future(never)
+        stalled.writer = asyncio.ensure_future(asyncio.sleep(60))
+        watchdog = StreamWatchdog(lambda: [quiet, stalled], timeout=30)
+        quiet.last_write = 100.0  # its last write, 4 then 6 seconds before the checks
+        stalled.write_started = 100.0  # a write blocked since then
+        watchdog.check(100.0 + KEEPALIVE_S - 1)
+        assert quiet.buffer == [] and not stalled.stalled
+        watchdog.check(100.0 + KEEPALIVE_S + 1)
+        assert quiet.buffer == [KEEPALIVE], "a comment every KEEPALIVE_S of silence"
+        watchdog.check(100.0 + 31)
+        assert stalled.stalled and quiet.buffer == [KEEPALIVE]
+        await asyncio.sleep(0)
+        assert stalled.writer.cancelled()
+        quiet.writer.cancel()
+
+    asyncio.run(run())

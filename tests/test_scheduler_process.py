@@ -4,6 +4,7 @@ message ends that message's request with an error, is counted, and the process s
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from protocol.messages import (
     StepTokens,
     TokenBatch,
     WorkerReady,
+    WorkerStopping,
 )
 from protocol.transport import (
     Endpoints,
@@ -167,5 +169,38 @@ def test_a_failure_while_applying_tokens_sends_what_was_done_and_a_clean_core_go
         while not isinstance(plan := worker_codec().decode(worker_inbox.recv()), StepPlan) or 3 not in plan.rids:
             pass
         assert scheduler.core is not None and set(scheduler.core.requests) == {3} and scheduler.internal_errors == 1
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_request_that_arrives_while_the_worker_is_gone_is_refused_at_once(scheduler: SchedulerProcess,
+                                                                              tmp_path: Path) -> None:
+    """Live requests wait for a lost worker to come back; a new one is refused at once (the
+    frontend answers 503) rather than wait in silence for a worker that may never come."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    ep = Endpoints.from_base(f"ipc://{tmp_path}/sched")
+    identity = frontend_identity(13)
+    push = make_socket(ctx, zmq.DEALER, ep.frontend_to_scheduler, bind=False, identity=identity)
+    pull = make_socket(ctx, zmq.DEALER, ep.scheduler_to_frontend, bind=False, identity=identity)
+    worker_outbox = make_socket(ctx, zmq.PUSH, ep.worker_to_scheduler, bind=False)
+    pull.setsockopt(zmq.RCVTIMEO, 10_000)
+    send, decode = scheduler_frontend_codec().encode, frontend_codec().decode
+    try:
+        push.send(send(Ping(0.0)))
+        while not isinstance(decode(pull.recv()), Pong):
+            pass
+        worker_outbox.send(scheduler_worker_codec().encode(WorkerStopping(0)))
+        pong = None
+        while pong is None or pong.workers_alive:
+            push.send(send(Ping(0.0)))
+            if isinstance(msg := decode(pull.recv()), Pong):
+                pong = msg
+        assert "told to stop" in pong.unhealthy_reason
+        started = time.monotonic()
+        push.send(send(AddRequest(21, "r21", [5, 6, 7], SamplingParams(max_tokens=4), n=2)))
+        while not isinstance(msg := decode(pull.recv()), TokenBatch):
+            pass
+        assert [(f.rid, f.reason) for f in msg.finished] == [(21, "error"), (22, "error")]
+        assert "no worker" in msg.finished[0].message and time.monotonic() - started < 5
     finally:
         ctx.destroy(linger=0)
