@@ -140,7 +140,7 @@ class _Startup:
                     self._fail(f"the {dead[0].name} process exited with status {dead[0].exited()} "
                                "before the engine was ready")
                     return
-        print(f"Sluice is ready: serving {state.model_name} at http://{self.config.host}:{self.config.port} "
+        print(f"Sluice is ready: serving {state.model_name} {where(self.config.host, self.config.port)} "
               "(OpenAI API under /v1)", flush=True)
         await self._supervise()
 
@@ -175,6 +175,15 @@ class _Startup:
         self.exit_code = 1
         if self.server is not None:
             self.server.should_exit = True
+
+
+def where(host: str, port: int) -> str:
+    """Where clients reach the server, as a URL one can open: a wildcard address (all interfaces,
+    as in a container) is no URL, so name the local one and what it stands for."""
+    if host in ("0.0.0.0", "::", ""):
+        return (f"at http://127.0.0.1:{port} on all interfaces ({host or '0.0.0.0'}:{port}; in a container, at the "
+                "port it publishes)")
+    return f"at http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -218,11 +227,14 @@ def run_frontend(config: FrontendConfig, children: Sequence[Child] = (), sock: s
     app.state.sluice.client.quiet_startup_errors = True  # _Startup says them, once
     startup = _Startup(app, config, children)
     startup.install()
+    deadline = stop_by if stop_by is not None else [float("inf")]
     startup.server = GracefulServer(_uvicorn_config(app, config), app.state.sluice, config.shutdown_grace,
-                                    STOP_AFTER_GRACE_S)
-    startup.server.run(sockets=[sock])
-    if stop_by is not None and startup.server.stop_by is not None:
-        stop_by[0] = startup.server.stop_by
+                                    STOP_AFTER_GRACE_S, deadline)
+    try:
+        startup.server.run(sockets=[sock])
+    finally:
+        if stop_by is None and deadline[0] != float("inf"):
+            print("Stopped.", flush=True)  # ``sluice frontend``; ``serve`` says it once its children are gone
     return startup.exit_code
 
 
@@ -285,6 +297,9 @@ def serve(frontend: FrontendConfig, scheduler: SchedulerConfig, worker: WorkerCo
             child.start()
         return run_frontend(frontend, children, sock, stop_by)
     finally:
-        deadline = stop_by[0] if stop_by[0] != float("inf") else time.monotonic() + STOP_AFTER_GRACE_S
+        stopping = stop_by[0] != float("inf")
+        deadline = stop_by[0] if stopping else time.monotonic() + STOP_AFTER_GRACE_S
         _stop([child.proc for child in children if child.proc is not None], deadline)
         shutil.rmtree(sock_dir, ignore_errors=True)
+        if stopping:
+            print("Stopped.", flush=True)

@@ -26,12 +26,16 @@ POLL_S = 0.05
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: AppState, grace_s: float, after_grace_s: float = 2.0) -> None:
+    def __init__(self, config: uvicorn.Config, state: AppState, grace_s: float, after_grace_s: float = 2.0,
+                 stop_by: list[float] | None = None) -> None:
         super().__init__(config)
         self.state = state
         self.grace_s = grace_s
         self.after_grace_s = after_grace_s
-        self.stop_by: float | None = None  # monotonic deadline of the whole stop, once a signal came
+        # ``stop_by[0]``: the monotonic deadline of the whole stop, set when a signal comes (a
+        # list its owner shares: uvicorn re-raises the signal once it stops, so whoever waits for
+        # it learns of it by an exception, not a return value).
+        self.stop_by = stop_by if stop_by is not None else [float("inf")]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
 
@@ -44,7 +48,11 @@ class GracefulServer(uvicorn.Server):
             super().handle_exit(sig, frame)  # a second signal (or not started yet): stop now
             return
         self.state.draining = True
-        self.stop_by = time.monotonic() + self.grace_s + self.after_grace_s
+        self.stop_by[0] = time.monotonic() + self.grace_s + self.after_grace_s
+        live = self.state.client.num_live
+        requests = "1 request in flight gets" if live == 1 else f"{live} requests in flight get"
+        print(f"Stopping: {requests} up to {self.grace_s:g} s to finish (press Ctrl-C again to stop at once)…",
+              flush=True)
         self._captured_signals.append(sig)
         self._loop.call_soon_threadsafe(self._start_drain)
 

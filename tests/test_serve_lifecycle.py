@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import signal
 import threading
 import time
@@ -140,6 +141,10 @@ def test_sigterm_drains_requests_in_flight_then_aborts_the_rest_with_done(tmp_pa
         assert time.monotonic() - started < 2 + 2 + 2
         log = server.log()
         assert "worker lost" not in log and "starting it again" not in log, "a stop is not a crash"
+        # Ctrl-C is answered at once, and its end said.
+        assert re.search(r"^Stopping: (1 request in flight gets|2 requests in flight get) up to 2 s to finish", log,
+                         re.M), log[-2000:]
+        assert log.rstrip().endswith("Stopped."), log[-500:]
         short, long = results["short"], results["long"]
         assert short[-1] == "data: [DONE]" and '"finish_reason":"length"' in short[-2].replace(" ", "")
         # The long one ran out of grace: ended with abort and [DONE], not cut mid-way.
@@ -178,3 +183,11 @@ def test_sigterm_to_the_whole_process_group_stops_in_order_without_restarts(tmp_
         server.stop()
         for pid in _session_pids(server.proc.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_the_ready_line_names_a_url_one_can_open() -> None:
+    from frontend.serve import where
+
+    assert where("127.0.0.1", 8000) == "at http://127.0.0.1:8000"
+    assert where("::1", 8000) == "at http://[::1]:8000"
+    assert where("0.0.0.0", 8000).startswith("at http://127.0.0.1:8000 on all interfaces (0.0.0.0:8000;")

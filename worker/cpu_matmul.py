@@ -139,9 +139,12 @@ def choose_dtype(hidden_size: int, intermediate_size: int, bf16_instructions: bo
     times = {rows: timer(hidden_size, 2 * intermediate_size, rows) for rows in MEASURE_ROWS}
     figures = ", ".join(f"{rows} row{'s' if rows > 1 else ''}: float32 {f * 1e6:.0f} us, bfloat16 {b * 1e6:.0f} us"
                         for rows, (f, b) in times.items())
-    if all(b < f for f, b in times.values()):
+    not_faster = [f"{rows} row{'s' if rows > 1 else ''}" for rows, (f, b) in times.items() if b >= f]
+    if not not_faster:
         return DtypeChoice(torch.bfloat16, f"packed bfloat16 measured faster ({figures})")
-    return DtypeChoice(torch.float32, f"float32 measured as fast or faster ({figures})")
+    # Named by size: bfloat16 may have been faster at one and not the other, and the line must
+    # not say float32 was faster where its own figures say otherwise.
+    return DtypeChoice(torch.float32, f"packed bfloat16 was not faster at {' and '.join(not_faster)} ({figures})")
 
 
 def prepare(model: nn.Module, dtype: torch.dtype) -> str:
