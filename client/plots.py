@@ -81,10 +81,20 @@ def throughput(timeline: dict[str, Any], path: Path) -> Path:
 
 
 def kv_cache(samples: Sequence[ServerSample], path: Path) -> Path:
+    """Scaled to the data (a run that used 3% of the cache must not be a flat line at the
+    bottom), with the capacity drawn when it is in view and said in the corner when it is not."""
     fig, (ax,) = _figure()
-    ax.plot([s.t for s in samples], [100 * s.kv_usage for s in samples], marker=".", drawstyle="steps-post")
+    usage = [100 * s.kv_usage for s in samples]
+    ax.plot([s.t for s in samples], usage, marker=".", drawstyle="steps-post", label="in use")
+    top = min(105.0, max(5.0, 1.25 * max(usage, default=0.0)))
     ax.set(title="server KV cache usage (GET /admin/stats)", xlabel="time (s)", ylabel="KV blocks in use (%)",
-           ylim=(0, 102))
+           ylim=(0, top))
+    if top >= 100:
+        ax.axhline(100, color="tab:red", linestyle="--", linewidth=1, label="capacity")
+        ax.legend(loc="lower right")
+    else:
+        ax.text(0.99, 0.97, f"capacity: 100% (above this view; peak {max(usage, default=0.0):.1f}%)",
+                transform=ax.transAxes, ha="right", va="top", fontsize=8, color="tab:red")
     return _save(fig, path)
 
 
@@ -97,7 +107,8 @@ def queues(samples: Sequence[ServerSample], path: Path) -> Path:
     ax.set(title="server queues (GET /admin/stats)", xlabel="time (s)", ylabel="requests")
     ax.set_ylim(bottom=0)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(loc="upper right")
+    # Outside the axes: inside, it covered a line whichever corner it took.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     return _save(fig, path)
 
 

@@ -37,10 +37,10 @@ def fmt(value: Any) -> str:
     return f"{value:,.2f}"
 
 
-def report_table(report: dict[str, Any], title: str) -> Table:
+def report_table(report: dict[str, Any]) -> Table:
     columns = ({"all": report["summary"]} | {f"priority {k}": v for k, v in report.get("by_priority", {}).items()}
                | dict(report.get("by_class", {})))
-    table = Table(title=title, title_justify="left")
+    table = Table()
     table.add_column("metric")
     for name in columns:
         table.add_column(name, justify="right")
@@ -52,7 +52,10 @@ def report_table(report: dict[str, Any], title: str) -> Table:
 
 def print_report(report: dict[str, Any], title: str, console: Console | None = None) -> None:
     console = console or Console()
-    console.print(report_table(report, title))
+    # The title on its own line, at the console's width: as the table's title it wrapped to the
+    # table's (three lines at 80 columns).
+    console.print(title, markup=False, highlight=False)
+    console.print(report_table(report))
     summary = report["summary"]
     notes = list(report.get("notes", []))
     if not summary["prompt_tokens_from_usage"]:

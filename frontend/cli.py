@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from frontend.env_flags import apply_env_defaults, env_table
@@ -142,12 +143,18 @@ def build_config(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
     return cls(**values)
 
 
-def build_parser(env_command: str | None = None) -> argparse.ArgumentParser:
+class SluiceParser(argparse.ArgumentParser):
+    """The top-level parser, knowing each command's own (for that command's usage on errors)."""
+
+    commands: Mapping[str, argparse.ArgumentParser]
+
+
+def build_parser(env_command: str | None = None) -> SluiceParser:
     """``env_command``: the server command whose flags take their defaults from SLUICE_*
     variables (only the one being run: a bad variable must not break the other commands)."""
-    parser = argparse.ArgumentParser(prog="sluice", description="Sluice LLM inference server")
+    parser = SluiceParser(prog="sluice", description="Sluice LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
-    parser.set_defaults(commands=sub.choices)  # each command's parser, for its own usage on errors
+    parser.commands = sub.choices
     # Every default shown in --help (a default that is "auto" says what auto means in the text).
     defaults = argparse.ArgumentDefaultsHelpFormatter
     serve = sub.add_parser("serve", help="run frontend, scheduler and one worker on this machine",
@@ -242,12 +249,12 @@ def _exec_component(module: str, config: object) -> None:
     os.execv(sys.executable, [sys.executable, "-m", module, "--config", to_json(config)])
 
 
-def parse(parser: argparse.ArgumentParser, given: list[str]) -> argparse.Namespace:
+def parse(parser: SluiceParser, given: list[str]) -> argparse.Namespace:
     """``given`` parsed; a flag a command does not know is refused by that command's parser (its
     usage, not the top level's), with the closest flag it has when one is close."""
     args, extras = parser.parse_known_args(given)
     if extras:
-        command: argparse.ArgumentParser = args.commands[args.command]
+        command = parser.commands[args.command]
         flags = [f for f in command._option_string_actions if f.startswith("--")]
         unknown = next((e.split("=", 1)[0] for e in extras if e.startswith("-")), "")
         near = difflib.get_close_matches(unknown, flags, n=1, cutoff=0.6)

@@ -147,13 +147,17 @@ def test_report_per_priority_and_errors() -> None:
     assert {k: (v["completed"], v["failed"]) for k, v in report["by_priority"].items()} == {
         "0": (1, 2), "5": (2, 1), "default": (1, 0)}
     assert report["errors"] == {"HTTP 503: busy": 2, "ReadError": 1}
-    table = report_table(report, "t")
+    table = report_table(report)
     assert [c.header for c in table.columns] == ["metric", "all", "priority 0", "priority 5", "priority default"]
     assert table.row_count == len(ROWS)
     console = Console(record=True, width=140)
     print_report(report | {"notes": ["a note"]}, "title", console)
     text = console.export_text()
     assert "3 request(s) failed" in text and "2 x HTTP 503: busy" in text and "a note" in text
+    narrow = Console(record=True, width=80)
+    long_title = "sluice bench: smollm2 at http://127.0.0.1:8000 (completions), 64 requests, C=16"
+    print_report(report, long_title, narrow)
+    assert narrow.export_text().splitlines()[0] == long_title, "the title on one line at 80 columns"
     assert "by_priority" not in build_report(records, 1.0, by_priority=False)
 
 
