@@ -4,11 +4,10 @@ answers its token, a worker killed inside its container is restarted and the sta
 again, and `down` leaves no container, network or volume behind.
 
 Skipped, saying why, where no Docker engine answers or no compose command is installed (CI
-starts one where it can). Where no registry is reachable, the base image is built from Debian
-packages with docker/build-base.sh, as the README tells air-gapped users to. The host's extra CA
-certificates (/usr/local/share/ca-certificates) and a torch wheel from pip's find-links folder,
-when there is one, go into the build context's docker/ca-certificates and docker/wheels for the
-build, and are removed after.
+starts one where it can). The build's inputs come from docker/prepare-offline.sh, as the README
+tells air-gapped users: the host's extra CA certificates and its torch wheel go into the build
+context's docker/ca-certificates and docker/wheels (removed after), and where no registry is
+reachable the base image is built from Debian packages with docker/build-base.sh.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from sluice_server import free_port, http_status
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,27 +73,18 @@ def _base_image() -> str:
 
 
 @contextlib.contextmanager
-def _build_inputs() -> Iterator[None]:
-    """The host's extra CA certificates and its local torch wheel in the build context, for the
-    duration of the build (a host behind an intercepting proxy, without PyTorch's index)."""
-    added: list[Path] = []
-    for cert in Path("/usr/local/share/ca-certificates").glob("*.crt"):
-        target = ROOT / "docker" / "ca-certificates" / cert.name
-        if not target.exists():
-            shutil.copy(cert, target)
-            added.append(target)
-    version = torch.__version__.split("+")[0]
-    links = subprocess.run(["pip", "config", "get", "global.find-links"], capture_output=True, text=True).stdout.split()
-    for folder in links:
-        for wheel in Path(folder).glob(f"torch-{version}*.whl"):
-            target = ROOT / "docker" / "wheels" / wheel.name
-            if not target.exists():
-                shutil.copy(wheel, target)
-                added.append(target)
+def _build_inputs(env_file: Path) -> Iterator[None]:
+    """The build's inputs from this host, as the README tells air-gapped users to get them:
+    ``docker/prepare-offline.sh`` (CA certificates, a torch wheel, the base image); what it added
+    to the build context is removed after."""
+    folders = [ROOT / "docker" / "ca-certificates", ROOT / "docker" / "wheels"]
+    before = {p for folder in folders for p in folder.iterdir()}
     try:
+        done = _run(str(ROOT / "docker" / "prepare-offline.sh"), "--env-file", str(env_file), timeout=900)
+        print(done.stdout)
         yield
     finally:
-        for path in added:
+        for path in {p for folder in folders for p in folder.iterdir()} - before:
             path.unlink(missing_ok=True)
 
 
@@ -120,10 +109,11 @@ def test_compose_up_serves_recovers_and_goes_down_clean(tmp_path: Path) -> None:
                         "SLUICE_ADMIN_TOKEN": token, "SLUICE_IMAGE_TAG": "test"}
     cmd = [*compose, "-p", project]
     url = f"http://127.0.0.1:{port}"
+    dangling = set(_run("docker", "volume", "ls", "-qf", "dangling=true").stdout.split())
     try:
-        with _build_inputs():
+        with _build_inputs(tmp_path / ".env"):
             started = time.monotonic()
-            _run(*cmd, "build", env=env, timeout=900)
+            _run(*cmd, "build", "--force-rm", env=env, timeout=900)
             print(f"compose build: {time.monotonic() - started:.0f} s")
         size = int(_run("docker", "image", "inspect", "-f", "{{.Size}}", "sluice:test").stdout)
         print(f"image size: {size / 2**30:.2f} GiB")
@@ -169,8 +159,13 @@ def test_compose_up_serves_recovers_and_goes_down_clean(tmp_path: Path) -> None:
     finally:
         logs = _run(*cmd, "logs", "--no-color", env=env, check=False, timeout=60).stdout
         (tmp_path / "compose.log").write_text(logs)
+        # A plain `down` leaves no anonymous volume behind (the named ones stay, by design: the
+        # keys and the model cache outlive a restart); then -v drops the named ones too.
         # The image stays (sluice:test): a second run builds from its cached layers.
+        _run(*cmd, "down", "--remove-orphans", env=env, check=False, timeout=120)
+        left = set(_run("docker", "volume", "ls", "-qf", "dangling=true").stdout.split()) - dangling
         _run(*cmd, "down", "-v", "--remove-orphans", env=env, check=False, timeout=120)
+    assert not {v for v in left if not v.startswith(project)}, f"anonymous volumes left by down: {left}"
     for kind in ("ps -a", "network ls", "volume ls"):
         listed = _run("docker", *kind.split(), "--filter", f"name={project}", "-q").stdout.strip()
         assert listed == "", f"docker {kind} still lists {listed}"
