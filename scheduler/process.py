@@ -387,14 +387,22 @@ class SchedulerProcess:
             self._to_workers(CancelRows(plan_id, rids, forget))
 
     def on_ping(self, msg: Ping) -> None:
-        ready = self.model is not None and self.workers.failure is None
         sender = self.frontends.sender
-        self.frontends.reply(Pong(msg.sent_at, self.workers.alive(), ready, self._ping_stats(), self.epoch,
-                                  self.workers.failure or self.workers.outage or "",
-                                  self.frontends.seq.get(sender, 0) if sender is not None else 0))
-        if msg.need_model and ready:
-            assert self.model is not None
+        if sender is not None:
+            self.frontends.send(sender, self._pong(msg.sent_at, sender, self._ping_stats()))
+        if msg.need_model and self.model is not None and self.workers.failure is None:
             self.frontends.reply(EngineReady(self.model))
+
+    def _pong(self, sent_at: float, frontend: bytes, stats: dict[str, float | int | bool | None] | None) -> Pong:
+        ready = self.model is not None and self.workers.failure is None
+        return Pong(sent_at, self.workers.alive(), ready, stats, self.epoch,
+                    self.workers.failure or self.workers.outage or "", self.frontends.seq.get(frontend, 0))
+
+    def _tell_frontends(self) -> None:
+        """The workers' state changed (lost, back): every frontend hears it now, so /health,
+        /ready and admission turn at once, not at the next ping."""
+        for frontend in list(self.frontends.last_heard):
+            self.frontends.send(frontend, self._pong(0.0, frontend, None))
 
     def _counters(self) -> dict[str, float | int]:
         return {"worker_busy_s_total": self.busy_total_s, "internal_errors": self.internal_errors,
@@ -488,6 +496,7 @@ class SchedulerProcess:
         self.model = info
         self.plans_in_flight = []
         self.cut_short.clear()
+        self._tell_frontends()
 
     def _new_core(self, info: ModelInfo, first_plan_id: int = 0) -> Scheduler:
         return Scheduler(self.config, info.num_kv_blocks, info.block_size, info.max_model_len, info.eos_token_ids,
@@ -530,6 +539,7 @@ class SchedulerProcess:
         self.plans_in_flight = []
         self.cut_short.clear()
         self.workers.start_outage(reason, crashed, self.core.recompute_all())
+        self._tell_frontends()
 
     def on_step_tokens(self, msg: StepTokens) -> None:
         self.workers.heard(0)

@@ -206,8 +206,15 @@ def test_components_wait_for_the_scheduler_saying_so_and_recover_from_a_new_work
     c.start("scheduler", "scheduler")
     wait_for(lambda: ready(url), 60, "ready once the scheduler is up", c)
     assert complete(url, "first")[1] == 24
-    # A worker killed and a new one started by hand: the frontend recovers by itself.
+    # A worker killed and a new one started by hand: the frontend recovers by itself. Meanwhile
+    # new requests are refused (503), so serving again is what to wait for, not a /ready that
+    # has not heard of the loss yet.
     c.kill("worker")
     c.start("worker", "worker", "--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64")
-    wait_for(lambda: ready(url), 120, "ready again with the new worker", c)
+
+    def serves() -> bool:
+        return ready(url) and httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": "x", "max_tokens": 2, "ignore_eos": True}).status_code == 200
+
+    wait_for(serves, 120, "serving again with the new worker", c)
     assert complete(url, "second")[1] == 24

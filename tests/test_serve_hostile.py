@@ -169,12 +169,14 @@ def floats_outside(lo: float, hi: float, *, lo_open: bool = False) -> st.SearchS
 
 # field -> JSON kinds it takes (a wrong kind is a 400 naming it)
 SAMPLING_KINDS: dict[str, set[str]] = {
-    "model": {"str", "null"}, "max_tokens": {"int", "null"}, "temperature": {"float"}, "top_p": {"float"},
-    "top_k": {"int"}, "min_tokens": {"int"}, "seed": {"int", "null"}, "stop": {"str", "list", "null"},
+    # The sampling fields a model may give defaults for take null as unset (OpenAI's spec makes
+    # temperature and top_p nullable): the model's default, else OpenAI's, applies.
+    "model": {"str", "null"}, "max_tokens": {"int", "null"}, "temperature": {"float", "null"},
+    "top_p": {"float", "null"}, "top_k": {"int", "null"}, "min_tokens": {"int"}, "seed": {"int", "null"}, "stop": {"str", "list", "null"},
     "stop_token_ids": {"list", "null"}, "ignore_eos": {"bool"}, "n": {"int"}, "stream": {"bool"},
     "stream_options": {"object", "null"}, "priority": {"int"}, "user": {"str", "null"},
-    "presence_penalty": {"float"}, "frequency_penalty": {"float"}, "repetition_penalty": {"float"},
-    "min_p": {"float"}, "logit_bias": {"object", "null"}, "return_token_ids": {"bool"},
+    "presence_penalty": {"float"}, "frequency_penalty": {"float"}, "repetition_penalty": {"float", "null"},
+    "min_p": {"float", "null"}, "logit_bias": {"object", "null"}, "return_token_ids": {"bool"},
 }
 COMPLETION_KINDS = SAMPLING_KINDS | {"prompt": {"str", "list"}, "echo": {"bool"}, "suffix": {"str", "null"},
                                      "logprobs": {"int", "null"}}
