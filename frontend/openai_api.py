@@ -32,6 +32,7 @@ from frontend.schemas import (
 )
 from frontend.sse import StreamResponse, collect
 from frontend.state import AppState
+from frontend.structured import constraint_of
 from frontend.tokenizer import ChatTemplateError, ModelTokenizer, PromptTooLong
 from protocol.messages import AddRequest, SamplingParams
 
@@ -66,8 +67,24 @@ def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         raise bad_request(f"token id {bad} is out of vocabulary (vocab size {vocab_size})", param)
 
 
+async def _constraint(state: AppState, body: SamplingFields) -> str | None:
+    """The request's structured-output grammar, validated (a 400 naming the field if it cannot
+    be used); None when it asks for free text."""
+    constraint = constraint_of(body.response_format, body.structured_outputs, body.guided())
+    if constraint is None:
+        return None
+    if body.ignore_eos:
+        raise bad_request(f"ignore_eos cannot be combined with {constraint.param}: a constrained output ends "
+                          "where its grammar does", "ignore_eos")
+    if body.min_tokens:
+        raise bad_request(f"min_tokens cannot be combined with {constraint.param}: the grammar decides where the "
+                          "output may end", "min_tokens")
+    await state.grammars.validate(constraint, state.require_model())
+    return constraint.grammar
+
+
 def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens: int | None,
-              logprobs: int | None, default_max_tokens: int | None,
+              logprobs: int | None, default_max_tokens: int | None, grammar: str | None = None,
               prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> SamplingParams:
     """``prompt_param``, ``max_tokens_param``: the fields the prompt and ``max_tokens`` came from
     (errors name them)."""
@@ -118,6 +135,7 @@ def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         logit_bias=logit_bias,
+        grammar=grammar,
     )
 
 
@@ -212,7 +230,9 @@ async def completions(request: Request) -> Response | StreamResponse:
     else:
         prompt_ids = list(body.prompt)
     # The length checks come before the id check: a million ids is refused for its length.
-    sampling = _sampling(state, body, len(prompt_ids), body.max_tokens, body.logprobs, default_max_tokens=16)
+    grammar = await _constraint(state, body)
+    sampling = _sampling(state, body, len(prompt_ids), body.max_tokens, body.logprobs, default_max_tokens=16,
+                         grammar=grammar)
     _check_token_ids(prompt_ids, tokenizer.vocab_size, "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     renderer = CompletionRenderer(request_id, int(time.time()), state.model_name, tokenizer, prompt_ids,
@@ -227,9 +247,6 @@ def _check_unsupported_chat_fields(body: ChatCompletionRequest) -> None:
         raise bad_request("tools (function calling) is not supported", "tools")
     if body.tool_choice not in (None, "none", "auto"):
         raise bad_request("tool_choice is not supported (no tools)", "tool_choice")
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than text (JSON mode, structured outputs) is not supported",
-                          "response_format")
     unsupported = unsupported_message_fields(body.messages)
     if unsupported is not None:
         param, message = unsupported
@@ -253,8 +270,9 @@ async def chat_completions(request: Request) -> Response | StreamResponse:
     max_tokens, max_tokens_param = (body.max_completion_tokens, "max_completion_tokens") \
         if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens")
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    grammar = await _constraint(state, body)
     sampling = _sampling(state, body, len(prompt_ids), max_tokens, top_logprobs, default_max_tokens=None,
-                         prompt_param="messages", max_tokens_param=max_tokens_param)
+                         grammar=grammar, prompt_param="messages", max_tokens_param=max_tokens_param)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     renderer = ChatRenderer(request_id, int(time.time()), state.model_name, tokenizer, prompt_ids,
                             body.return_token_ids, top_logprobs)

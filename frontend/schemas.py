@@ -6,7 +6,7 @@ A top-level field the API does not know is refused naming it, as OpenAI's API re
 ("Unrecognized request argument supplied: temprature"): a misspelt option silently ignored is a
 request that does something else than its sender thinks. OpenAI fields Sluice does not act on
 are either ignored where ignoring them changes nothing (``store``, ``metadata``, …) or refused
-as not supported when set (``tools``, ``response_format`` other than text, …).
+as not supported when set (``tools``, …).
 
 Lists and maps that cost the engine work per generated token are capped (``stop``,
 ``stop_token_ids``, ``logit_bias``), and so is ``n``; ``decode`` turns every way a body can fail
@@ -74,6 +74,17 @@ class SamplingFields(msgspec.Struct, kw_only=True):
                           Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     # vLLM's extension: also return the prompt's and the output's token ids.
     return_token_ids: bool = False
+    # Structured output (``frontend/structured.py``): OpenAI's, vLLM's, and vLLM's older aliases.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def guided(self) -> dict[str, Any]:
+        return {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
 
     def sampling_field(self, name: str, model_defaults: dict[str, float]) -> float:
         """A sampling field as set by the request, else the model's default, else OpenAI's."""
@@ -141,7 +152,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
     # and refused as not supported when they ask for something (openai_api checks them):
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

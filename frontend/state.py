@@ -10,6 +10,7 @@ from starlette.requests import Request
 from frontend.engine_client import EngineClient
 from frontend.errors import APIError
 from frontend.metrics import Metrics
+from frontend.structured import GrammarValidator
 from frontend.tokenizer import ModelTokenizer
 from protocol.config import FrontendConfig
 from protocol.messages import ModelInfo
@@ -22,6 +23,7 @@ class AppState:
         self.started = int(time.time())
         self._tokenizer: ModelTokenizer | None = None
         self.draining = False  # shutting down: no new requests
+        self.grammars = GrammarValidator()
         self.metrics = Metrics(lambda: client.stats, lambda: self.model_name)
         client.outputs.metrics = self.metrics
         client.request_timeout = config.request_timeout

@@ -54,6 +54,9 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     presence_penalty: float = 0.0  # subtracted once from tokens already in the output
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     logit_bias: list[tuple[int, float]] = []  # (token id, bias added to its logit)
+    # Structured output: an llguidance grammar (its JSON text: a JSON schema, regex, choice or
+    # Lark grammar compiled by the frontend, which validated it). None: unconstrained.
+    grammar: str | None = None
 
     @property
     def reads_history(self) -> bool:

@@ -98,8 +98,9 @@ def test_stop_rule_each_case_and_min_tokens_with_ignore_eos() -> None:
 # other order. These bytes were taken from the format as released; a change here is a protocol
 # change, for every component at once.
 _S = m.SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[7], seed=3)
-_SAMPLING_HEX = ("9e05cb0000000000000000cb3ff00000000000000000039107c2c0cb0000000000000000cb3ff0000000000000"
-                 "cb0000000000000000cb000000000000000090")
+# (SamplingParams' last field, ``grammar``, was appended: nil here.)
+_SAMPLING_HEX = ("9f05cb0000000000000000cb3ff00000000000000000039107c2c0cb0000000000000000cb3ff0000000000000"
+                 "cb0000000000000000cb000000000000000090c0")
 FIXED_BYTES = [
     (m.AddRequest(1, "cmpl-1", [1, 2, 3], _S, priority=-1, user="u", arrival_time=1.5, n=2),
      "99aa4164645265717565737401a6636d706c2d3193010203" + _SAMPLING_HEX + "ffa175cb3ff800000000000002"),

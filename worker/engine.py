@@ -28,6 +28,7 @@ from worker.model_config import LlamaConfig
 from worker.model_info import build_gguf_model_info, build_model_info
 from worker.runner import ModelRunner
 from worker.sampling_defaults import sampling_defaults
+from worker.structured import GrammarEngine
 
 log = logging.getLogger("sluice.worker")
 
@@ -76,8 +77,9 @@ class Worker:
             log.info("sampling defaults from %s: %s (a request's own values win; --generation-config none for "
                      "OpenAI's)", origin, ", ".join(f"{k} {v:g}" for k, v in defaults.items()))
         # The host-copy buffer is sized for the most rows a step can have.
+        grammars = GrammarEngine(self.info.tokenizer_json, self.info.vocab_size, self.info.eos_token_ids)
         self.runner = ModelRunner(model, cache, self.device, self.max_model_len, self.info.eos_token_ids,
-                                  config.max_num_seqs)
+                                  config.max_num_seqs, grammars=grammars)
 
     def warm_up(self) -> None:
         """One small forward and sample, so the first request does not pay for lazy

@@ -40,6 +40,7 @@ from worker.kv_cache import KVCache, SwapSpace
 from worker.llama import LlamaForCausalLM
 from worker.sampler import Sampler, SamplerOutput, SamplingRow, TopLogprobs
 from worker.sequence import PlanError, SequenceState
+from worker.structured import GrammarEngine
 
 
 @dataclasses.dataclass
@@ -75,7 +76,7 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device, max_model_len: int,
                  eos_token_ids: list[int], max_num_seqs: int = 256, seed: int | None = None,
-                 finalize_lag: int | None = None) -> None:
+                 finalize_lag: int | None = None, grammars: GrammarEngine | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = device
@@ -88,7 +89,8 @@ class ModelRunner:
         self.seqs: dict[int, SequenceState] = {}
         max_blocks = -(-max_model_len // cache.block_size)
         self.batch = InputBatch(max_num_seqs, max_blocks, pin_memory=device.type == "cuda")
-        self.sampler = Sampler(device, eos_token_ids, seed)
+        self.grammars = grammars  # structured output (None: the model's requests are never constrained)
+        self.sampler = Sampler(device, eos_token_ids, seed, grammars)
         self.copier = HostCopier(device, max_num_seqs)
         self.swap_space = SwapSpace(cache)
         self.finalize_lag = (1 if self.copier.asynchronous else 0) if finalize_lag is None else finalize_lag
@@ -144,7 +146,8 @@ class ModelRunner:
         step, ended = 0, False
         while batch is not None:
             final_step = step == num_steps - 1
-            lag = 0 if final_step else self.finalize_lag
+            # A row held to a grammar needs its token on the host before the next step's mask.
+            lag = 0 if final_step or any(seq.grammar is not None for seq in batch.samplers) else self.finalize_lag
             launched = self._launch(step, batch)
             if launched is None:  # only prefill chunks that sample nothing
                 break
@@ -205,6 +208,8 @@ class ModelRunner:
             kept.append(token)
             if asked is not None and i in asked:
                 logprobs.append((seq.rid, asked[i]))
+            if seq.grammar is not None:
+                seq.grammar.consume(token)
             if seq.append(token, self.eos_token_ids, self.max_model_len):
                 self.forget(seq.rid)
         return StepTokens(plan_id, launched.step, rids, kept, False, 0.0, pack_logprobs(logprobs))
@@ -216,7 +221,11 @@ class ModelRunner:
             self.forget(rid)
         for new in plan.new_requests:
             self.forget(new.rid)  # a request sent again (after a preemption) starts over
-            self.seqs[new.rid] = SequenceState.from_new(new)
+            seq = self.seqs[new.rid] = SequenceState.from_new(new)
+            if new.sampling.grammar is not None:
+                if self.grammars is None:
+                    raise PlanError(f"rid {new.rid}: a constrained request, and no grammar engine")
+                seq.grammar = self.grammars.start(new.sampling.grammar, seq.token_ids[seq.num_prompt_tokens :])
             self.batch.add(new.rid, new.sampling)
         # Block moves come before the forward pass that may read them, in the protocol's order.
         self.swap_space.swap_out(plan.swap_out)
@@ -268,8 +277,9 @@ class ModelRunner:
             self.threads.apply(sum(batch.lengths))
         tables, params = self.batch.gather([s.rid for s in batch.seqs], [s.rid for s in batch.samplers])
         sampling = self.sampler.prepare([
-            SamplingRow(s.sampling, s.num_sampled, s.token_ids, s.num_prompt_tokens, s.rid) if s.sampling.reads_history
-            else SamplingRow(s.sampling, s.num_sampled) for s in batch.samplers], params) if batch.samplers else None
+            SamplingRow(s.sampling, s.num_sampled, s.token_ids, s.num_prompt_tokens, s.rid, s.grammar)
+            if s.sampling.reads_history else SamplingRow(s.sampling, s.num_sampled, grammar=s.grammar)
+            for s in batch.samplers], params) if batch.samplers else None
         ids = batch.host_ids if batch.host_ids is not None else batch.keep
         host = ([ids] if ids is not None else []) + (sampling.tensors() if sampling is not None else [])
         meta = self.attention.metadata(self.cache, tables, batch.starts, batch.lengths, batch.logits_indices,

@@ -21,7 +21,9 @@ batch, nor on whether its state was rebuilt after a preemption. Unseeded rows sh
 generator.
 
 Logprobs are those of the model's own distribution (log-softmax of the raw logits, before
-temperature, top-k/top-p and the min_tokens ban), as vLLM reports them by default.
+temperature, top-k/top-p and the min_tokens ban), as vLLM reports them by default — except for a
+request held to a grammar (structured output), whose logits are masked first of all: its
+logprobs are those of the constrained distribution.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from protocol.messages import SamplingParams
+from worker.structured import GrammarEngine, GrammarState, apply_masks
 
 GREEDY_BELOW = 1e-5  # temperatures this small are treated as 0: dividing by them overflows
 _MASK64 = (1 << 64) - 1
@@ -58,6 +61,7 @@ class SamplingRow:
     token_ids: Sequence[int] = ()
     num_prompt_tokens: int = 0
     rid: int | None = None  # set: the sampler keeps this request's counts between steps
+    grammar: GrammarState | None = None  # structured output: the matcher that masks its logits
 
 
 @dataclasses.dataclass
@@ -139,11 +143,14 @@ class StepSampling:
     banned_rows: torch.Tensor | None = None  # (row, token) pairs banned by min_tokens
     banned_tokens: torch.Tensor | None = None
     unseeded: torch.Tensor | None = None  # random rows without a seed, when seeded ones are present
+    constrained: torch.Tensor | None = None  # rows held to a grammar
+    grammar_masks: torch.Tensor | None = None  # [R, ceil(V / 32)] int32: their allowed tokens, a bit each
 
     @classmethod
-    def build(cls, rows: list[SamplingRow], eos_token_ids: tuple[int, ...], params: torch.Tensor | None = None
-              ) -> StepSampling:
-        """``params``: the rows' ``param_row``s already gathered (the input batch's slice)."""
+    def build(cls, rows: list[SamplingRow], eos_token_ids: tuple[int, ...], params: torch.Tensor | None = None,
+              grammars: GrammarEngine | None = None) -> StepSampling:
+        """``params``: the rows' ``param_row``s already gathered (the input batch's slice);
+        ``grammars``: fills the masks of the rows held to one."""
         if params is None:
             params = torch.tensor([param_row(r.params) for r in rows], dtype=torch.float32).view(len(rows), -1)
         step = cls(rows, params)
@@ -167,6 +174,11 @@ class StepSampling:
         seeded = [r.params.seed is not None for r in rows]
         if any(seeded):
             step.unseeded = _index([i for i, s in enumerate(seeded) if not s])
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:
+            assert grammars is not None
+            step.constrained = _index(constrained)
+            step.grammar_masks = grammars.masks([rows[i].grammar for i in constrained])  # type: ignore[misc]
         return step
 
     def tensors(self) -> list[torch.Tensor]:
@@ -185,9 +197,11 @@ class StepSampling:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, eos_token_ids: list[int], seed: int | None = None) -> None:
+    def __init__(self, device: torch.device, eos_token_ids: list[int], seed: int | None = None,
+                 grammars: GrammarEngine | None = None) -> None:
         self.device = device
         self.eos_token_ids = tuple(eos_token_ids)
+        self.grammars = grammars
         self.generator = torch.Generator(device=device)
         self.counts: dict[int, TokenCounts] = {}  # by rid: penalised requests seen so far
         if seed is None:
@@ -197,7 +211,7 @@ class Sampler:
 
     def prepare(self, rows: list[SamplingRow], params: torch.Tensor | None = None) -> StepSampling:
         """The host half of sampling ``rows`` (see ``StepSampling``); move it, then call."""
-        return StepSampling.build(rows, self.eos_token_ids, params)
+        return StepSampling.build(rows, self.eos_token_ids, params, self.grammars)
 
     def __call__(self, logits: torch.Tensor, step: StepSampling | list[SamplingRow]) -> SamplerOutput:
         """One token per row of ``logits`` [B, V] (float32; not modified). ``step``: prepared and
@@ -206,6 +220,9 @@ class Sampler:
             prepared = self.prepare(step)
             step = prepared.moved([t.to(logits.device) for t in prepared.tensors()])
         rows = step.rows
+        if step.constrained is not None:
+            assert step.grammar_masks is not None
+            logits = apply_masks(logits, step.constrained, step.grammar_masks)
         # Computed before the ban, from the raw logits (see the module docstring).
         raw_logprobs = logits[step.wanted].log_softmax(dim=-1) if step.wanted is not None else None
         logits = self._add_bias(logits, step)

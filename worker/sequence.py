@@ -9,9 +9,13 @@ request ends.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from protocol.messages import NewRequest, SamplingParams
 from protocol.stop import length_reached, stop_reason
+
+if TYPE_CHECKING:
+    from worker.structured import GrammarState
 
 
 class PlanError(RuntimeError):
@@ -30,6 +34,7 @@ class SequenceState:
     # copy in flight). They count as known for scheduling: the device feeds them forward itself.
     num_in_flight: int = 0
     stopped: bool = False
+    grammar: GrammarState | None = None  # structured output: its matcher (``worker/structured.py``)
 
 
     @classmethod

@@ -1,0 +1,97 @@
+"""Structured output in the runner, on the tiny model (random weights: whatever it says is the
+grammar's doing): the output matches inside multi-step windows, with the CUDA pipeline's lag,
+after a recompute that rebuilds the matcher from the outputs so far, beside unconstrained rows
+that stay bit-identical, and the masks are the bits the matcher allows."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+
+import llguidance
+import pytest
+import torch
+from worker_testing import Driver, greedy, one_cpu_thread
+
+from protocol.config import WorkerConfig
+from protocol.messages import NewRequest, SamplingParams
+from worker.engine import Worker
+from worker.runner import ModelRunner
+from worker.structured import GrammarEngine, apply_masks
+from worker.tiny import materialize_tiny
+
+BS = 4
+PROMPT = [1, 72, 101, 108, 108, 111, 44, 32]
+PATTERN = r"[a-z]{3,6} [0-9]{2}!"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    with one_cpu_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Worker:
+    model = materialize_tiny(tmp_path_factory.mktemp("cache"))
+    return Worker(WorkerConfig(model=str(model), num_kv_blocks=512, block_size=BS, dtype="float32"))
+
+
+def runner(worker: Worker, lag: int = 0) -> ModelRunner:
+    r = worker.runner
+    return ModelRunner(r.model, r.cache, r.device, 8192, list(r.eos_token_ids), finalize_lag=lag, grammars=r.grammars)
+
+
+def constrained(seed: int) -> SamplingParams:
+    grammar = llguidance.LLMatcher.grammar_from_regex(PATTERN)
+    return SamplingParams(max_tokens=40, temperature=1.0, seed=seed, grammar=grammar)
+
+
+def text(worker: Worker, ids: list[int]) -> str:
+    from tokenizers import Tokenizer
+
+    return str(Tokenizer.from_str(worker.info.tokenizer_json).decode(ids, skip_special_tokens=True))
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_constrained_rows_match_in_multi_step_windows_beside_unconstrained_ones(worker: Worker, lag: int) -> None:
+    alone = Driver(runner(worker))
+    alone.prefill({9: PROMPT}, greedy(12), steps=4)
+    alone.decode_to_end(4)
+    d = Driver(runner(worker, lag))
+    news = [NewRequest(0, PROMPT, len(PROMPT), constrained(3)), NewRequest(1, PROMPT[:5], 5, constrained(4)),
+            NewRequest(9, PROMPT, len(PROMPT), greedy(12))]
+    d.plan([(n.rid, len(n.token_ids)) for n in news], news, steps=4)
+    d.decode_to_end(4)
+    for rid in (0, 1):
+        out = d.outputs[rid]
+        assert out[-1] in worker.info.eos_token_ids, "it ends on EOS, where the grammar accepts"
+        assert re.fullmatch(PATTERN, text(worker, out[:-1])), text(worker, out)
+    assert d.outputs[9] == alone.outputs[9], "an unconstrained neighbour samples exactly as alone"
+
+
+def test_a_recomputed_request_rebuilds_its_matcher_from_its_outputs(worker: Worker) -> None:
+    d = Driver(runner(worker))
+    d.prefill({0: PROMPT}, constrained(5), steps=3)
+    so_far = list(d.outputs[0])
+    assert so_far and so_far[-1] not in worker.info.eos_token_ids
+    # Preempted by recompute: forgotten, then sent again with everything known so far.
+    again = NewRequest(0, PROMPT + so_far, len(PROMPT), constrained(5))
+    d.plan([(0, len(again.token_ids))], [again], steps=3, forget=[0])
+    d.decode_to_end(3)
+    out = d.outputs[0]
+    assert re.fullmatch(PATTERN, text(worker, out[:-1])), text(worker, out)
+
+
+def test_the_mask_is_what_the_matcher_allows(worker: Worker) -> None:
+    engine = GrammarEngine(worker.info.tokenizer_json, worker.info.vocab_size, worker.info.eos_token_ids)
+    state = engine.start(llguidance.grammar_from("choice", json.dumps(["yes", "no"])), [])
+    masks = engine.masks([state])
+    allowed = {t for t in range(worker.info.vocab_size) if (int(masks[0, t // 32]) >> (t % 32)) & 1}
+    words = {text(worker, [t]) for t in allowed}
+    assert words and all("yes".startswith(w) or "no".startswith(w) for w in words), words
+    logits = torch.zeros(3, worker.info.vocab_size)
+    masked = apply_masks(logits, torch.tensor([1]), masks)
+    assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
+    assert {int(t) for t in torch.nonzero(masked[1] == 0).flatten()} == allowed

@@ -1,0 +1,132 @@
+"""Structured output in the worker: each constrained request's matcher, and its mask on the logits.
+
+A request whose ``SamplingParams.grammar`` is set (an llguidance grammar the frontend built and
+validated) gets a matcher when the worker first hears of it. Compiling happens on a thread of its
+own, beside the request's prefill rather than inside the step: the matcher is needed only when
+the request first samples, after that forward pass. A grammar seen before is not compiled again:
+its compiled matcher is kept (a bounded LRU keyed by the grammar's text) and copied. A request
+rebuilt after a preemption or a worker restart replays its outputs into the new matcher.
+
+Before each step that samples a constrained row, the host fills that row's bitmask (one bit per
+token: may it come next?) from its matcher; the sampler sets the logits of every other token to
+-inf, in one vectorized operation for all constrained rows, before anything else reads them —
+greedy, sampled, top-k/top-p, penalties, and logprobs, which are therefore those of the
+constrained distribution. After the step the matcher consumes the sampled token. The model's EOS
+is allowed exactly when the grammar accepts, and is the only token left once the grammar is
+complete, so a constrained request ends on EOS there (finish_reason "stop"), as the scheduler's
+stop rule expects.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import torch
+
+log = logging.getLogger("sluice.worker")
+
+CACHE_SIZE = 128
+
+
+def parser_limits() -> llguidance.LLParserLimits:
+    """The frontend's limits (``frontend/structured.py``): what validated there compiles here."""
+    return llguidance.LLParserLimits(max_grammar_size=200_000, max_lexer_states=100_000, max_items_in_row=2_000,
+                                     initial_lexer_fuel=500_000, step_lexer_fuel=100_000, step_max_items=20_000)
+
+
+class GrammarState:
+    """One request's matcher, compiled on the grammar thread; the step waits for it only if it
+    samples before compiling is done."""
+
+    __slots__ = ("_future", "broken", "eos")
+
+    def __init__(self, future: Future[llguidance.LLMatcher], eos: int) -> None:
+        self._future = future
+        self.eos = eos
+        self.broken = False  # the matcher failed (it should not, under its own mask): EOS only
+
+    @property
+    def matcher(self) -> llguidance.LLMatcher:
+        return self._future.result()
+
+    def fill(self, mask_row: torch.Tensor) -> None:
+        """This request's allowed next tokens into ``mask_row`` (int32, contiguous, on the host)."""
+        matcher = self.matcher
+        if self.broken or matcher.is_error():
+            self._fail(matcher)
+            mask_row.zero_()
+            mask_row[self.eos // 32] = 1 << (self.eos % 32) if self.eos % 32 < 31 else -(1 << 31)
+            return
+        matcher.unsafe_compute_mask_ptr(mask_row.data_ptr(), mask_row.numel() * mask_row.element_size())
+
+    def consume(self, token: int) -> None:
+        matcher = self.matcher
+        if not self.broken and not matcher.consume_token(token):
+            self._fail(matcher)
+
+    def _fail(self, matcher: llguidance.LLMatcher) -> None:
+        if not self.broken:
+            self.broken = True
+            log.warning("a constrained request's matcher failed (%s); it ends at its next token",
+                        matcher.get_error() or "unknown")
+
+
+class GrammarEngine:
+    """Compiles grammars for one model's tokenizer (built on first use) on a thread of its own."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._tokenizer_json = tokenizer_json
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        # Touched by the grammar thread alone (one thread: no lock), as is the tokenizer.
+        self._compiled: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+
+    def start(self, grammar: str, outputs: list[int]) -> GrammarState:
+        """A matcher for ``grammar`` that has consumed ``outputs`` (a request rebuilt after a
+        preemption or a restart), compiled on the grammar thread."""
+        return GrammarState(self._pool.submit(self._matcher, grammar, list(outputs)), self.eos_token_ids[0])
+
+    def _matcher(self, grammar: str, outputs: list[int]) -> llguidance.LLMatcher:
+        compiled = self._compiled.get(grammar)
+        if compiled is not None:
+            self._compiled.move_to_end(grammar)
+        else:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                         eos_token=self.eos_token_ids or None)
+            compiled = llguidance.LLMatcher(self._tokenizer, grammar, limits=parser_limits())
+            self._compiled[grammar] = compiled
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        matcher = compiled.deep_copy()
+        if outputs:
+            matcher.consume_tokens(outputs)
+        return matcher
+
+    def masks(self, states: list[GrammarState]) -> torch.Tensor:
+        """[R, ceil(V / 32)] int32: each constrained row's allowed tokens, one bit per token."""
+        mask = torch.empty((len(states), (self.vocab_size + 31) // 32), dtype=torch.int32)
+        for row, state in zip(mask, states, strict=True):
+            state.fill(row)
+        return mask
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_masks(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """``logits`` with every token the bitmask ``masks`` (one row per index in ``rows``) does not
+    allow set to -inf: the bits unpacked and applied in one operation for all the rows."""
+    shifts = _SHIFTS.get(masks.device)
+    if shifts is None:
+        shifts = _SHIFTS[masks.device] = torch.arange(32, dtype=torch.int32, device=masks.device)
+    vocab = logits.shape[-1]
+    allowed = ((masks.unsqueeze(-1) >> shifts) & 1).view(masks.shape[0], -1)[:, :vocab].bool()
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~allowed, -torch.inf)
+    return out
