@@ -24,16 +24,17 @@ from frontend.output import Output
 from frontend.render import ChatRenderer, CompletionRenderer, Renderer
 from frontend.schemas import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     SamplingFields,
     decode,
-    message_text,
     unsupported_message_fields,
 )
 from frontend.sse import StreamResponse, collect
 from frontend.state import AppState
-from frontend.structured import constraint_of
+from frontend.structured import Constraint, constraint_of
 from frontend.tokenizer import ChatTemplateError, ModelTokenizer, PromptTooLong
+from frontend.tools import ToolUse, calls_constraint, prompt_messages, tool_use
 from protocol.messages import AddRequest, SamplingParams
 
 _json = msgspec.json.Encoder()
@@ -67,10 +68,14 @@ def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         raise bad_request(f"token id {bad} is out of vocabulary (vocab size {vocab_size})", param)
 
 
-async def _constraint(state: AppState, body: SamplingFields) -> str | None:
+async def _constraint(state: AppState, body: SamplingFields, calls: Constraint | None = None) -> str | None:
     """The request's structured-output grammar, validated (a 400 naming the field if it cannot
-    be used); None when it asks for free text."""
+    be used); None when it asks for free text. ``calls``: a tool choice's grammar of calls."""
     constraint = constraint_of(body.response_format, body.structured_outputs, body.guided())
+    if calls is not None and constraint is not None:
+        raise bad_request(f"tool_choice requires tool calls and {constraint.param} constrains the output too: "
+                          "give one (or tool_choice auto)", constraint.param)
+    constraint = constraint or calls
     if constraint is None:
         return None
     if body.ignore_eos:
@@ -240,42 +245,43 @@ async def completions(request: Request) -> Response | StreamResponse:
     return await _run(state, request, body, prompt_ids, sampling, request_id, renderer)
 
 
-def _check_unsupported_chat_fields(body: ChatCompletionRequest) -> None:
-    """OpenAI fields Sluice does not act on: refused when they ask for something, so a client
-    never takes plain text for the tool call or JSON it asked for."""
-    if body.tools:
-        raise bad_request("tools (function calling) is not supported", "tools")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise bad_request("tool_choice is not supported (no tools)", "tool_choice")
-    unsupported = unsupported_message_fields(body.messages)
+async def chat_prompt_ids(tokenizer: ModelTokenizer, messages: list[ChatMessage], use: ToolUse | None,
+                          max_chars: int | None = None) -> list[int]:
+    """The conversation rendered with the chat template and tokenized (a 400 naming the message
+    it cannot render). The template is given the tools when it renders them itself; otherwise
+    they and earlier calls are written into the messages (``frontend.tools.prompt_messages``)."""
+    unsupported = unsupported_message_fields(messages)
     if unsupported is not None:
         param, message = unsupported
         raise bad_request(message, param)
+    shown = use if use is not None and use.choice != "none" else None
+    try:
+        rendered = prompt_messages([m.as_dict() for m in messages], shown, tokenizer.knows_tools)
+        tools = shown.tools if shown is not None and tokenizer.knows_tools else None
+        size = sum(len(m["content"] or "") for m in rendered) + len(str(tools or ""))
+        return await _tokenize(size, tokenizer.encode_chat, rendered, max_chars, tools)
+    except (ValueError, ChatTemplateError) as e:  # PromptTooLong is a ValueError too
+        raise bad_request(str(e), "messages") from None
 
 
 async def chat_completions(request: Request) -> Response | StreamResponse:
     state: AppState = request.app.state.sluice
     body: ChatCompletionRequest = decode(await request.body(), ChatCompletionRequest)
-    _check_unsupported_chat_fields(body)
     tokenizer: ModelTokenizer = state.require_tokenizer()
     _check_model(state, body.model)
     _check_priority(state, request, body.priority)
-    try:
-        messages = [{"role": m.role, "content": message_text(m)} for m in body.messages]
-        max_chars = tokenizer.max_text_chars(state.require_model().max_model_len - 1)
-        size = sum(len(m["role"]) + len(m["content"]) for m in messages)
-        prompt_ids = await _tokenize(size, tokenizer.encode_chat, messages, max_chars)
-    except (ValueError, ChatTemplateError) as e:  # PromptTooLong is a ValueError too
-        raise bad_request(str(e), "messages") from None
+    use = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls)
+    max_chars = tokenizer.max_text_chars(state.require_model().max_model_len - 1)
+    prompt_ids = await chat_prompt_ids(tokenizer, body.messages, use, max_chars)
     max_tokens, max_tokens_param = (body.max_completion_tokens, "max_completion_tokens") \
         if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens")
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    grammar = await _constraint(state, body)
+    grammar = await _constraint(state, body, calls_constraint(use))
     sampling = _sampling(state, body, len(prompt_ids), max_tokens, top_logprobs, default_max_tokens=None,
                          grammar=grammar, prompt_param="messages", max_tokens_param=max_tokens_param)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     renderer = ChatRenderer(request_id, int(time.time()), state.model_name, tokenizer, prompt_ids,
-                            body.return_token_ids, top_logprobs)
+                            body.return_token_ids, top_logprobs, tools=use)
     return await _run(state, request, body, prompt_ids, sampling, request_id, renderer)
 
 

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import msgspec
 
 from frontend.tokenizer import ModelTokenizer
+from frontend.tools import ToolCallParser, ToolUse, parse_llama3_call
 from protocol.messages import Logprob
 
 _json = msgspec.json.Encoder()
@@ -155,11 +156,14 @@ class ChatRenderer(_Base):
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, request_id: str, created: int, model: str, tokenizer: ModelTokenizer, prompt_ids: list[int],
-                 return_token_ids: bool, top_logprobs: int | None) -> None:
+                 return_token_ids: bool, top_logprobs: int | None, tools: ToolUse | None = None) -> None:
         super().__init__(request_id, created, model, tokenizer, prompt_ids, return_token_ids)
         self.top_logprobs = top_logprobs
-        self.plain = top_logprobs is None
+        # With tools the model may call, each choice's text goes through its call parser.
+        self.tools = tools if tools is not None and tools.parses else None
+        self.plain = top_logprobs is None and self.tools is None
         self._prefixes: dict[tuple[int, bool], bytes] = {}
+        self._parsers: dict[int, ToolCallParser] = {}
 
     def token(self, choice: Piece, text: str) -> bytes:
         key = (choice.index, choice.first_chunk)
@@ -189,6 +193,8 @@ class ChatRenderer(_Base):
 
     def chunk(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
               finish_reason: str | None, abort_reason: str | None) -> bytes:
+        if self.tools is not None:
+            return self._tool_chunks(choice, text, token_ids, logprobs, finish_reason, abort_reason)
         if choice.first_chunk:
             delta: dict[str, Any] = {"role": "assistant", "content": text}
         else:
@@ -198,9 +204,50 @@ class ChatRenderer(_Base):
                 "finish_reason": finish_reason}
         return sse(self._envelope(_with_abort_reason(body, finish_reason, abort_reason)))
 
+    def _tool_chunks(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
+                     finish_reason: str | None, abort_reason: str | None) -> bytes:
+        """The chunks a piece of output makes when it may hold calls: its content, each call's
+        start (id, type, name) and argument fragments; nothing while a call's header is read."""
+        parser = self._parsers.setdefault(choice.index, ToolCallParser())
+        events = parser.feed(text, final=finish_reason is not None)
+        deltas: list[dict[str, Any]] = []
+        if events.content or (choice.first_chunk and finish_reason is None and not events):
+            deltas.append({"content": events.content})
+        for index, call in events.started:
+            deltas.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                           "function": {"name": call.name, "arguments": ""}}]})
+        for index, fragment in events.arguments:
+            deltas.append({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
+        if finish_reason is not None:
+            if parser.calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            deltas.append({})
+        out = []
+        for i, delta in enumerate(deltas):
+            if choice.first_chunk:
+                delta = {"role": "assistant"} | delta
+                choice.first_chunk = False
+            last = finish_reason is not None and i == len(deltas) - 1
+            body = {"index": choice.index, "delta": delta,
+                    "logprobs": self._logprobs(token_ids, logprobs) if i == 0 else None,
+                    "finish_reason": finish_reason if last else None}
+            out.append(sse(self._envelope(_with_abort_reason(body, finish_reason if last else None, abort_reason))))
+        return b"".join(out)
+
     def answer(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
                finish_reason: str, abort_reason: str | None) -> dict[str, Any]:
-        body = {"index": choice.index, "message": {"role": "assistant", "content": text},
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            parser = ToolCallParser()
+            content = parser.feed(text, final=True).content
+            calls = parser.calls or ([c] if (c := parse_llama3_call(text)) is not None else [])
+            if calls:
+                message = {"role": "assistant", "content": (content.strip() or None) if parser.calls else None,
+                           "tool_calls": [{"id": c.id, "type": "function",
+                                           "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+                if finish_reason == "stop":
+                    finish_reason = "tool_calls"
+        body = {"index": choice.index, "message": message,
                 "logprobs": self._logprobs(token_ids, logprobs), "finish_reason": finish_reason}
         if self.return_token_ids:
             body.update(token_ids=token_ids, prompt_token_ids=self.prompt_ids)

@@ -107,7 +107,7 @@ class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True
     best_of: Annotated[int, Meta(ge=1, le=1)] | None = None  # OpenAI's; only 1 (the default) is served
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -117,25 +117,41 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    # OpenAI's tool-calling fields: known, so refused by name (``unsupported_message_fields``).
-    tool_calls: list[Any] | None = None
-    tool_call_id: str | None = None
-    function_call: Any = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (``frontend/tools.py`` renders them)
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    function_call: Any = None  # OpenAI's deprecated single call: refused by name
     refusal: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """What the chat template reads of it."""
+        out: dict[str, Any] = {"role": self.role, "content": message_text(self)}
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 def unsupported_message_fields(messages: list[ChatMessage]) -> tuple[str, str] | None:
     """(param, message) for the first message Sluice cannot render as asked: a role other than
-    ``CHAT_ROLES``, or a tool call or tool result (tool calling is not supported yet)."""
+    ``CHAT_ROLES``, OpenAI's deprecated ``function`` role or ``function_call``, a tool message
+    without the call it answers, or an assistant's call that is not a function call."""
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if m.role in ("tool", "function"):
-            return f"{where}.role", f"{where}: role {m.role!r} (a tool's result) is not supported: tool calling is not"
+        if m.role == "function" or m.function_call is not None:
+            param = f"{where}.role" if m.role == "function" else f"{where}.function_call"
+            return param, f"{param}: OpenAI's deprecated function calling is not supported; use tools and tool_calls"
         if m.role not in CHAT_ROLES:
             return f"{where}.role", f"{where}: unknown role {m.role!r}; expected one of {', '.join(CHAT_ROLES)}"
-        for field in ("tool_calls", "tool_call_id", "function_call"):
-            if getattr(m, field) is not None:
-                return f"{where}.{field}", f"{where}.{field} is not supported: tool calling is not"
+        if m.role == "tool" and not m.tool_call_id:
+            return f"{where}.tool_call_id", f"{where}: a tool message needs the tool_call_id of the call it answers"
+        for j, call in enumerate(m.tool_calls or []):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if m.role != "assistant" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                return (f"{where}.tool_calls[{j}]", f"{where}.tool_calls[{j}] must be an assistant's "
+                        '{"type": "function", "function": {"name", "arguments"}}')
     return None
 
 
@@ -148,10 +164,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
-    # and refused as not supported when they ask for something (openai_api checks them):
+    # Tool calling (``frontend/tools.py`` checks them, naming the field):
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -160,6 +176,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    tools: list[Any] | None = None  # messages only: as chat completions show them to the model
+    tool_choice: Any = None
     add_special_tokens: bool = True  # prompt only: the BOS the model expects, as completions add it
 
 

@@ -4,7 +4,8 @@ prompt or a conversation, and text back from token ids — for clients that coun
 
 ``{"prompt": str}`` is tokenized as ``/v1/completions`` tokenizes it (with the BOS token the model
 expects, unless ``add_special_tokens`` is false); ``{"messages": [...]}`` is rendered with the chat
-template and tokenized as ``/v1/chat/completions`` does. The answer is
+template and tokenized as ``/v1/chat/completions`` does (with its ``tools`` and ``tool_choice``,
+which change the prompt). The answer is
 ``{"tokens", "count", "max_model_len"}``; a prompt longer than the model's context is counted all
 the same (that is often what the client wants to know). ``/detokenize`` decodes the ids as they
 are, special tokens included, so it inverts ``/tokenize``.
@@ -17,16 +18,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.errors import bad_request
-from frontend.openai_api import _check_model, _check_token_ids, _tokenize
-from frontend.schemas import (
-    DetokenizeRequest,
-    TokenizeRequest,
-    decode,
-    message_text,
-    unsupported_message_fields,
-)
+from frontend.openai_api import _check_model, _check_token_ids, _tokenize, chat_prompt_ids
+from frontend.schemas import DetokenizeRequest, TokenizeRequest, decode
 from frontend.state import AppState
-from frontend.tokenizer import ChatTemplateError
+from frontend.tools import tool_use
 
 _json = msgspec.json.Encoder()
 
@@ -45,15 +40,8 @@ async def tokenize(request: Request) -> Response:
             tokens = await _tokenize(len(body.prompt), tokenizer.encode_text, body.prompt)
     else:
         assert body.messages is not None
-        unsupported = unsupported_message_fields(body.messages)
-        if unsupported is not None:
-            raise bad_request(unsupported[1], unsupported[0])
-        try:
-            messages = [{"role": m.role, "content": message_text(m)} for m in body.messages]
-            size = sum(len(m["role"]) + len(m["content"]) for m in messages)
-            tokens = await _tokenize(size, tokenizer.encode_chat, messages)
-        except (ValueError, ChatTemplateError) as e:
-            raise bad_request(str(e), "messages") from None
+        use = tool_use(body.tools, body.tool_choice, None)
+        tokens = await chat_prompt_ids(tokenizer, body.messages, use)
     body_out = {"tokens": tokens, "count": len(tokens), "max_model_len": state.require_model().max_model_len}
     return Response(_json.encode(body_out), media_type="application/json")
 

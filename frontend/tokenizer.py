@@ -142,13 +142,31 @@ class ModelTokenizer:
         """Token ids of ``text`` alone: no BOS or other special token added."""
         return self._encode(text, add_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        if self._template is None:
+    @property
+    def knows_tools(self) -> bool:
+        """Whether the chat template for requests with tools renders them itself (names them)."""
+        return "tools" in (self.info.tool_chat_template or self.info.chat_template or "")
+
+    @functools.cached_property
+    def _tool_template(self) -> jinja2.Template | None:
+        if self.info.tool_chat_template is None:
+            return self._template
+        try:
+            return chat_environment().from_string(self.info.tool_chat_template)
+        except jinja2.TemplateSyntaxError as e:
+            self._template_error = f"this model's tool_use chat template does not parse (line {e.lineno}: {e.message})"
+            return None
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation as the model's template renders it; with ``tools``, the model's
+        ``tool_use`` template if it has one (as transformers chooses)."""
+        template = self._tool_template if tools else self._template
+        if template is None:
             raise ChatTemplateError(self._template_error)
         try:
-            return self._template.render(
+            return template.render(
                 messages=messages,
-                tools=None,  # transformers passes both, so `tools is none` tests see None, not undefined
+                tools=tools,  # transformers passes both, so `tools is none` tests see None, not undefined
                 documents=None,
                 add_generation_prompt=True,
                 bos_token=self._bos_text,
@@ -159,13 +177,14 @@ class ModelTokenizer:
             # a string, messages[0] of nothing): the client's request cannot be rendered.
             raise ChatTemplateError(f"chat template rejected the messages: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]], max_chars: int | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], max_chars: int | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render the chat template and tokenize it as ``transformers``' ``apply_chat_template``
         does: special tokens come from the template text alone (add_special_tokens=False). The
         plain default template has no BOS of its own, so prompts rendered with it get the one
         the model expects, as completion prompts do. A rendering of more than ``max_chars``
         characters raises ``PromptTooLong`` untokenized."""
-        text = self.render_chat(messages)
+        text = self.render_chat(messages, tools)
         self._check_chars(text, max_chars, "rendered conversation")
         ids = self._encode(text, add_special_tokens=False)
         bos = self.info.bos_token_id

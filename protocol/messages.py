@@ -252,6 +252,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # does not set; and where they come from, for the logs.
     sampling_defaults: dict[str, float] = {}
     sampling_defaults_from: str = ""
+    # The named-list form's ``tool_use`` template, which transformers renders when tools are given.
+    tool_chat_template: str | None = None
 
 
 class EngineReady(msgspec.Struct, tag=True, array_like=True):

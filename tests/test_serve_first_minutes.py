@@ -113,7 +113,7 @@ def test_start_up_idle_and_the_first_mistakes_read_well(tmp_path: Path) -> None:
                                      "type": "invalid_request_error", "param": "temprature", "code": "unknown_field"}
         r = httpx.post(f"{server.url}/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [{"type": "function"}]})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0]"
         r = httpx.get(f"{server.url}/v1/completions")
         assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
         for stream in (False, True):

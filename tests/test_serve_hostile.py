@@ -177,11 +177,15 @@ SAMPLING_KINDS: dict[str, set[str]] = {
     "stream_options": {"object", "null"}, "priority": {"int"}, "user": {"str", "null"},
     "presence_penalty": {"float"}, "frequency_penalty": {"float"}, "repetition_penalty": {"float", "null"},
     "min_p": {"float", "null"}, "logit_bias": {"object", "null"}, "return_token_ids": {"bool"},
+    "response_format": {"object", "null"}, "structured_outputs": {"object", "null"},
+    "guided_json": {"object", "str", "bool", "null"}, "guided_regex": {"str", "null"},
+    "guided_choice": {"list", "null"}, "guided_grammar": {"str", "null"},
 }
 COMPLETION_KINDS = SAMPLING_KINDS | {"prompt": {"str", "list"}, "echo": {"bool"}, "suffix": {"str", "null"},
                                      "logprobs": {"int", "null"}}
 CHAT_KINDS = SAMPLING_KINDS | {"messages": {"list"}, "max_completion_tokens": {"int", "null"},
-                               "logprobs": {"bool"}, "top_logprobs": {"int", "null"}}
+                               "logprobs": {"bool"}, "top_logprobs": {"int", "null"}, "tools": {"list", "null"},
+                               "tool_choice": {"str", "object", "null"}, "parallel_tool_calls": {"bool", "null"}}
 
 bad_ids = st.one_of(st.integers(min_value=VOCAB), st.integers(max_value=-1))
 # field -> values out of its range (each a 4xx naming the field, alone in a valid body)
@@ -224,7 +228,40 @@ COMPLETION_BAD = SAMPLING_BAD | {
     "suffix": st.text(min_size=1, max_size=10),
     "logprobs": ints_outside(0, 20),
 }
+BAD_SCHEMAS = st.sampled_from([
+    {"type": "string", "pattern": "(unclosed"}, {"type": "nonsense"}, {"$ref": "#/nowhere"},
+    {"type": "object", "properties": {"x": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["x"]},
+    {"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 1}, [], 7])
+SAMPLING_BAD |= {
+    # Constraints that cannot be used: each a 400 naming the field (or a part of it).
+    "response_format": st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["xml", "", "json"])}),
+        st.just({"type": "json_schema"}), st.just({"type": "json_schema", "json_schema": {"name": "x"}}),
+        BAD_SCHEMAS.map(lambda schema: {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})),
+    "structured_outputs": st.one_of(
+        BAD_SCHEMAS.map(lambda schema: {"json": schema}),
+        st.sampled_from([{"regex": "(a"}, {"regex": "[z-a]"}, {"choice": []}, {"choice": [1, 2]}, {"grammar": 5},
+                         {"grammar": 'root ::= "a" missing'}, {"regex": "a", "choice": ["a"]}, {"xml": "a"},
+                         {"json_object": True, "regex": "a"}])),
+    "guided_json": BAD_SCHEMAS,
+    "guided_regex": st.sampled_from(["(a", "a{2,1}", "*a", "a)", "[z-a]"]),
+    "guided_choice": st.sampled_from([[], [1], ["a", None]]),
+    "guided_grammar": st.sampled_from(["root ::= undefined", "start: x", 'root ::= "a" | | (']),
+}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CHAT_BAD = SAMPLING_BAD | {
+    "tools": st.one_of(
+        st.lists(st.sampled_from([{"type": "function"}, {"type": "retrieval", "function": {"name": "f"}},
+                                  {"type": "function", "function": {"name": ""}},
+                                  {"type": "function", "function": {"name": "x" * 65}},
+                                  {"type": "function", "function": {"name": "a b"}},
+                                  {"type": "function", "function": {"name": "f", "parameters": [1]}}, 7]),
+                 min_size=1, max_size=3),
+        st.integers(2, 5).map(lambda k: [TOOL] * k)),  # one tool named again
+    "tool_choice": st.one_of(st.sampled_from(["required", "any", "", {"type": "function"},
+                                              {"type": "function", "function": {"name": "f"}}]),
+                             st.text(max_size=8).filter(lambda t: t not in ("none", "auto"))),
+
     "messages": st.one_of(
         st.just([]),
         st.lists(st.fixed_dictionaries({"content": st.text(max_size=5)}), min_size=1, max_size=2),  # no role
@@ -314,7 +351,10 @@ def test_a_value_out_of_range_is_a_4xx_naming_the_field(served: Served, path: st
     name = data.draw(st.sampled_from(sorted(bad)))
     body = dict(base) | {name: data.draw(bad[name], label=name)}
     statuses = {404} if name == "model" else {400, 403} if name == "priority" else {400}
-    check(post(served, path, emit(body)), statuses=statuses, params={name})
+    r = post(served, path, emit(body))
+    check(r, statuses=statuses)
+    param = r.json()["error"]["param"]
+    assert param == name or param.startswith((f"{name}.", f"{name}[")), f"{param} for {body}"
 
 
 @PROPERTY

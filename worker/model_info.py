@@ -16,7 +16,8 @@ The frontend never reads model files; this is where their tokenizer-side facts a
   False (GPT-2/Qwen2-style byte-level tokenizers, which add nothing). The frontend never adds a
   second BOS when the ids already start with one.
 * ``chat_template``: ``tokenizer_config.json``'s (a string, or the named-list form's
-  ``default``), else ``chat_template.jinja``, else None (the frontend's plain default).
+  ``default``), else ``chat_template.jinja``, else None (the frontend's plain default);
+  ``tool_chat_template``: the named-list form's ``tool_use``, which requests with tools get.
 """
 
 from __future__ import annotations
@@ -70,12 +71,15 @@ def _load_tokenizer(path: Path) -> tuple[str, Tokenizer]:
         raise ModelLoadError(f"{path}: not a tokenizers tokenizer ({e})") from None
 
 
-def _chat_template(model_dir: Path, tok_cfg: dict[str, Any]) -> str | None:
+def _chat_template(model_dir: Path, tok_cfg: dict[str, Any], name: str = "default") -> str | None:
+    """The template of that name: ``default``, or ``tool_use`` (the named-list form only)."""
     template = tok_cfg.get("chat_template")
     if isinstance(template, list):  # the list-of-named-templates form
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        template = next((t.get("template") for t in template if t.get("name") == name), None)
+    elif name != "default":
+        return None
     jinja_file = model_dir / "chat_template.jinja"
-    if template is None and jinja_file.exists():
+    if template is None and name == "default" and jinja_file.exists():
         template = jinja_file.read_text()
     return template if isinstance(template, str) else None
 
@@ -115,6 +119,7 @@ def build_gguf_model_info(checkpoint: GGUFCheckpoint, cfg: LlamaConfig, *, name:
         bos_token_id=cfg.bos_token_id,
         tokenizer_json=tokenizer.to_str(),
         chat_template=checkpoint.chat_template(),
+        tool_chat_template=checkpoint.chat_template("tool_use"),
         add_bos_token=checkpoint.add_bos_token() and cfg.bos_token_id is not None,
         num_kv_blocks=num_kv_blocks,
         block_size=block_size,
@@ -141,6 +146,7 @@ def build_model_info(model_dir: Path, cfg: LlamaConfig, *, name: str, max_model_
         bos_token_id=bos,
         tokenizer_json=tokenizer_json,
         chat_template=_chat_template(model_dir, tok_cfg),
+        tool_chat_template=_chat_template(model_dir, tok_cfg, "tool_use"),
         add_bos_token=_add_bos_token(tok_cfg, tokenizer, bos),
         num_kv_blocks=num_kv_blocks,
         block_size=block_size,

@@ -141,8 +141,9 @@ class GGUFCheckpoint:
         except KeyError as e:
             raise ModelLoadError(f"{self.path}: metadata {e.args[0]} is missing") from None
 
-    def chat_template(self) -> str | None:
-        template = self.metadata.get("tokenizer.chat_template")
+    def chat_template(self, name: str | None = None) -> str | None:
+        """The file's chat template, or its template of that name (``tool_use``) if it has one."""
+        template = self.metadata.get("tokenizer.chat_template" + (f".{name}" if name else ""))
         return str(template) if template is not None else None
 
     def add_bos_token(self) -> bool:

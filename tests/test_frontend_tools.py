@@ -1,0 +1,227 @@
+"""Tool calling's parts on their own: a request's tools checked, the grammar a required choice
+compiles to (llguidance), the conversation as templates see it (against transformers), and the
+streaming call parser, whose output must not depend on how the text was cut into pieces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import llguidance
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from frontend.errors import APIError
+from frontend.tokenizer import ModelTokenizer
+from frontend.tools import (
+    CLOSE,
+    OPEN,
+    ToolCallParser,
+    calls_grammar,
+    parse_llama3_call,
+    prompt_messages,
+    tool_use,
+)
+from worker.model_config import LlamaConfig
+from worker.model_info import build_model_info
+from worker.tiny import build_byte_level_tokenizer
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+def _param_of(call: Any) -> str | None:
+    with pytest.raises(APIError) as e:
+        call()
+    return e.value.param
+
+
+def test_tools_and_tool_choice_are_checked_naming_the_field() -> None:
+    assert _param_of(lambda: tool_use([WEATHER, WEATHER], None, None)) == "tools[1].function.name"
+    assert _param_of(lambda: tool_use([{"type": "function"}], None, None)) == "tools[0]"
+    assert _param_of(lambda: tool_use([{"type": "function", "function": {"name": "a b"}}], None, None)) \
+        == "tools[0].function.name"
+    assert _param_of(lambda: tool_use([{"type": "function", "function": {"name": "f", "parameters": []}}],
+                                      None, None)) == "tools[0].function.parameters"
+    assert _param_of(lambda: tool_use([WEATHER], {"type": "function", "function": {"name": "add"}}, None)) \
+        == "tool_choice"
+    assert _param_of(lambda: tool_use(None, "required", None)) == "tool_choice"
+    assert _param_of(lambda: tool_use([WEATHER], "sometimes", None)) == "tool_choice"
+    assert tool_use(None, None, None) is None and tool_use([], "none", None) is None
+    use = tool_use([WEATHER, ADD], None, None)
+    assert use is not None and use.choice == "auto" and use.parallel and use.parses
+    named = tool_use([WEATHER, ADD], {"type": "function", "function": {"name": "add"}}, False)
+    assert named is not None and (named.choice, named.named, named.parallel) == ("named", "add", False)
+    none = tool_use([WEATHER], "none", None)
+    assert none is not None and not none.parses
+
+
+def _accepts(grammar: str, text: str) -> bool:
+    """Whether ``text`` is a complete output of ``grammar``, byte by byte (a byte-level tokenizer)."""
+    tokenizer = build_byte_level_tokenizer(320)
+    ll = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=320, eos_token=[2])
+    matcher = llguidance.LLMatcher(ll, grammar)
+    assert not matcher.is_error(), matcher.get_error()
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+def test_a_required_choice_holds_the_output_to_calls_of_its_tools() -> None:
+    required = calls_grammar(tool_use([WEATHER, ADD], "required", None))  # type: ignore[arg-type]
+    assert required is not None
+    one = f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}'
+    two = f'{one}\n{OPEN}\n{{"name": "add", "arguments": {{"a": 1, "b": 2}}}}\n{CLOSE}'
+    assert _accepts(required, one) and _accepts(required, two)
+    assert not _accepts(required, "It is sunny.")
+    assert not _accepts(required, one.replace("get_weather", "get_time"))  # not a tool
+    assert not _accepts(required, one.replace('"city": "Paris"', '"town": "Paris"'))  # not its schema
+    assert not _accepts(required, one.replace('{"city": "Paris"}', '{ "city":"Paris" }'))  # written as json.dumps
+    single = calls_grammar(tool_use([WEATHER, ADD], "required", False))  # type: ignore[arg-type]
+    named = calls_grammar(tool_use([WEATHER, ADD], {"type": "function", "function": {"name": "add"}}, None))  # type: ignore[arg-type]
+    assert single is not None and named is not None
+    assert _accepts(single, one) and not _accepts(single, two)  # parallel_tool_calls false: one call
+    assert not _accepts(named, one) and _accepts(named, two.split("\n", 3)[3])
+    assert calls_grammar(tool_use([WEATHER], "auto", None)) is None  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------ templates
+
+KNOWS_TOOLS = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n"
+    "{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{%- for call in m.tool_calls or [] %}<call>{{ call.function.name }} {{ call.function.arguments | tojson }}</call>"
+    "{%- endfor %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+PLAIN = "{%- for m in messages %}[{{ m.role }}] {{ m.content }}\n{%- endfor %}[assistant]"
+CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris, and 2+3?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 °C"},
+    {"role": "tool", "tool_call_id": "c2", "content": "5"},
+]
+
+
+def _model_dir(path: Path, chat_template: Any) -> Path:
+    path.mkdir()
+    build_byte_level_tokenizer(320).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "chat_template": chat_template}))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2}))
+    return path
+
+
+def _ours(path: Path) -> ModelTokenizer:
+    cfg = LlamaConfig.from_file(path / "config.json")
+    return ModelTokenizer(build_model_info(path, cfg, name="t", max_model_len=256, num_kv_blocks=4, block_size=16))
+
+
+@pytest.mark.parametrize("chat_template", [KNOWS_TOOLS, [{"name": "default", "template": PLAIN},
+                                                         {"name": "tool_use", "template": KNOWS_TOOLS}]],
+                         ids=["template", "tool_use-template"])
+def test_a_template_that_knows_tools_renders_them_as_transformers_does(tmp_path: Path, chat_template: Any) -> None:
+    from transformers import AutoTokenizer
+
+    path = _model_dir(tmp_path / "model", chat_template)
+    ours, hf = _ours(path), AutoTokenizer.from_pretrained(str(path))
+    assert ours.knows_tools
+    use = tool_use([WEATHER, ADD], None, None)
+    assert use is not None
+    messages = prompt_messages(CONVERSATION, use, knows_tools=True)
+    # Arguments parsed, as vLLM gives them to templates (and as they render them: as JSON objects).
+    hf_messages = [m | {"tool_calls": [c | {"function": c["function"] | {"arguments": json.loads(
+        c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in CONVERSATION]
+    want = hf.apply_chat_template(hf_messages, tools=use.tools, tokenize=False, add_generation_prompt=True)
+    assert ours.render_chat(messages, use.tools) == want
+    assert '<call>add {"a": 2, "b": 3}</call>' in want and '"name": "get_weather"' in want
+    if isinstance(chat_template, list):  # without tools, the default template
+        assert ours.render_chat(CONVERSATION[:1]).startswith("[user] Weather")
+
+
+def test_a_template_that_does_not_know_tools_gets_them_written_in(tmp_path: Path) -> None:
+    ours = _ours(_model_dir(tmp_path / "model", PLAIN))
+    assert not ours.knows_tools
+    use = tool_use([WEATHER], None, None)
+    text = ours.render_chat(prompt_messages(CONVERSATION, use, knows_tools=False))
+    assert text.startswith("[system] You can call functions") and json.dumps(WEATHER) in text
+    assert f'[assistant] {OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}' in text
+    assert "[user] <tool_response>\nsunny, 21 °C\n</tool_response>" in text
+    # tool_choice none: the model is not told of tools it may not call.
+    unshown = ours.render_chat(prompt_messages(CONVERSATION[:1], None, knows_tools=False))
+    assert unshown == "[user] Weather in Paris, and 2+3?[assistant]"
+
+
+# ------------------------------------------------------------------------------------ parsing
+
+
+def _feed_all(pieces: list[str]) -> tuple[str, list[tuple[str, str]], list[tuple[str, str]]]:
+    """(content, calls as streamed: name and reassembled arguments, calls as the parser kept them)."""
+    parser = ToolCallParser()
+    content, names, args = "", {}, {}
+    for i, piece in enumerate(pieces):
+        events = parser.feed(piece, final=i == len(pieces) - 1)
+        content += events.content
+        for index, call in events.started:
+            assert index not in names, "a call starts once"
+            names[index] = call.name
+        for index, fragment in events.arguments:
+            assert index in names, "arguments after the call's start"
+            args[index] = args.get(index, "") + fragment
+    streamed = [(names[i], args.get(i, "")) for i in sorted(names)]
+    return content, streamed, [(c.name, c.arguments) for c in parser.calls]
+
+
+TEXT = st.lists(st.sampled_from([*"ab <>/{}\"\\\n:,_", "tool_call", "é", "🙂"]), max_size=12).map("".join)
+ARGS = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=6),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                    max_leaves=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(before=TEXT, calls=st.lists(st.tuples(st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
+                                              st.dictionaries(st.text(max_size=5), ARGS, max_size=3)), max_size=3),
+       compact=st.booleans(), cuts=st.lists(st.integers(1, 9), min_size=1, max_size=40))
+def test_the_parser_gives_the_same_calls_however_the_text_is_cut(
+        before: str, calls: list[tuple[str, dict]], compact: bool, cuts: list[int]) -> None:
+    sep = (",", ":") if compact else (", ", ": ")
+    while OPEN in before:
+        before = before.replace(OPEN, "")
+    written = [json.dumps({"name": n, "arguments": a}, separators=sep) for n, a in calls]
+    text = before + "".join(f"{OPEN}\n{w}\n{CLOSE}\n" for w in written)
+    pieces, at = [], 0
+    for n in cuts * (len(text) // max(sum(cuts), 1) + 1):
+        if at >= len(text):
+            break
+        pieces.append(text[at : at + n])
+        at += n
+    content, streamed, kept = _feed_all(pieces or [""])
+    want = [(n, json.dumps(a, separators=sep)) for n, a in calls]
+    assert streamed == kept == want
+    assert content == (before if calls else text)
+
+
+def test_text_that_only_looks_like_a_call_is_content() -> None:
+    for text in ("a < b and <tool_ but no call", f"{OPEN}not json{CLOSE} after", f"x {OPEN}\n{{\"name\": \"f\""):
+        content, streamed, _ = _feed_all(list(text))
+        assert (content, streamed) == (text, []), text
+    # Arguments before the name: read whole at the close tag.
+    content, streamed, _ = _feed_all(list(f'{OPEN}{{"arguments": {{"x": 1}}, "name": "f"}}{CLOSE}'))
+    assert (content, streamed) == ("", [("f", '{"x": 1}')])
+
+
+def test_llama3_calls_are_the_whole_answer() -> None:
+    call = parse_llama3_call('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}')
+    assert call is not None and (call.name, json.loads(call.arguments)) == ("add", {"a": 1, "b": 2})
+    assert parse_llama3_call('{"a": 1}') is None and parse_llama3_call("Sure: {}") is None
