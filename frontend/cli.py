@@ -97,6 +97,9 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        help="auto: the model's sampling defaults (its generation_config.json; the built-in "
                             "smollm2: its model card's temperature 0.2, top-p 0.9) apply to requests that do not "
                             "set them; none: OpenAI's (temperature 1)")
+        _bool_flag(p, "--jump-forward", True,
+                   "structured output: append the tokens a grammar allows only one way (JSON keys and "
+                   "punctuation) without a forward pass each")
         p.add_argument("--worker-threads", type=int, default=0,
                        help="CPU threads of the worker's forward pass (default 0: every core for models of "
                             "50M+ parameters, one core fewer for smaller ones; OMP_NUM_THREADS, when set, wins)")

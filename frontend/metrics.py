@@ -39,6 +39,8 @@ SCHEDULER_METRICS = {
                              "counter"),
     "prefix_cache_hits": ("sluice_prefix_cache_hits", "Prompt tokens served by the prefix cache", "counter"),
     "preemptions": ("sluice_num_preemptions", "Requests preempted (recompute or swap)", "counter"),
+    "jump_forward_tokens": ("sluice_jump_forward_tokens", "Output tokens a grammar forced, appended without a "
+                            "forward pass of their own (structured output's jump-forward)", "counter"),
     "worker_busy_s_total": ("sluice_worker_busy_seconds", "Worker compute time", "counter"),
     "internal_errors": ("sluice_internal_errors", "Scheduler bugs caught (a handler or the core raised; "
                         "the request it concerned was ended with an error)", "counter"),

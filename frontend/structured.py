@@ -52,6 +52,18 @@ class Constraint(msgspec.Struct, frozen=True):
     grammar: str
 
 
+# JSON is written as ``json.dumps`` writes it: one line, ", " and ": " between items. A model
+# free to choose its whitespace can ramble in it (small models write newlines until max_tokens),
+# and fixed whitespace leaves keys and punctuation with one continuation, which the worker then
+# appends without a forward pass each (jump-forward). A schema's own "x-guidance" settings win.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def compact(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with ``JSON_LAYOUT`` unless it sets its own."""
+    return {**schema, "x-guidance": JSON_LAYOUT | dict(schema.get("x-guidance") or {})}
+
+
 def _json_schema(value: Any, param: str) -> str:
     if isinstance(value, str):
         try:
@@ -60,6 +72,11 @@ def _json_schema(value: Any, param: str) -> str:
             raise bad_request(f"{param} is not valid JSON: {e}", param) from None
     if not isinstance(value, dict | bool):
         raise bad_request(f"{param} must be a JSON schema (an object)", param)
+    if isinstance(value, dict):
+        if not isinstance(value.get("x-guidance", {}), dict):
+            raise bad_request(f"{param}.x-guidance must be an object (llguidance's JSON options)",
+                              f"{param}.x-guidance")
+        value = compact(value)
     try:
         return str(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(value)))
     except ValueError as e:

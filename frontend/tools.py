@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.errors import bad_request
-from frontend.structured import Constraint
+from frontend.structured import Constraint, compact
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -123,10 +123,8 @@ def calls_grammar(use: ToolUse) -> str | None:
     names = [use.named] if use.named is not None else [t["function"]["name"] for t in use.tools]
     bodies = [{"type": "object", "properties": {"name": {"const": n}, "arguments": use.parameters(n)},
                "required": ["name", "arguments"], "additionalProperties": False} for n in names]
-    schema: dict[str, Any] = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
-    # Written as json.dumps writes it, as the model saw calls written in its training and its
-    # prompt: no newlines or indentation for it to choose (or ramble in).
-    schema = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}} | schema
+    # Written as json.dumps writes it, as the model saw calls written in its prompt.
+    schema = compact(bodies[0] if len(bodies) == 1 else {"anyOf": bodies})
     # After a call the output may end; with parallel calls, a newline may begin the next one.
     more = ' ("\\n" call)*' if use.parallel and use.named is None else ""
     return (f"start: call{more}\n"

@@ -130,6 +130,7 @@ class WorkerConfig:
     served_model_name: str | None = None
     worker_threads: int = 0  # CPU threads of the forward pass; 0: chosen from the cores and the model
     generation_config: str = "auto"  # auto: the model's sampling defaults apply; none: OpenAI's
+    jump_forward: bool = True  # append a grammar's forced tokens without a forward pass each
     tensor_parallel_size: int = 1
     rank: int = 0
     curve_keys: str | None = None

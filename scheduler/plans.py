@@ -63,7 +63,8 @@ class Plans:
         self._finish = finish
         self.in_flight: dict[int, PlanInFlight] = {}
         self.next_plan_id = first_plan_id  # a core replacing another goes on from its plan ids
-        self.num_steps_run = 0
+        self.num_steps_run = 0  # forward passes the worker reported (a window's rows may all stop early)
+        self.num_jumped = 0  # tokens the worker appended by jump-forward (a row's second and later in a step)
         self._forget: list[int] = []  # rids whose worker state must go in the next plan
 
     # ------------------------------------------------------------------ the worker's state
@@ -108,7 +109,6 @@ class Plans:
                 queue.charge(req.user, n)
         self.pool.free(step.copy_sources)  # the copies are in the plan: later plans run after them
         self.next_plan_id += 1
-        self.num_steps_run += steps
         self.in_flight[self.next_plan_id] = PlanInFlight(rids, steps, speculative=False)
         return StepPlan(self.next_plan_id, new_requests, rids, list(rows.values()), new_blocks, steps, forget,
                         step.swap_out, step.swap_in, step.copies)
@@ -194,7 +194,6 @@ class Plans:
             req.grow(self.pool.allocate(want))
             new_blocks.append(req.unsent_blocks())
         self.next_plan_id += 1
-        self.num_steps_run += steps
         rids = [r.rid for r in rows]
         self.in_flight[self.next_plan_id] = PlanInFlight(rids, steps, speculative=True)
         return StepPlan(self.next_plan_id, [], rids, [1] * len(rows), new_blocks, steps, speculative=True)
@@ -219,16 +218,27 @@ class Plans:
         caching, block_size = self.pool.enable_caching, self.block_size
         last_slot = block_size - 1
         eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
+        previous = None
         for rid, token in zip(out.rids, out.token_ids, strict=True):
             req = requests.get(rid)
             if req is None or not (req.status is running or (req.status is paused and rid in plan_rows)):
                 continue  # finished or preempted while the plan ran: its tokens are void
-            if computes_previous:
-                if caching and req.num_computed % block_size == last_slot:  # it fills a block
-                    self._register_full_blocks(req, 1)
-                req.advance(1)  # the worker computed the token it sampled last step
+            if computes_previous and rid != previous:
+                # The worker computed what it reported for this row before: the token it sampled
+                # last step (and any that jump-forward appended after it; a row's tokens of one
+                # step come together, the sampled one first).
+                n = len(req.token_ids) - req.num_computed
+                if n == 1:
+                    if caching and req.num_computed % block_size == last_slot:  # it fills a block
+                        self._register_full_blocks(req, 1)
+                elif caching:
+                    self._register_full_blocks(req, n)
+                req.advance(n)
                 if counts_service:
-                    queue.charge(req.user, 1)
+                    queue.charge(req.user, n)
+            elif rid == previous:
+                self.num_jumped += 1
+            previous = rid
             reason = req.add_output(token, eos_token_ids, max_model_len)
             rids.append(rid)
             tokens.append(token)
@@ -236,6 +246,7 @@ class Plans:
                 started.append((rid, req.num_cached_tokens))
             if reason is not None:
                 finished.append(self._finish(req, reason))
+        self.num_steps_run += 1
         if plan is not None:
             plan.steps_seen = out.step + 1
             if out.last:

@@ -418,4 +418,5 @@ class Scheduler:
             "prefix_cache_hits": self.pool.hits,
             "prefix_cache_hit_rate": self.pool.hits / self.pool.queries if self.pool.queries else 0.0,
             "steps": self.plans.num_steps_run,
+            "jump_forward_tokens": self.plans.num_jumped,
         } | ({"seats_by_priority": {str(p): n for p, n in self.running.held.items()}} if self.running.held else {})

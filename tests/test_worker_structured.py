@@ -95,3 +95,57 @@ def test_the_mask_is_what_the_matcher_allows(worker: Worker) -> None:
     masked = apply_masks(logits, torch.tensor([1]), masks)
     assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
     assert {int(t) for t in torch.nonzero(masked[1] == 0).flatten()} == allowed
+
+
+# A JSON object written as json.dumps writes it: its keys and punctuation are forced.
+LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+RECORD = {"type": "object", "x-guidance": LAYOUT, "additionalProperties": False, "required": ["colour", "size", "ok"],
+          "properties": {"colour": {"enum": ["red", "green", "blue"]}, "size": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 99},
+                         "ok": {"type": "boolean"}}}
+
+
+def record(seed: int | None = None) -> SamplingParams:
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(RECORD))
+    return SamplingParams(max_tokens=60, temperature=0.0 if seed is None else 1.0, seed=seed, grammar=grammar)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_jump_forward_appends_forced_tokens_in_fewer_passes_and_changes_no_output(worker: Worker, lag: int) -> None:
+    outputs, passes = [], []
+    for jump in (False, True):
+        r = worker.runner
+        d = Driver(ModelRunner(r.model, r.cache, r.device, 8192, list(r.eos_token_ids), finalize_lag=lag,
+                               grammars=r.grammars, jump_forward=jump))
+        news = [NewRequest(0, PROMPT, len(PROMPT), record()), NewRequest(1, PROMPT[:6], 6, record(seed=7)),
+                NewRequest(9, PROMPT, len(PROMPT), greedy(30))]
+        d.plan([(n.rid, len(n.token_ids)) for n in news], news, steps=6)
+        d.decode_to_end(6)
+        for rid in (0, 1):
+            out = d.outputs[rid]
+            assert out[-1] in worker.info.eos_token_ids
+            value = json.loads(text(worker, out[:-1]))
+            assert value["colour"] in ("red", "green", "blue") and 0 <= value["size"] <= 99, value
+        outputs.append(dict(d.outputs))
+        passes.append(len(d.messages))
+        if jump:
+            assert d.runner.num_jumped > 10
+            # A row's forced tokens travel with its sampled one, in the same step's message.
+            assert any(len(m.rids) > len(set(m.rids)) for m in d.messages)
+    assert outputs[0] == outputs[1], "the same tokens, with and without jump-forward"
+    assert passes[1] < passes[0]
+
+
+def test_jump_forward_stays_inside_the_window_it_was_given(worker: Worker) -> None:
+    # Forced tokens are computed by the window's next step, in positions reserved for its later
+    # ones: a window of one or two steps has none to spare; in longer ones a jump is at most the
+    # positions left. (The driver's block tables are exactly the lookahead: a position past them
+    # is a PlanError.)
+    for steps in (1, 2, 3, 5):
+        d = Driver(runner(worker))
+        d.prefill({0: PROMPT}, record(), steps=steps)
+        d.decode_to_end(steps)
+        assert (d.runner.num_jumped > 0) == (steps > 2), steps
+        assert json.loads(text(worker, d.outputs[0][:-1]))["colour"] in ("red", "green", "blue")
+        for m in d.messages:
+            assert len(m.rids) <= max(1, steps - 1), "a row's sampled token and at most steps - 2 forced ones"

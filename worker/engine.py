@@ -79,7 +79,7 @@ class Worker:
         # The host-copy buffer is sized for the most rows a step can have.
         grammars = GrammarEngine(self.info.tokenizer_json, self.info.vocab_size, self.info.eos_token_ids)
         self.runner = ModelRunner(model, cache, self.device, self.max_model_len, self.info.eos_token_ids,
-                                  config.max_num_seqs, grammars=grammars)
+                                  config.max_num_seqs, grammars=grammars, jump_forward=config.jump_forward)
 
     def warm_up(self) -> None:
         """One small forward and sample, so the first request does not pay for lazy

@@ -20,6 +20,14 @@ the host either: the sampler keeps each penalised request's token counts on the 
 
 Between steps, the caller may ``cancel`` rows (an abort or a pause that arrived mid-plan): they
 leave the batch at the next step.
+
+Jump-forward: where a constrained row's grammar allows only one continuation after its sampled
+token (a JSON key, its quotes and colon), those tokens are appended with it and reported in the
+same step, and the row's next step computes them all in one pass (as a short prefill chunk),
+sampling once at its end. Constrained rows read their ids with lag 0, so the host has every id
+when it builds that step. The forced tokens use positions the window reserved for later steps: the
+row leaves the window once it has computed them all (``SequenceState.window_end``), its tokens as
+many as without the jump, so the scheduler's block accounting is unchanged.
 """
 
 from __future__ import annotations
@@ -76,7 +84,8 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device, max_model_len: int,
                  eos_token_ids: list[int], max_num_seqs: int = 256, seed: int | None = None,
-                 finalize_lag: int | None = None, grammars: GrammarEngine | None = None) -> None:
+                 finalize_lag: int | None = None, grammars: GrammarEngine | None = None,
+                 jump_forward: bool = True) -> None:
         self.model = model
         self.cache = cache
         self.device = device
@@ -90,6 +99,8 @@ class ModelRunner:
         max_blocks = -(-max_model_len // cache.block_size)
         self.batch = InputBatch(max_num_seqs, max_blocks, pin_memory=device.type == "cuda")
         self.grammars = grammars  # structured output (None: the model's requests are never constrained)
+        self.jump_forward = jump_forward
+        self.num_jumped = 0  # tokens appended by jump-forward, without a forward pass of their own
         self.sampler = Sampler(device, eos_token_ids, seed, grammars)
         self.copier = HostCopier(device, max_num_seqs)
         self.swap_space = SwapSpace(cache)
@@ -140,8 +151,8 @@ class ModelRunner:
         for stale in [p for p in self.cancels_ahead if p < plan.plan_id]:
             del self.cancels_ahead[stale]
         self._apply_deltas(plan)
-        batch = self._first_batch(plan)
         num_steps = max(1, plan.num_steps)
+        batch = self._first_batch(plan, num_steps)
         in_flight: deque[LaunchedStep] = deque()
         step, ended = 0, False
         while batch is not None:
@@ -154,7 +165,7 @@ class ModelRunner:
             in_flight.append(launched)
             keep: list[int] = []
             while len(in_flight) > lag:
-                msg = self._finalize(plan.plan_id, in_flight.popleft())
+                msg = self._finalize(plan.plan_id, in_flight.popleft(), jump=lag == 0 and not final_step)
                 if not in_flight:  # the newest step: first decide whether another follows
                     keep = [] if final_step else self._alive(launched)
                     msg.last = ended = not keep
@@ -182,8 +193,8 @@ class ModelRunner:
 
     def _alive(self, launched: LaunchedStep) -> list[int]:
         """Rows of ``launched`` that decode another step, as far as the host knows now."""
-        return [i for i, seq in enumerate(launched.samplers)
-                if self._runs_on(seq) and not seq.surely_stops(self.max_model_len)]
+        return [i for i, seq in enumerate(launched.samplers) if self._runs_on(seq)
+                and seq.num_computed < seq.window_end and not seq.surely_stops(self.max_model_len)]
 
     def _launch(self, step: int, batch: StepBatch) -> LaunchedStep | None:
         out = self._forward(batch)
@@ -193,9 +204,10 @@ class ModelRunner:
             seq.num_in_flight += 1
         return LaunchedStep(step, batch.samplers, out.token_ids, self.copier.start(out.token_ids), out.logprobs)
 
-    def _finalize(self, plan_id: int, launched: LaunchedStep) -> StepTokens:
+    def _finalize(self, plan_id: int, launched: LaunchedStep, jump: bool = False) -> StepTokens:
         """Read a step's ids on the host and apply them: each row's token, unless the row had
-        already stopped (a lagged step computed past its stop); stopped rows are forgotten."""
+        already stopped (a lagged step computed past its stop); stopped rows are forgotten.
+        ``jump``: another step of the window may follow, so constrained rows may jump forward."""
         tokens = launched.copy.result()
         asked = launched.logprobs.by_row() if launched.logprobs is not None else None
         rids: list[int] = []
@@ -212,7 +224,20 @@ class ModelRunner:
                 seq.grammar.consume(token)
             if seq.append(token, self.eos_token_ids, self.max_model_len):
                 self.forget(seq.rid)
+            elif jump and seq.grammar is not None and self._jumps(seq):
+                for forced in seq.grammar.forced(seq.window_end - seq.num_computed - 1):
+                    rids.append(seq.rid)
+                    kept.append(forced)
+                    self.num_jumped += 1
+                    if seq.append(forced, self.eos_token_ids, self.max_model_len):
+                        self.forget(seq.rid)
+                        break
         return StepTokens(plan_id, launched.step, rids, kept, False, 0.0, pack_logprobs(logprobs))
+
+    def _jumps(self, seq: SequenceState) -> bool:
+        """Whether a constrained row may jump forward: not when it asked for logprobs (a forced
+        token has none sampled) or penalties (their counts follow sampled tokens only)."""
+        return self.jump_forward and seq.sampling.logprobs is None and not seq.sampling.reads_history
 
     # ------------------------------------------------------------------ plan application
 
@@ -232,7 +257,7 @@ class ModelRunner:
         self.swap_space.swap_in(plan.swap_in)
         self.cache.copy_blocks(plan.copy_blocks)
 
-    def _first_batch(self, plan: StepPlan) -> StepBatch | None:
+    def _first_batch(self, plan: StepPlan, num_steps: int) -> StepBatch | None:
         if not len(plan.rids) == len(plan.num_tokens) == len(plan.new_block_ids):
             raise PlanError(f"plan {plan.plan_id}: rids, num_tokens and new_block_ids differ in length")
         if len(set(plan.rids)) != len(plan.rids):
@@ -256,18 +281,38 @@ class ModelRunner:
             if seq.fully_computed:
                 samplers.append(seq)
                 logits_indices.append(len(ids) - 1)
+                seq.window_end = seq.num_computed + num_steps - 1
         if not seqs:
             return None
         return StepBatch(seqs, starts, lengths, samplers, logits_indices, host_ids=torch.tensor(ids, dtype=torch.long))
 
     def _decode_batch(self, prev: LaunchedStep, keep: list[int]) -> StepBatch:
         """The next multi-step step: rows ``keep`` of the previous step each compute the token
-        they just sampled, taken from the device without a host round trip."""
+        they just sampled, taken from the device without a host round trip — or, when a row
+        jumped forward, every row its tokens from the host (which has them all: lag 0)."""
         seqs = [prev.samplers[i] for i in keep]
+        if any(seq.num_known - seq.num_computed > 1 for seq in seqs):
+            return self._catch_up_batch(seqs)
         starts = [seq.schedule(1, self.cache.block_size, self.batch.blocks_of(seq.rid)) for seq in seqs]
         index = torch.tensor(keep, dtype=torch.long) if len(keep) < len(prev.samplers) else None
         return StepBatch(seqs, starts, [1] * len(seqs), seqs, list(range(len(seqs))), device_ids=prev.token_ids,
                          keep=index)
+
+    def _catch_up_batch(self, seqs: list[SequenceState]) -> StepBatch:
+        """A step in which each row computes all its tokens not yet computed (its sampled token,
+        and those jump-forward appended after it) and samples at the last."""
+        ids: list[int] = []
+        starts, lengths, logits_indices = [], [], []
+        for seq in seqs:
+            if seq.num_in_flight:
+                raise PlanError(f"rid {seq.rid}: jumped forward with a token still in flight")
+            n = seq.num_known - seq.num_computed
+            start = seq.schedule(n, self.cache.block_size, self.batch.blocks_of(seq.rid))
+            ids.extend(seq.token_ids[start : start + n])
+            starts.append(start)
+            lengths.append(n)
+            logits_indices.append(len(ids) - 1)
+        return StepBatch(seqs, starts, lengths, seqs, logits_indices, host_ids=torch.tensor(ids, dtype=torch.long))
 
     # ------------------------------------------------------------------ one step
 

@@ -35,7 +35,10 @@ class SequenceState:
     num_in_flight: int = 0
     stopped: bool = False
     grammar: GrammarState | None = None  # structured output: its matcher (``worker/structured.py``)
-
+    # The positions the plan in progress reserved for it end here (the scheduler's lookahead
+    # blocks cover them): a row leaves its window once it has computed them all, which is at the
+    # last step unless jump-forward appended tokens on the way.
+    window_end: int = 0
 
     @classmethod
     def from_new(cls, new: NewRequest) -> SequenceState:

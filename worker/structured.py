@@ -67,6 +67,20 @@ class GrammarState:
         if not self.broken and not matcher.consume_token(token):
             self._fail(matcher)
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar allows only one way from here (a JSON key and its
+        punctuation), consumed: jump-forward. llguidance gives the canonical tokenization of the
+        forced text and leaves out its last tokens where a longer token could span the boundary
+        with what the model writes next, so the output tokenizes as the model would write it."""
+        if limit <= 0 or self.broken:
+            return []
+        matcher = self.matcher
+        tokens: list[int] = matcher.compute_ff_tokens()[:limit]
+        if tokens and not matcher.consume_tokens(tokens):
+            self._fail(matcher)
+            return []
+        return tokens
+
     def _fail(self, matcher: llguidance.LLMatcher) -> None:
         if not self.broken:
             self.broken = True
