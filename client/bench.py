@@ -62,7 +62,7 @@ UNSET = argparse.SUPPRESS
 DEFAULT_URL = "http://127.0.0.1:8000"
 # client.scenarios.SCENARIOS' names, here so that building the parser imports nothing (a test
 # checks that they agree).
-SCENARIO_NAMES = ("long-prefill", "priority", "shared-prefix", "preemption")
+SCENARIO_NAMES = ("long-prefill", "priority", "shared-prefix", "preemption", "json")
 # Flags a scenario sets itself (dest -> flag): refused with --scenario rather than ignored.
 WORKLOAD_FLAGS = {"model": "--model", "num_prompts": "--num-prompts", "max_concurrency": "--max-concurrency",
                   "request_rate": "--request-rate", "input_len": "--input-len", "output_len": "--output-len",
@@ -128,10 +128,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "one plot folder per setting)")
     sc.add_argument("--scenario", choices=SCENARIO_NAMES, default=None,
                     help="long-prefill (vLLM's feature request for concurrent partial prefills: short prompts arriving behind 8000-token ones; "
-                         "--min-concurrent-prefills 1 vs 2 vs no chunking); priority (001: interactive requests "
-                         "amid a saturating batch load; --priority-preemption vs not); shared-prefix (003: prompts "
-                         "sharing 90%%; prefix caching on vs off); preemption (004: a KV cache a third of the "
-                         "demand; --preemption-mode recompute vs swap)")
+                         "--min-concurrent-prefills 1 vs 2 vs no chunking); priority (vLLM's priority-scheduling RFC: "
+                         "interactive requests amid a saturating batch load; --priority-preemption vs not); "
+                         "shared-prefix (vLLM's prefix-cache-aware admission: prompts sharing 90%%; prefix caching "
+                         "on vs off); preemption (vLLM's preemption guide: a KV cache a third of the demand; "
+                         "--preemption-mode recompute vs swap); json (SGLang's jump-forward decoding: "
+                         "JSON-constrained streams beside free ones; --jump-forward vs not)")
     sc.add_argument("--server-model", default=UNSET, help="--model of the scenario's servers (default smollm2)")
     sc.add_argument("--server-args", default=UNSET, metavar="FLAGS",
                     help="more sluice serve flags for every server, as one string after '=' (it starts with --): "

@@ -19,6 +19,7 @@ Everything here is pure: the same scale and seed give the same requests at the s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -33,7 +34,8 @@ BLOCK_SIZE = 16  # sluice serve's default --block-size; the preemption scenario 
 class Group:
     """``count`` requests of one class: ``input_len`` prompt tokens, ``output_len`` output tokens,
     the first sent ``start_s`` after the run begins and each next one ``interval_s`` later
-    (0: all at once). ``priority`` None: no priority field is sent."""
+    (0: all at once). ``priority`` None: no priority field is sent. ``extra``: body fields every
+    request of the group carries (``RequestSpec.extra``)."""
 
     label: str
     count: int
@@ -42,6 +44,7 @@ class Group:
     start_s: float = 0.0
     interval_s: float = 0.0
     priority: int | None = None
+    extra: Mapping[str, Any] | None = None
 
     def offsets(self) -> list[float]:
         return [self.start_s + i * self.interval_s for i in range(self.count)]
@@ -71,6 +74,8 @@ class Workload:
                                    token_ids=DEFAULT_TOKEN_IDS,
                                    priority_mix=None if g.priority is None else [(g.priority, 1.0)],
                                    stream=g.label, label=g.label)
+            if g.extra:
+                specs = [dataclasses.replace(s, extra=g.extra) for s in specs]
             sent += zip(g.offsets(), specs, strict=True)
         sent.sort(key=lambda pair: pair[0])  # stable: a group's order holds at equal offsets
         return [s for _, s in sent], [t for t, _ in sent]
@@ -263,4 +268,45 @@ PREEMPTION = Scenario(
 )
 
 
-SCENARIOS: dict[str, Scenario] = {s.name: s for s in (LONG_PREFILL, PRIORITY, SHARED_PREFIX, PREEMPTION)}
+# --- json (structured output; SGLang's jump-forward decoding): JSON-constrained streams beside free ones ----------
+
+# Records in a list that never ends within the output (at least 50 of them): every constrained
+# request generates exactly its output_len, as the free ones do with ignore_eos, so their
+# throughputs compare. Keys and punctuation are forced: a quarter to a half of each record.
+JSON_RECORDS = {"type": "array", "minItems": 50, "items": {
+    "type": "object", "additionalProperties": False, "required": ["id", "name", "city", "active", "score"],
+    "properties": {"id": {"type": "integer", "minimum": 0}, "name": {"type": "string", "maxLength": 16},
+                   "city": {"enum": ["Paris", "Berlin", "Lagos", "Lima", "Osaka"]},
+                   "active": {"type": "boolean"}, "score": {"type": "number"}}}}
+
+
+def json_output(scale: float, max_model_len: int | None) -> Workload:
+    n, prompt, output = _scaled(16, scale, least=2), _scaled(64, scale, 8), _scaled(128, scale, 16)
+    return Workload((
+        Group("json", n, prompt, output, extra={"structured_outputs": {"json": JSON_RECORDS}}),
+        Group("free", n, prompt, output),
+    ))
+
+
+JSON_OUTPUT = Scenario(
+    name="json",
+    upstream="SGLang's jump-forward decoding for structured output",
+    question="what do JSON-constrained streams cost beside free ones, and what does jump-forward save them?",
+    settings={"no-jump-forward": ("--no-jump-forward",), "jump-forward": ("--jump-forward",)},
+    build=json_output,
+    # Both classes send all their requests at once and share the run: per class, time per token
+    # and end-to-end latency tell them apart (tokens/s over the run's duration would not).
+    metrics=(
+        Metric("json TPOT p50 (ms)", _summary("json", "tpot_ms", "p50")),
+        Metric("free TPOT p50 (ms)", _summary("free", "tpot_ms", "p50")),
+        Metric("json E2E p50 (ms)", _summary("json", "e2el_ms", "p50")),
+        Metric("free E2E p50 (ms)", _summary("free", "e2el_ms", "p50")),
+        Metric("output tokens/s", _summary(None, "output_throughput")),
+        Metric("server forward passes", ("server", "steps")),
+        Metric("jump-forward tokens", ("server", "jump_forward_tokens")),
+    ),
+    headline=("json TPOT p50 (ms)", "output tokens/s"),
+)
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (LONG_PREFILL, PRIORITY, SHARED_PREFIX, PREEMPTION, JSON_OUTPUT)}

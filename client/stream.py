@@ -102,11 +102,11 @@ def request_body(spec: RequestSpec, model: str, endpoint: str, ignore_eos: bool,
         body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:
         body["prompt"] = spec.prompt
-    if ignore_eos:
+    if ignore_eos and not spec.extra:
         body["ignore_eos"] = True
     if spec.priority is not None:
         body["priority"] = spec.priority
-    return body
+    return body | dict(spec.extra or {})
 
 
 def _error_text(response_body: bytes, status: int) -> str:

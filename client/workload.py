@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Common short English words. Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, SmolLM) make one
 # token of most of them after a space; others differ, which is why the runner first measures the
@@ -126,13 +128,16 @@ class RequestSpec:
     """One request to send. ``input_len`` is the intended prompt length (0: unknown, a dataset's
     text); the report uses the count the server returns in ``usage``. ``priority`` None: no
     ``priority`` field is sent. ``label`` names the request's class in a scenario's workload
-    ("long", "short"): the report then has a column per class, as it has per priority."""
+    ("long", "short"): the report then has a column per class, as it has per priority.
+    ``extra``: more body fields (a scenario's ``structured_outputs``); a request that sets them
+    is not sent ``ignore_eos`` (a constrained output ends where its grammar does)."""
 
     prompt: str | list[int]
     input_len: int
     output_len: int
     priority: int | None
     label: str | None = None
+    extra: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)

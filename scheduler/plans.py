@@ -128,10 +128,13 @@ class Plans:
         return steps
 
     def _reserve_lookahead(self, step: Step, steps: int) -> int:
-        """Blocks for the tokens steps 2..n will compute; fall back to one step if they don't fit."""
+        """Blocks for the tokens steps 2..n will compute; fall back to one step if they don't fit.
+        A constrained row gets room for as many again: the tokens jump-forward may append (the
+        worker appends no more than its blocks hold)."""
         wants = []
         for req, n in step.rows.items():
-            cover = min(req.num_computed + n + steps - 1, req.max_total_tokens(self.max_model_len))
+            room = steps - 1 + (steps if req.sampling.grammar is not None else 0)
+            cover = min(req.num_computed + n + room, req.max_total_tokens(self.max_model_len))
             wants.append(max(0, self._blocks_for(cover) - len(req.blocks)))
         if not self.pool.can_allocate(sum(wants)):
             return 1
@@ -184,6 +187,10 @@ class Plans:
             known = len(req.token_ids) + ahead
             if length_reached(req.num_outputs + ahead, known, req.sampling, self.max_model_len):
                 continue  # the current window's last token surely ends it
+            if req.sampling.grammar is not None:
+                # Jump-forward may fill the row's blocks in the current window: it may end with as
+                # many tokens as they hold, plus the one sampled last; and room for as many again.
+                known = max(known, len(req.blocks) * self.block_size + 1) + steps
             cover = min(known - 1 + steps, req.max_total_tokens(self.max_model_len))
             rows.append(req)
             wants.append(max(0, self._blocks_for(cover) - len(req.blocks)))

@@ -20,7 +20,7 @@ import pytest
 from rich.console import Console
 
 from client import bench
-from client.compare import COMMON_ROWS, SettingRun, comparison_table, headline
+from client.compare import COMMON_ROWS, SERVER_COUNTERS, SettingRun, comparison_table, headline
 from client.scenarios import (
     BLOCK_SIZE,
     LONG_GAP_PER_TOKEN_S,
@@ -52,7 +52,7 @@ def by_label(workload: Workload, seed: int = 0) -> dict[str, list[tuple[float, A
 
 def test_the_cli_offers_every_scenario() -> None:
     assert tuple(SCENARIOS) == bench.SCENARIO_NAMES
-    assert all(s.upstream.startswith("vLLM's ") for s in SCENARIOS.values())  # named by what it is
+    assert all(s.upstream.startswith(("vLLM's ", "SGLang's ")) for s in SCENARIOS.values())  # named by what it is
     for s in SCENARIOS.values():
         assert len(s.settings) >= 2 and set(s.headline) <= {m.label for m in s.metrics}
 
@@ -149,7 +149,9 @@ def fake_report(workload: Workload, ttft: float) -> dict[str, Any]:
                                      ttft=ttft, itl=[0.01] * (spec.output_len - 1), latency=ttft + 0.01 * (spec.output_len - 1),
                                      done=1.0, prompt_tokens=spec.input_len, cached_tokens=0,
                                      output_tokens=spec.output_len, usage_reported=True, status=200))
-    return build_report(records, 10.0, by_priority=False, by_class=True) | {"server": {"preemptions": 4, "swaps": 1}}
+    # As run_setting reports the server's counters: every one of them.
+    return build_report(records, 10.0, by_priority=False, by_class=True) | {
+        "server": dict.fromkeys(SERVER_COUNTERS, 1) | {"preemptions": 4, "swaps": 1}}
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -236,6 +238,20 @@ def test_preemption_end_to_end(tmp_path: Path) -> None:
         assert run["server"]["kv_blocks_total"] == blocks
         assert run["server"]["preemptions"] > 0, name
     assert doc["settings"]["recompute"]["server"]["swaps"] == 0
+
+
+def test_json_end_to_end(tmp_path: Path) -> None:
+    _, doc = bench_scenario(tmp_path, "json", "--scale", "0.25")
+    groups = {g["label"]: g for g in doc["workload"]["groups"]}
+    for name in ("no-jump-forward", "jump-forward"):
+        run = doc["settings"][name]
+        s = run["summary"]
+        assert (s["completed"], s["failed"]) == (len(doc["workload"]["groups"]) * groups["json"]["count"], 0), name
+        # The constrained requests, sent without ignore_eos, run to max_tokens too (the schema's list never ends).
+        assert run["by_class"]["json"]["total_output_tokens"] == groups["json"]["count"] * groups["json"]["output_len"]
+        assert run["server"]["steps"] > 0
+    assert doc["settings"]["no-jump-forward"]["server"]["jump_forward_tokens"] == 0
+    assert doc["settings"]["jump-forward"]["server"]["jump_forward_tokens"] > 0
 
 
 def test_a_server_that_cannot_start_is_one_error_line(tmp_path: Path) -> None:

@@ -136,16 +136,20 @@ def test_jump_forward_appends_forced_tokens_in_fewer_passes_and_changes_no_outpu
     assert passes[1] < passes[0]
 
 
-def test_jump_forward_stays_inside_the_window_it_was_given(worker: Worker) -> None:
-    # Forced tokens are computed by the window's next step, in positions reserved for its later
-    # ones: a window of one or two steps has none to spare; in longer ones a jump is at most the
-    # positions left. (The driver's block tables are exactly the lookahead: a position past them
-    # is a PlanError.)
+def test_jump_forward_stays_inside_the_blocks_the_row_holds(worker: Worker) -> None:
+    # The driver reserves each row exactly its window's positions, rounded up to blocks of 4: a
+    # jump may only fill that slack (a position past the blocks would be a PlanError), and a
+    # one-step plan has no later step to compute forced tokens in.
     for steps in (1, 2, 3, 5):
-        d = Driver(runner(worker))
-        d.prefill({0: PROMPT}, record(), steps=steps)
-        d.decode_to_end(steps)
-        assert (d.runner.num_jumped > 0) == (steps > 2), steps
-        assert json.loads(text(worker, d.outputs[0][:-1]))["colour"] in ("red", "green", "blue")
-        for m in d.messages:
-            assert len(m.rids) <= max(1, steps - 1), "a row's sampled token and at most steps - 2 forced ones"
+        outputs = []
+        for jump in (False, True):
+            r = worker.runner
+            d = Driver(ModelRunner(r.model, r.cache, r.device, 8192, list(r.eos_token_ids), grammars=r.grammars,
+                                   jump_forward=jump))
+            d.prefill({0: PROMPT}, record(), steps=steps)
+            d.decode_to_end(steps)
+            outputs.append(d.outputs[0])
+            if steps == 1:
+                assert d.runner.num_jumped == 0
+        assert outputs[0] == outputs[1], steps
+        assert json.loads(text(worker, outputs[1][:-1]))["colour"] in ("red", "green", "blue")

@@ -25,9 +25,9 @@ Jump-forward: where a constrained row's grammar allows only one continuation aft
 token (a JSON key, its quotes and colon), those tokens are appended with it and reported in the
 same step, and the row's next step computes them all in one pass (as a short prefill chunk),
 sampling once at its end. Constrained rows read their ids with lag 0, so the host has every id
-when it builds that step. The forced tokens use positions the window reserved for later steps: the
-row leaves the window once it has computed them all (``SequenceState.window_end``), its tokens as
-many as without the jump, so the scheduler's block accounting is unchanged.
+when it builds that step. A row jumps only as far as the blocks it holds reach
+(``SequenceState.window_end``; the scheduler reserves constrained rows room for a window's worth
+of forced tokens beyond its steps), and leaves the window when they are full.
 """
 
 from __future__ import annotations
@@ -151,8 +151,8 @@ class ModelRunner:
         for stale in [p for p in self.cancels_ahead if p < plan.plan_id]:
             del self.cancels_ahead[stale]
         self._apply_deltas(plan)
+        batch = self._first_batch(plan)
         num_steps = max(1, plan.num_steps)
-        batch = self._first_batch(plan, num_steps)
         in_flight: deque[LaunchedStep] = deque()
         step, ended = 0, False
         while batch is not None:
@@ -257,7 +257,7 @@ class ModelRunner:
         self.swap_space.swap_in(plan.swap_in)
         self.cache.copy_blocks(plan.copy_blocks)
 
-    def _first_batch(self, plan: StepPlan, num_steps: int) -> StepBatch | None:
+    def _first_batch(self, plan: StepPlan) -> StepBatch | None:
         if not len(plan.rids) == len(plan.num_tokens) == len(plan.new_block_ids):
             raise PlanError(f"plan {plan.plan_id}: rids, num_tokens and new_block_ids differ in length")
         if len(set(plan.rids)) != len(plan.rids):
@@ -281,7 +281,7 @@ class ModelRunner:
             if seq.fully_computed:
                 samplers.append(seq)
                 logits_indices.append(len(ids) - 1)
-                seq.window_end = seq.num_computed + num_steps - 1
+                seq.window_end = self.batch.blocks_of(rid) * self.cache.block_size
         if not seqs:
             return None
         return StepBatch(seqs, starts, lengths, samplers, logits_indices, host_ids=torch.tensor(ids, dtype=torch.long))

@@ -35,9 +35,9 @@ class SequenceState:
     num_in_flight: int = 0
     stopped: bool = False
     grammar: GrammarState | None = None  # structured output: its matcher (``worker/structured.py``)
-    # The positions the plan in progress reserved for it end here (the scheduler's lookahead
-    # blocks cover them): a row leaves its window once it has computed them all, which is at the
-    # last step unless jump-forward appended tokens on the way.
+    # Where the blocks it holds in the plan in progress end: jump-forward appends no more tokens
+    # than they can hold, and a row whose blocks are full leaves its window. (Without jumps, the
+    # scheduler's lookahead blocks always reach past the window's last step.)
     window_end: int = 0
 
     @classmethod
