@@ -2,6 +2,10 @@
 
 It keeps each request's tokens and computed count exactly as ``worker.runner`` does, and samples
 ``token_for(rid, output_index)``; it stops requests by the worker's rule (``protocol/stop.py``).
+A constrained request (its ``SamplingParams.grammar`` set, whatever it says) jumps forward as
+the runner does: after a sampled token, ``jump_for(rid, output_index)`` more tokens (each
+``token_for``'s), as far as its blocks reach, when another step of the window follows; the next
+step computes them all.
 Its "KV cache" stores, per slot, the token id written there, and swaps and copies move those:
 every computation first checks that the context it would attend to holds exactly the request's
 tokens, so prefix sharing, copy-on-write, swap and preemption bookkeeping are verified by
@@ -32,11 +36,13 @@ class _Seq:
 
 class FakeWorker:
     def __init__(self, block_size: int, eos: int = 2, max_model_len: int = 10**9,
-                 token_for: Callable[[int, int], int] | None = None) -> None:
+                 token_for: Callable[[int, int], int] | None = None,
+                 jump_for: Callable[[int, int], int] | None = None) -> None:
         self.block_size = block_size
         self.eos = eos
         self.max_model_len = max_model_len
         self.token_for = token_for or (lambda rid, i: 100 + (rid * 7 + i) % 50)
+        self.jump_for = jump_for or (lambda rid, i: (rid + i) % 4)
         self.seqs: dict[int, _Seq] = {}
         self.device: dict[int, int] = {}  # slot -> token id whose KV is there
         self.host: dict[int, int] = {}
@@ -98,22 +104,30 @@ class FakeWorker:
         out = []
         for step in range(plan.num_steps):
             if step > 0:
-                for rid in active:
+                for rid in active:  # the token sampled last step, and any jumped to after it
                     s = self.seqs[rid]
-                    self._compute(rid, s, s.computed, 1)
-                    s.computed += 1
-            tokens = []
+                    n = len(s.tokens) - s.computed
+                    self._compute(rid, s, s.computed, n)
+                    s.computed += n
+            rids, tokens = [], []
             for rid in active:
                 s = self.seqs[rid]
-                tokens.append(self.token_for(rid, len(s.tokens) - s.num_prompt))
-                s.tokens.append(tokens[-1])
+                jump = self.jump_for(rid, len(s.tokens) - s.num_prompt) if s.sampling.grammar is not None else 0
+                room = len(s.blocks) * self.block_size - s.computed - 1
+                for _ in range(1 + (min(jump, room) if step < plan.num_steps - 1 else 0)):
+                    rids.append(rid)
+                    tokens.append(self.token_for(rid, len(s.tokens) - s.num_prompt))
+                    s.tokens.append(tokens[-1])
+                    if self._stopped(s):
+                        break
             still = [rid for rid in active
-                     if not self._stopped(self.seqs[rid]) and cancel_after.get(rid, plan.num_steps) > step]
+                     if not self._stopped(self.seqs[rid]) and cancel_after.get(rid, plan.num_steps) > step
+                     and self.seqs[rid].computed < len(self.seqs[rid].blocks) * self.block_size]
             for rid in active:
                 if self._stopped(self.seqs[rid]):
                     del self.seqs[rid]
             last = step == plan.num_steps - 1 or not still
-            out.append(StepTokens(plan.plan_id, step, list(active), tokens, last))
+            out.append(StepTokens(plan.plan_id, step, rids, tokens, last))
             if last:
                 break
             active = still

@@ -37,7 +37,10 @@ def priority_inversion(sched: Scheduler, plan: StepPlan, budget: int, max_seqs: 
 
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(-2, 2)),
+        # ``constrained``: the worker jumps forward (a row's several tokens in one step).
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(-2, 2), st.booleans()),
+        # Long constrained outputs: jumps that fill a row's blocks before its window ends.
+        st.tuples(st.just("add"), st.integers(1, 16), st.integers(16, 40), st.integers(-2, 2), st.just(True)),
         # One shared system prompt + a suffix of the request's own: prefix hits across priorities.
         st.tuples(st.just("shared"), st.sampled_from([8, 16, 24]), st.integers(0, 24), st.integers(1, 8),
                   st.integers(-2, 2)),
@@ -106,11 +109,11 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
         for p, cap in caps.items():  # seat caps bind at admission (a priority change may exceed them)
             assert sum(1 for r in sched.running if r.priority >= p) <= max(cap, len(sched.running))
 
-    def add(tokens: list[int], max_tokens: int, priority: int, n: int = 1) -> int:
+    def add(tokens: list[int], max_tokens: int, priority: int, n: int = 1, constrained: bool = False) -> int:
         nonlocal next_rid
         rid, next_rid = next_rid, next_rid + n
-        msg = AddRequest(rid, str(rid), tokens, SamplingParams(max_tokens=max_tokens), priority,
-                         f"user{rid % 2}", float(rid), n)
+        sampling = SamplingParams(max_tokens=max_tokens, grammar="(a grammar)" if constrained else None)
+        msg = AddRequest(rid, str(rid), tokens, sampling, priority, f"user{rid % 2}", float(rid), n)
         if not sched.add(msg):
             accepted.update(range(rid, rid + n))
         return rid
@@ -131,11 +134,11 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
 
     for op in ops:
         if op[0] == "add":
-            _, prompt, max_tokens, priority = op
+            _, prompt, max_tokens, priority, constrained = op
             # Prompts share prefixes (three families), so the prefix cache is exercised across
             # priorities under block pressure.
             family = next_rid % 3
-            add([(family * 50 + j) % 90 + 3 for j in range(prompt)], max_tokens, priority)
+            add([(family * 50 + j) % 90 + 3 for j in range(prompt)], max_tokens, priority, constrained=constrained)
         elif op[0] == "shared":
             _, prefix, suffix, max_tokens, priority = op
             add([j % 90 + 3 for j in range(prefix)] + [(next_rid * 13 + j) % 90 + 3 for j in range(suffix)],
