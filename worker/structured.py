@@ -130,17 +130,27 @@ class GrammarEngine:
         return mask
 
 
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
+_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_bits(device: torch.device) -> torch.Tensor:
+    """[256, 8] bool: the bits of each byte value, lowest first."""
+    table = _BYTE_BITS.get(device)
+    if table is None:
+        values = torch.arange(256, dtype=torch.int32).unsqueeze(-1)
+        table = _BYTE_BITS[device] = ((values >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)
+    return table
 
 
 def apply_masks(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-    """``logits`` with every token the bitmask ``masks`` (one row per index in ``rows``) does not
-    allow set to -inf: the bits unpacked and applied in one operation for all the rows."""
-    shifts = _SHIFTS.get(masks.device)
-    if shifts is None:
-        shifts = _SHIFTS[masks.device] = torch.arange(32, dtype=torch.int32, device=masks.device)
+    """``logits`` (not modified) with every token the bitmask ``masks`` (one row per index in
+    ``rows``) does not allow set to -inf, for all the rows in a few vectorized operations: each
+    mask byte looked up in a table of its 8 bits (token ``32 w + 8 b + i`` is bit ``i`` of byte
+    ``b`` of word ``w``: the words are little-endian on every device torch runs on)."""
     vocab = logits.shape[-1]
-    allowed = ((masks.unsqueeze(-1) >> shifts) & 1).view(masks.shape[0], -1)[:, :vocab].bool()
+    allowed = _byte_bits(masks.device)[masks.view(torch.uint8).int()].view(masks.shape[0], -1)[:, :vocab]
+    if rows.numel() == logits.shape[0]:  # every row constrained (rows is then 0..R-1, in order)
+        return torch.where(allowed, logits, -torch.inf)
     out = logits.clone()
-    out[rows] = logits[rows].masked_fill(~allowed, -torch.inf)
+    out[rows] = torch.where(allowed, logits[rows], -torch.inf)
     return out
