@@ -6,6 +6,8 @@ Imported whenever any ``sluice`` command builds its parser, so it imports nothin
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 
@@ -16,6 +18,21 @@ def server_url(text: str) -> str:
     if not url.startswith(("http://", "https://")):
         raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL")
     return url.removesuffix("/v1")
+
+
+def json_schema_file(text: str) -> dict[str, Any]:
+    """``--json-schema``: OpenAI's ``response_format`` for the JSON schema in that file."""
+    path = Path(text)
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {e.strerror}") from None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text} is not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError(f"{text} is not a JSON schema (an object)")
+    name = "".join(c if c.isalnum() or c in "_-" else "_" for c in path.stem)[:64] or "schema"
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +48,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--priority", type=int, default=None, metavar="P",
                    help="the request body's priority (Sluice, vLLM; on Sluice lower is more urgent and "
                         "below 0 needs --admin-token)")
+    p.add_argument("--json-schema", dest="response_format", type=json_schema_file, default=None, metavar="FILE",
+                   help="hold every reply to the JSON schema in FILE (sent as response_format)")
     p.add_argument("--admin-token", default=None, metavar="TOKEN",
                    help="sent as 'Authorization: Bearer TOKEN': Sluice's admin token, or a server's API key")
     p.add_argument("--stats", action="store_true",
@@ -42,7 +61,7 @@ def request_fields(args: argparse.Namespace) -> dict[str, Any]:
     """Body fields common to both endpoints. A flag left unset is not sent, so the server's own
     default applies and a server that lacks a field (``priority``) is not asked about it."""
     fields: dict[str, Any] = {"model": args.model, "stream": True}
-    for name in ("max_tokens", "temperature", "priority"):
+    for name in ("max_tokens", "temperature", "priority", "response_format"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     if args.stats:  # the token count; servers that ignore this get their chunks counted instead

@@ -5,6 +5,7 @@ pseudo-terminal, as a user runs it."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import subprocess
@@ -104,6 +105,21 @@ def test_complete_streams_the_greedy_completion_and_stats(server: SluiceServer) 
     stats = re.fullmatch(STATS + "\n", done.stderr.decode())
     assert stats, done.stderr
     assert int(stats[1]) == reference["usage"]["completion_tokens"]
+
+
+def test_json_schema_holds_the_reply_to_the_schema_in_a_file(server: SluiceServer, tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}, "n": {"type": "integer",
+              "minimum": 0, "maximum": 9}}, "required": ["colour", "n"], "additionalProperties": False}
+    path = tmp_path / "shape.json"
+    path.write_text(json.dumps(schema))
+    done = sluice("complete", "--url", server.url, "Reply in JSON:", "--json-schema", str(path), "--max-tokens", "40",
+                  "--temperature", "0")
+    assert done.returncode == 0, done.stderr
+    reply = json.loads(done.stdout.decode())
+    assert reply["colour"] in ("red", "blue") and 0 <= reply["n"] <= 9 and set(reply) == {"colour", "n"}
+    path.write_text("{not json")
+    bad = sluice("chat", "--url", server.url, "--json-schema", str(path))
+    assert bad.returncode == 2 and b"is not JSON" in bad.stderr
 
 
 def test_chat_sends_the_history_and_reset_and_system_change_it(server: SluiceServer) -> None:
