@@ -522,6 +522,15 @@ class SchedulerProcess:
             self._fail(reason)  # it never came up: nothing to wait for
 
     def _on_worker_link_event(self) -> None:
+        # A worker that is told to stop says goodbye and then disconnects: the monitor may report
+        # the disconnect before this loop has read the goodbye, so read what it sent first.
+        if self.from_workers.poll(0):
+            self._merging = True
+            try:
+                self._drain(self.from_workers, self.worker_codec, routed=False)
+            finally:
+                self._merging = False
+                self._flush_outgoing()
         while self.worker_links.poll(0):
             lost = self.workers.link_event(recv_monitor_message(self.worker_links)["event"])
             if lost is not None:
@@ -530,8 +539,8 @@ class SchedulerProcess:
     def _worker_lost(self, reason: str, crashed: bool = True) -> None:
         """A ready worker is gone with every KV block it held: its live requests are set to be
         recomputed on the next one (an outage), or end with an error past the restart budget."""
-        if self.core is None or not self.workers.serving:
-            return
+        if self.core is None or not self.workers.serving or self.stopping:
+            return  # (stopping: the workers were told to stop with it)
         failure = self.workers.lose(reason, crashed)
         if failure is not None:
             self._fail(failure)

@@ -54,6 +54,18 @@ def scheduler(tmp_path: Path) -> Iterator[SchedulerProcess]:
         thread.join(10)
 
 
+def connected_worker_inbox(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
+    """A PULL socket standing in for a worker, returned once its link to the scheduler is up: the
+    scheduler sends a plan without waiting, and one sent before a worker is connected fails."""
+    sock = make_socket(ctx, zmq.PULL, address, bind=None)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sock.connect(address)
+    assert monitor.poll(10_000), "the stand-in worker did not connect"
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    return sock
+
+
 def test_a_handler_that_raises_ends_its_request_and_the_process_goes_on(scheduler: SchedulerProcess,
                                                                           tmp_path: Path) -> None:
     assert scheduler.core is not None
@@ -102,7 +114,7 @@ def test_a_failure_inside_the_core_ends_live_requests_and_a_clean_core_goes_on(s
     identity = frontend_identity(9)
     push = make_socket(ctx, zmq.DEALER, ep.frontend_to_scheduler, bind=False, identity=identity)
     pull = make_socket(ctx, zmq.DEALER, ep.scheduler_to_frontend, bind=False, identity=identity)
-    worker_inbox = make_socket(ctx, zmq.PULL, ep.scheduler_to_worker, bind=False)  # stands in for a worker
+    worker_inbox = connected_worker_inbox(ctx, ep.scheduler_to_worker)
     for sock in (pull, worker_inbox):
         sock.setsockopt(zmq.RCVTIMEO, 10_000)
     send, decode = scheduler_frontend_codec().encode, frontend_codec().decode
@@ -139,7 +151,7 @@ def test_a_failure_while_applying_tokens_sends_what_was_done_and_a_clean_core_go
     identity = frontend_identity(11)
     push = make_socket(ctx, zmq.DEALER, ep.frontend_to_scheduler, bind=False, identity=identity)
     pull = make_socket(ctx, zmq.DEALER, ep.scheduler_to_frontend, bind=False, identity=identity)
-    worker_inbox = make_socket(ctx, zmq.PULL, ep.scheduler_to_worker, bind=False)
+    worker_inbox = connected_worker_inbox(ctx, ep.scheduler_to_worker)
     worker_outbox = make_socket(ctx, zmq.PUSH, ep.worker_to_scheduler, bind=False)
     for sock in (pull, worker_inbox):
         sock.setsockopt(zmq.RCVTIMEO, 10_000)
