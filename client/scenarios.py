@@ -272,12 +272,13 @@ PREEMPTION = Scenario(
 
 # Records in a list that never ends within the output (at least 50 of them): every constrained
 # request generates exactly its output_len, as the free ones do with ignore_eos, so their
-# throughputs compare. Keys and punctuation are forced: a quarter to a half of each record.
+# throughputs compare. Keys and punctuation are forced: about half of each record. Every value is
+# bounded (a model given random token ids as its prompt writes a number's digits forever).
 JSON_RECORDS = {"type": "array", "minItems": 50, "items": {
     "type": "object", "additionalProperties": False, "required": ["id", "name", "city", "active", "score"],
     "properties": {"id": {"type": "integer", "minimum": 0}, "name": {"type": "string", "maxLength": 16},
                    "city": {"enum": ["Paris", "Berlin", "Lagos", "Lima", "Osaka"]},
-                   "active": {"type": "boolean"}, "score": {"type": "number"}}}}
+                   "active": {"type": "boolean"}, "score": {"type": "integer", "minimum": 0, "maximum": 100}}}}
 
 
 def json_output(scale: float, max_model_len: int | None) -> Workload:

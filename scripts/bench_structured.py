@@ -39,15 +39,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_serve import _free_port
 
+from client.scenarios import JSON_RECORDS as RECORDS  # records in a list that never ends within the output
+
 ADMIN = "bench-structured"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
-# Records in a list of at least 50: never complete within the output, so every constrained
-# request runs to max_tokens, as the free ones do with ignore_eos.
-RECORDS = {"type": "array", "minItems": 50, "items": {
-    "type": "object", "additionalProperties": False, "required": ["id", "name", "city", "active", "score"],
-    "properties": {"id": {"type": "integer", "minimum": 0}, "name": {"type": "string", "maxLength": 16},
-                   "city": {"enum": ["Paris", "Berlin", "Lagos", "Lima", "Osaka"]},
-                   "active": {"type": "boolean"}, "score": {"type": "number"}}}}
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "languages"],
           "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0},
                          "languages": {"type": "array", "items": {"enum": ["en", "fr", "de"]}, "maxItems": 3}}}
@@ -180,7 +175,7 @@ def mask_figures(model: str) -> tuple[float, float, int]:
     engine = GrammarEngine(info.tokenizer_json, info.vocab_size, info.eos_token_ids)
     grammar = constraint_of(None, {"json": RECORDS}, {}).grammar
     state = engine.start(grammar, [])
-    records = [{"id": i, "name": f"Name {i}", "city": "Lima", "active": i % 2 == 0, "score": i * 1.5}
+    records = [{"id": i, "name": f"Name {i}", "city": "Lima", "active": i % 2 == 0, "score": 7 * i}
                for i in range(12)]
     text = json.dumps(records)[:-1]  # 12 of the 50 records the schema asks for: the list goes on
     ids = Tokenizer.from_str(info.tokenizer_json).encode(text, add_special_tokens=False).ids
