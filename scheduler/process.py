@@ -151,15 +151,7 @@ class SchedulerProcess:
                 timeout = 0 if self._can_send_plan() else IDLE_POLL_MS
                 ready = dict(self.poller.poll(timeout))
                 if self.from_workers in ready:
-                    # The steps' tokens drained in one wake-up go to each frontend as one batch:
-                    # nothing waits for it (they have all arrived), and a scheduler that fell
-                    # behind catches up with a send per wake-up, not one per step.
-                    self._merging = True
-                    try:
-                        self._drain(self.from_workers, self.worker_codec, routed=False)
-                    finally:
-                        self._merging = False
-                        self._flush_outgoing()
+                    self._drain_workers()
                 if self.from_frontend in ready:
                     self._drain(self.from_frontend, self.frontend_codec, routed=True)
                 if self.worker_links in ready:
@@ -521,16 +513,22 @@ class SchedulerProcess:
         else:
             self._fail(reason)  # it never came up: nothing to wait for
 
+    def _drain_workers(self) -> None:
+        """Everything the workers sent. The steps' tokens drained in one wake-up go to each
+        frontend as one batch: nothing waits for it (they have all arrived), and a scheduler that
+        fell behind catches up with a send per wake-up, not one per step."""
+        self._merging = True
+        try:
+            self._drain(self.from_workers, self.worker_codec, routed=False)
+        finally:
+            self._merging = False
+            self._flush_outgoing()
+
     def _on_worker_link_event(self) -> None:
         # A worker that is told to stop says goodbye and then disconnects: the monitor may report
         # the disconnect before this loop has read the goodbye, so read what it sent first.
         if self.from_workers.poll(0):
-            self._merging = True
-            try:
-                self._drain(self.from_workers, self.worker_codec, routed=False)
-            finally:
-                self._merging = False
-                self._flush_outgoing()
+            self._drain_workers()
         while self.worker_links.poll(0):
             lost = self.workers.link_event(recv_monitor_message(self.worker_links)["event"])
             if lost is not None:

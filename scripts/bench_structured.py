@@ -27,17 +27,15 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_serve import _free_port
+import bench_serve
 
 from client.scenarios import JSON_RECORDS as RECORDS  # records in a list that never ends within the output
 
@@ -48,25 +46,8 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "languages": {"type": "array", "items": {"enum": ["en", "fr", "de"]}, "maxItems": 3}}}
 
 
-@contextlib.contextmanager
-def serving(model: str, *flags: str) -> Iterator[str]:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "frontend", "serve", "--port", str(port), "--model", model,
-                             "--admin-token", ADMIN, "--log-level", "warning", *flags], start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"sluice serve {' '.join(flags)} did not start")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()  # as Ctrl-C would: sluice serve stops its children itself
-        proc.wait(timeout=30)
+def serving(model: str, *flags: str) -> contextlib.AbstractContextManager[str]:
+    return bench_serve.serving(None, model, ["--admin-token", ADMIN, *flags])
 
 
 def stats(url: str) -> dict[str, Any]:

@@ -12,9 +12,9 @@ import llguidance
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_frontend_chat_template import _model_dir, _sluice
 
 from frontend.errors import APIError
-from frontend.tokenizer import ModelTokenizer
 from frontend.tools import (
     CLOSE,
     OPEN,
@@ -24,8 +24,6 @@ from frontend.tools import (
     prompt_messages,
     tool_use,
 )
-from worker.model_config import LlamaConfig
-from worker.model_info import build_model_info
 from worker.tiny import build_byte_level_tokenizer
 
 WEATHER = {"type": "function", "function": {
@@ -110,32 +108,14 @@ CONVERSATION = [
 ]
 
 
-def _model_dir(path: Path, chat_template: Any) -> Path:
-    path.mkdir()
-    build_byte_level_tokenizer(320).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "chat_template": chat_template}))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2}))
-    return path
-
-
-def _ours(path: Path) -> ModelTokenizer:
-    cfg = LlamaConfig.from_file(path / "config.json")
-    return ModelTokenizer(build_model_info(path, cfg, name="t", max_model_len=256, num_kv_blocks=4, block_size=16))
-
-
 @pytest.mark.parametrize("chat_template", [KNOWS_TOOLS, [{"name": "default", "template": PLAIN},
                                                          {"name": "tool_use", "template": KNOWS_TOOLS}]],
                          ids=["template", "tool_use-template"])
 def test_a_template_that_knows_tools_renders_them_as_transformers_does(tmp_path: Path, chat_template: Any) -> None:
     from transformers import AutoTokenizer
 
-    path = _model_dir(tmp_path / "model", chat_template)
-    ours, hf = _ours(path), AutoTokenizer.from_pretrained(str(path))
+    path = _model_dir(tmp_path / "model", {"chat_template": chat_template})
+    ours, hf = _sluice(path), AutoTokenizer.from_pretrained(str(path))
     assert ours.knows_tools
     use = tool_use([WEATHER, ADD], None, None)
     assert use is not None
@@ -151,7 +131,7 @@ def test_a_template_that_knows_tools_renders_them_as_transformers_does(tmp_path:
 
 
 def test_a_template_that_does_not_know_tools_gets_them_written_in(tmp_path: Path) -> None:
-    ours = _ours(_model_dir(tmp_path / "model", PLAIN))
+    ours = _sluice(_model_dir(tmp_path / "model", {"chat_template": PLAIN}))
     assert not ours.knows_tools
     use = tool_use([WEATHER], None, None)
     text = ours.render_chat(prompt_messages(CONVERSATION, use, knows_tools=False))
