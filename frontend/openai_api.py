@@ -291,5 +291,5 @@ async def list_models(request: Request) -> Response:
     data = []
     if model is not None:
         data.append({"id": state.model_name, "object": "model", "created": state.started,
-                     "owned_by": "sluice", "max_model_len": model.max_model_len})
+                     "owned_by": "sluice", "max_model_len": model.max_model_len, "dtype": model.dtype})
     return Response(_json.encode({"object": "list", "data": data}), media_type="application/json")

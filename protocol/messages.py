@@ -254,6 +254,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     sampling_defaults_from: str = ""
     # The named-list form's ``tool_use`` template, which transformers renders when tools are given.
     tool_chat_template: str | None = None
+    # The weights' and KV cache's dtype the worker computes in ("float32", "bfloat16", ...): a
+    # restarted worker must come back in it, or its recomputed streams change precision.
+    dtype: str = ""
 
 
 class EngineReady(msgspec.Struct, tag=True, array_like=True):

@@ -472,8 +472,9 @@ class SchedulerProcess:
         if info is None:
             return  # more ranks to come
         core = self.core
-        if core is not None and core.requests and (info.num_kv_blocks, info.block_size) == (
-                core.pool.num_blocks, core.block_size):
+        same_engine = self.model is not None and (info.num_kv_blocks, info.block_size, info.dtype) == (
+            self.model.num_kv_blocks, self.model.block_size, self.model.dtype)
+        if core is not None and core.requests and same_engine:
             # A worker came back (or announced itself again) with an empty state: every live
             # request is recomputed from its prompt and the tokens it has streamed.
             if outage is None:
@@ -481,7 +482,7 @@ class SchedulerProcess:
             log.info("workers ready again: %s; %d live requests resume (recomputed)", info.name, len(core.requests))
         else:
             if core is not None and core.requests:
-                finishes = core.finish_all(FinishReason.ERROR, "the worker came back with a different KV cache")
+                finishes = core.finish_all(FinishReason.ERROR, "the worker came back with a different KV cache or dtype")
                 self._to_owners(TokenBatch([], [], finishes))
             self.core = self._new_core(info)
             log.info("workers ready: %s, %d KV blocks of %d tokens", info.name, info.num_kv_blocks, info.block_size)

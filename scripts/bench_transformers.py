@@ -20,7 +20,7 @@ length (EOS ignored). Each round runs both sides, one after the other, with the 
   in flight; output tokens from each response's ``usage.completion_tokens``.
 
 ``--dtype auto`` is resolved here the way Sluice's worker resolves it on a CPU
-(``worker.cpu_matmul.choose_dtype`` on the model's shape) and the result is given to both sides.
+(``worker.cpu_matmul.choose_dtype``, from the CPU's instructions) and the result is given to both sides.
 Peak memory is VmHWM (model loading included): this process for transformers (it also runs the
 HTTP client, a few MiB), Sluice's worker process, and the sum over all Sluice's processes.
 """
@@ -207,13 +207,9 @@ def resolve_dtype(name: str, model: str) -> tuple[str, str]:
     """``--dtype``, with ``auto`` chosen as Sluice's CPU worker chooses it; with the reason."""
     if name != "auto":
         return name, "--dtype"
-    from transformers import AutoConfig
-
     from worker.cpu_matmul import choose_dtype
 
-    directory, kw = model_source(model)
-    cfg = AutoConfig.from_pretrained(directory, **kw)
-    choice = choose_dtype(cfg.hidden_size, cfg.intermediate_size)
+    choice = choose_dtype()
     return str(choice.dtype).removeprefix("torch."), f"auto: {choice.reason}"
 
 

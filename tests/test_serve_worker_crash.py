@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -185,3 +187,35 @@ def test_streams_ended_by_a_scheduler_restart_leave_nothing_running(server: Slui
         httpx.post(f"{url}/admin/requests/{request_id}/abort", headers=AUTH)
     for t in threads:
         t.join(60)
+
+
+def test_a_worker_restarted_on_a_busy_machine_keeps_its_engines_dtype(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # --dtype auto was once decided by timing two matmuls at start-up: under load the timing is
+    # noise, and a worker restarted after a crash came back as float32 where the first ran
+    # bfloat16, so the streams it recomputed went on in another precision. Now the hardware decides.
+    from worker.cpu_matmul import choose_dtype
+
+    want = str(choose_dtype().dtype).removeprefix("torch.")
+    with running_server("--dtype", "auto", log_dir=tmp_path_factory.mktemp("dtype")) as server:
+        url = server.url
+
+        def dtype() -> str:
+            return str(httpx.get(f"{url}/v1/models").json()["data"][0]["dtype"])
+
+        assert dtype() == want
+        before = complete(url, SHORT, 24)
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+        try:
+            old = worker_pid(server)
+            os.kill(old, signal.SIGKILL)
+            wait_until(lambda: httpx.get(f"{url}/health").status_code == 503, 10)
+            wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, 120)  # loaded while the cores are busy
+            assert worker_pid(server) != old
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
+        assert dtype() == want
+        assert complete(url, SHORT, 24) == before  # the same precision: the same greedy text
+        assert f"dtype: {want} (auto: " in server.log()

@@ -115,12 +115,13 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device, cfg: LlamaConfig) -> tuple[torch.dtype, str]:
     """The dtype ``--dtype`` names, whatever the checkpoint stores; ``auto`` is bfloat16 on CUDA
-    and, on a CPU, what ``cpu_matmul.choose_dtype`` measures faster. With the reason, for the log."""
+    and, on a CPU, what ``cpu_matmul.choose_dtype`` reads from the hardware (never a timing: a
+    restarted worker comes back in its engine's dtype). With the reason, for the log."""
     if name != "auto":
         return DTYPES[name], "--dtype"
     if device.type == "cuda":
         return torch.bfloat16, "auto: CUDA"
-    choice = cpu_matmul.choose_dtype(cfg.hidden_size, cfg.intermediate_size)
+    choice = cpu_matmul.choose_dtype()
     return choice.dtype, f"auto: {choice.reason}"
 
 
