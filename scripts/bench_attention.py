@@ -51,7 +51,7 @@ LAYERS = CONFIG["num_hidden_layers"]
 def build_checkpoint(path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from worker.tiny import build_byte_level_tokenizer
+    from worker.model.tiny import build_byte_level_tokenizer
 
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(path, safe_serialization=True)

@@ -62,9 +62,9 @@ def run_fake_worker(address: str, step_s: float) -> None:
     )
     from protocol.stop import stop_reason
     from protocol.transport import Endpoints, make_socket, scheduler_worker_codec, worker_codec
-    from worker.model_config import LlamaConfig
-    from worker.model_info import build_model_info
-    from worker.tiny import materialize_tiny
+    from worker.model.config import LlamaConfig
+    from worker.model.info import build_model_info
+    from worker.model.tiny import materialize_tiny
 
     model_dir = materialize_tiny()
     cfg = LlamaConfig.from_file(model_dir / "config.json")

@@ -134,7 +134,7 @@ class Server:
 
 
 def _llama_gguf(server: Path, dtype: str, out_dir: Path) -> Path:
-    from worker.loader import smollm2_path
+    from worker.model.loader import smollm2_path
 
     target = out_dir / f"smollm2-{GGUF_TYPES[dtype].lower()}.gguf"
     if not target.exists():

@@ -174,9 +174,9 @@ def mask_figures(model: str) -> tuple[float, float, int]:
 def _model_info(model: str) -> Any:
     from protocol.config import WorkerConfig
     from worker.gguf.checkpoint import GGUFCheckpoint
-    from worker.loader import is_gguf, resolve_model_dir
-    from worker.model_config import LlamaConfig
-    from worker.model_info import build_gguf_model_info, build_model_info
+    from worker.model.config import LlamaConfig
+    from worker.model.info import build_gguf_model_info, build_model_info
+    from worker.model.loader import is_gguf, resolve_model_dir
 
     config = WorkerConfig(model=model)
     source = resolve_model_dir(config.model)

@@ -20,7 +20,7 @@ length (EOS ignored). Each round runs both sides, one after the other, with the 
   in flight; output tokens from each response's ``usage.completion_tokens``.
 
 ``--dtype auto`` is resolved here the way Sluice's worker resolves it on a CPU
-(``worker.cpu_matmul.choose_dtype``, from the CPU's instructions) and the result is given to both sides.
+(``worker.model.cpu_matmul.choose_dtype``, from the CPU's instructions) and the result is given to both sides.
 Peak memory is VmHWM (model loading included): this process for transformers (it also runs the
 HTTP client, a few MiB), Sluice's worker process, and the sum over all Sluice's processes.
 """
@@ -194,10 +194,10 @@ def model_source(model: str) -> tuple[str, dict[str, Any]]:
     """The directory (and ``gguf_file`` keyword) ``from_pretrained`` takes for ``--model``: the
     very files ``sluice serve --model`` loads."""
     if model == "tiny":
-        from worker.tiny import materialize_tiny
+        from worker.model.tiny import materialize_tiny
 
         return str(materialize_tiny()), {}
-    from worker.loader import smollm2_path
+    from worker.model.loader import smollm2_path
 
     path = smollm2_path()
     return str(path.parent), {"gguf_file": path.name}
@@ -207,7 +207,7 @@ def resolve_dtype(name: str, model: str) -> tuple[str, str]:
     """``--dtype``, with ``auto`` chosen as Sluice's CPU worker chooses it; with the reason."""
     if name != "auto":
         return name, "--dtype"
-    from worker.cpu_matmul import choose_dtype
+    from worker.model.cpu_matmul import choose_dtype
 
     choice = choose_dtype()
     return str(choice.dtype).removeprefix("torch."), f"auto: {choice.reason}"

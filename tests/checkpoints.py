@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from gguf import GGUFWriter
 
-from worker.tiny import build_byte_level_tokenizer
+from worker.model.tiny import build_byte_level_tokenizer
 
 
 def save_llama_checkpoint(path: Path, seed: int = 0, **overrides: Any) -> Path:

@@ -26,7 +26,7 @@ from protocol.messages import (
     new_epoch,
 )
 from protocol.transport import Endpoints, make_socket, scheduler_frontend_codec
-from worker.tiny import build_byte_level_tokenizer
+from worker.model.tiny import build_byte_level_tokenizer
 
 
 def model_info(num_kv_blocks: int = 64) -> ModelInfo:

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from frontend.tokenizer import ChatTemplateError, ModelTokenizer
-from worker.model_config import LlamaConfig
-from worker.model_info import build_model_info
-from worker.tiny import build_byte_level_tokenizer
+from worker.model.config import LlamaConfig
+from worker.model.info import build_model_info
+from worker.model.tiny import build_byte_level_tokenizer
 
 HEADERS = (
     "{{- bos_token }}{%- set date = strftime_now('%d %b %Y') %}"

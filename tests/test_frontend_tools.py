@@ -24,7 +24,7 @@ from frontend.tools import (
     prompt_messages,
     tool_use,
 )
-from worker.tiny import build_byte_level_tokenizer
+from worker.model.tiny import build_byte_level_tokenizer
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

@@ -20,8 +20,8 @@ from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.gguf.file import GGUFFile
 from worker.gguf.quants import dequantize
 from worker.gguf.tokenizer import build_tokenizer
-from worker.loader import smollm2_path
-from worker.model_config import ModelLoadError
+from worker.model.config import ModelLoadError
+from worker.model.loader import smollm2_path
 
 BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.Q8_0: 34, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
 FP16_AT = {Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # others: (0,)

@@ -15,8 +15,8 @@ from tokenizers import Tokenizer
 from protocol.config import WorkerConfig
 from worker.engine import Worker
 from worker.gguf.convert import convert
-from worker.loader import smollm2_path
-from worker.model_config import ModelLoadError
+from worker.model.config import ModelLoadError
+from worker.model.loader import smollm2_path
 
 pytestmark = pytest.mark.timeout(600)
 

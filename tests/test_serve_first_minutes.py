@@ -29,7 +29,7 @@ import httpx
 import pytest
 from sluice_server import free_port, running_server
 
-from worker.tiny import materialize_tiny
+from worker.model.tiny import materialize_tiny
 
 SERVE = [sys.executable, "-m", "frontend", "serve"]
 

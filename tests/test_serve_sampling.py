@@ -13,7 +13,7 @@ import httpx
 import pytest
 from sluice_server import SluiceServer, running_server
 
-from worker.tiny import materialize_tiny
+from worker.model.tiny import materialize_tiny
 
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 

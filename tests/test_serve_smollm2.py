@@ -13,7 +13,7 @@ import pytest
 import torch
 from sluice_server import SluiceServer, running_server
 
-from worker.loader import smollm2_path
+from worker.model.loader import smollm2_path
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -108,14 +108,13 @@ def test_bfloat16_answers_sensibly_with_logits_close_to_float32(tmp_path: Path) 
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
     from tokenizers import Tokenizer
 
-    from worker.attention import AttentionMetadata
+    from worker.attention import SdpaBackend
 
     logits = []
     for dtype in ("float32", "bfloat16"):
         w = Worker(WorkerConfig(model="smollm2", num_kv_blocks=16, dtype=dtype))
         ids = Tokenizer.from_str(w.info.tokenizer_json).encode(QUESTIONS[1]).ids
-        meta = AttentionMetadata.build(w.runner.cache, [list(range(16))], [0], [len(ids)], list(range(len(ids))),
-                                       w.device)
+        meta = SdpaBackend(w.device).build(w.runner.cache, [list(range(16))], [0], [len(ids)], list(range(len(ids))))
         with torch.inference_mode():
             logits.append(w.runner.model(torch.tensor(ids), meta))
     full, half = logits

@@ -194,7 +194,7 @@ def test_a_worker_restarted_on_a_busy_machine_keeps_its_engines_dtype(
     # --dtype auto was once decided by timing two matmuls at start-up: under load the timing is
     # noise, and a worker restarted after a crash came back as float32 where the first ran
     # bfloat16, so the streams it recomputed went on in another precision. Now the hardware decides.
-    from worker.cpu_matmul import choose_dtype
+    from worker.model.cpu_matmul import choose_dtype
 
     want = str(choose_dtype().dtype).removeprefix("torch.")
     with running_server("--dtype", "auto", log_dir=tmp_path_factory.mktemp("dtype")) as server:

@@ -16,8 +16,8 @@ import random
 import pytest
 import torch
 
-from worker.attention import AttentionMetadata, paged_attention
-from worker.attention_flashinfer import PagedLayout
+from worker.attention import SdpaBackend
+from worker.attention.flashinfer import PagedLayout
 from worker.input_batch import RowTables
 from worker.kv_cache import KVCache
 
@@ -71,8 +71,8 @@ def test_the_csr_layout_attends_as_the_torch_path(seed: int, window: int | None)
         total, kv_heads, head_dim)
     scale = head_dim**-0.5
 
-    meta = AttentionMetadata.build(caches[0], tables, starts, lengths, [total - 1], CPU, window)
-    want = paged_attention(q, k, v, meta, 0, scale)
+    meta = SdpaBackend(CPU, window).build(caches[0], tables, starts, lengths, [total - 1])
+    want = meta.attend(0, q, k, v, scale)
 
     layout = PagedLayout.build(RowTables.from_lists(tables), starts, lengths, bs)
     assert torch.equal(layout.positions, meta.positions)

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from worker import cpu_kernels
-from worker.attention import AttentionBackend, AttentionMetadata, paged_attention
+from worker.attention import CpuPagedBackend, SdpaBackend
+from worker.kernels import cpu as cpu_kernels
 from worker.kv_cache import KVCache
 
 kernel = cpu_kernels.load()
@@ -56,12 +56,11 @@ def test_decode_kernel_matches_the_torch_path(heads: int, kv_heads: int, head_di
     v = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, dtype=dtype)[:, heads * head_dim : (heads + kv_heads) * head_dim]
     v = v.view(rows, kv_heads, head_dim)
     cpu = torch.device("cpu")
-    ref_meta = AttentionMetadata.build(caches[0], tables, starts, [1] * rows, list(range(rows)), cpu, window)
-    kernel_meta = AttentionMetadata.build(caches[1], tables, starts, [1] * rows, list(range(rows)), cpu, window,
-                                          decode_kernel=kernel)
+    ref_meta = SdpaBackend(cpu, window).build(caches[0], tables, starts, [1] * rows, list(range(rows)))
+    kernel_meta = CpuPagedBackend(kernel, cpu, window).build(caches[1], tables, starts, [1] * rows, list(range(rows)))
     assert ref_meta.decode is None and kernel_meta.decode is not None
-    want = paged_attention(q, k, v, ref_meta, 0, head_dim**-0.5)
-    got = paged_attention(q, k, v, kernel_meta, 0, head_dim**-0.5)
+    want = ref_meta.attend(0, q, k, v, head_dim**-0.5)
+    got = kernel_meta.attend(0, q, k, v, head_dim**-0.5)
     # bfloat16: both round their float32 results once; SDPA may round partial sums too.
     tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got, want, **tol)
@@ -72,10 +71,10 @@ def test_decode_kernel_matches_the_torch_path(heads: int, kv_heads: int, head_di
 
 def test_steps_with_prefill_chunks_send_only_their_decode_rows_to_the_kernel() -> None:
     cache = KVCache(1, 16, 4, 2, 8, torch.float32, torch.device("cpu"))
-    backend = AttentionBackend(kernel, torch.device("cpu"))
-    mixed = backend.metadata(cache, [[0, 1], [2, 3]], [5, 0], [1, 3], [0, 3], torch.device("cpu"), None)
-    decode = backend.metadata(cache, [[0, 1], [2, 3]], [5, 2], [1, 1], [0, 1], torch.device("cpu"), None)
-    prefill = backend.metadata(cache, [[0, 1], [2, 3]], [0, 0], [4, 3], [3, 6], torch.device("cpu"), None)
+    backend = CpuPagedBackend(kernel, torch.device("cpu"))
+    mixed = backend.build(cache, [[0, 1], [2, 3]], [5, 0], [1, 3], [0, 3])
+    decode = backend.build(cache, [[0, 1], [2, 3]], [5, 2], [1, 1], [0, 1])
+    prefill = backend.build(cache, [[0, 1], [2, 3]], [0, 0], [4, 3], [3, 6])
     assert mixed.decode is not None and mixed.groups and mixed.decode.tokens is not None
     assert mixed.decode.tokens.tolist() == [0] and [g.tokens.tolist() for g in mixed.groups if g.tokens is not None] == [[1, 2, 3]]
     assert decode.decode is not None and not decode.groups
@@ -111,22 +110,22 @@ def test_mixed_steps_attend_as_the_torch_path(seed: int, window: int | None, dty
     q = torch.randn(total, heads, head_dim, dtype=dtype)
     k, v = torch.randn(total, kv_heads, head_dim, dtype=dtype), torch.randn(total, kv_heads, head_dim, dtype=dtype)
     cpu = torch.device("cpu")
-    ref = AttentionMetadata.build(caches[0], tables, starts, lengths, [total - 1], cpu, window)
-    mixed = AttentionMetadata.build(caches[1], tables, starts, lengths, [total - 1], cpu, window, decode_kernel=kernel)
+    ref = SdpaBackend(cpu, window).build(caches[0], tables, starts, lengths, [total - 1])
+    mixed = CpuPagedBackend(kernel, cpu, window).build(caches[1], tables, starts, lengths, [total - 1])
     assert ref.decode is None and mixed.decode is not None and len(mixed.decode.context_lens) == 6
-    want = paged_attention(q, k, v, ref, 0, head_dim**-0.5)
-    got = paged_attention(q, k, v, mixed, 0, head_dim**-0.5)
+    want = ref.attend(0, q, k, v, head_dim**-0.5)
+    got = mixed.attend(0, q, k, v, head_dim**-0.5)
     tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got, want, **tol)
     assert torch.equal(caches[0].keys[0], caches[1].keys[0]) and torch.equal(caches[0].values[0], caches[1].values[0])
 
 
 def test_geometries_outside_the_kernels_scratch_are_refused() -> None:
-    assert cpu_kernels.supports(torch.float32, 9, 3, 64, 16)
-    assert cpu_kernels.supports(torch.bfloat16, 9, 3, 64, 16)
-    assert not cpu_kernels.supports(torch.float16, 9, 3, 64, 16)
-    assert not cpu_kernels.supports(torch.float32, 64, 2, 64, 16)  # 32 query heads per kv head
-    assert not cpu_kernels.supports(torch.float32, 8, 8, 512, 16)
+    assert cpu_kernels.unsupported(torch.float32, 9, 3, 64, 16) is None
+    assert cpu_kernels.unsupported(torch.bfloat16, 9, 3, 64, 16) is None
+    assert "float16" in str(cpu_kernels.unsupported(torch.float16, 9, 3, 64, 16))
+    assert "GQA groups up to 16" in str(cpu_kernels.unsupported(torch.float32, 64, 2, 64, 16))  # 32 per kv head
+    assert "head sizes up to" in str(cpu_kernels.unsupported(torch.float32, 8, 8, 512, 16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -136,7 +135,7 @@ def test_rms_norm_matches_torch(rows: int, dtype: torch.dtype) -> None:
     without the residual add fused before it. In bfloat16 the kernel rounds where torch rounds
     (the sum, the normalised value, the product), so it must agree to the last bit but for the
     odd tie its float32 arithmetic breaks otherwise: at most one bfloat16 step apart."""
-    from worker.layers import RMSNorm
+    from worker.model.layers import RMSNorm
 
     torch.manual_seed(rows)
     wide = (torch.randn(rows, 700) * 3).to(dtype)

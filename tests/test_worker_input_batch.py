@@ -16,9 +16,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from protocol.messages import SamplingParams
-from worker import cpu_kernels
-from worker.attention import AttentionMetadata
+from worker.attention import AttentionBackend, CpuPagedBackend, SdpaBackend
+from worker.attention.sdpa import SdpaMetadata
 from worker.input_batch import InputBatch
+from worker.kernels import cpu as cpu_kernels
 from worker.kv_cache import KVCache
 from worker.sampler import param_row
 from worker.staging import HostToDevice
@@ -26,10 +27,10 @@ from worker.staging import HostToDevice
 BS = 4
 CPU = torch.device("cpu")
 CACHE = KVCache(1, 64, BS, 1, 8, torch.float32, CPU)
-KERNEL = cpu_kernels.load() if cpu_kernels.supports(torch.float32, 1, 1, 8, BS) else None
+KERNEL = cpu_kernels.load() if cpu_kernels.unsupported(torch.float32, 1, 1, 8, BS) is None else None
 
 
-def assert_same(a: AttentionMetadata, b: AttentionMetadata) -> None:
+def assert_same(a: SdpaMetadata, b: SdpaMetadata) -> None:
     assert torch.equal(a.positions, b.positions)
     assert torch.equal(a.slot_mapping, b.slot_mapping)
     assert torch.equal(a.logits_indices, b.logits_indices)
@@ -109,9 +110,9 @@ def test_batch_metadata_matches_the_list_builder(history: list[tuple[str, int]],
             kernel = KERNEL if decode_only else None
             tables, sampling = batch.gather(rows, rows[::-1])
             assert torch.equal(sampling, torch.tensor([param_row(params[rid]) for rid in rows[::-1]]))
-            got = AttentionMetadata.build(CACHE, tables, starts, lengths, logits, CPU, window, kernel)
-            want = AttentionMetadata.build(CACHE, [lists[rid] for rid in rows], starts, lengths, logits, CPU,
-                                           window, kernel)
+            backend: AttentionBackend = CpuPagedBackend(kernel, CPU, window) if kernel else SdpaBackend(CPU, window)
+            got = backend.build(CACHE, tables, starts, lengths, logits)
+            want = backend.build(CACHE, [lists[rid] for rid in rows], starts, lengths, logits)
             assert_same(got, want)
     assert sorted(batch.slot_of) == sorted(lists)
     assert len(set(batch.slot_of.values())) == len(batch.slot_of)  # no slot shared

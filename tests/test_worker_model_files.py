@@ -16,8 +16,8 @@ from tokenizers import Tokenizer
 from protocol.config import ConfigError, WorkerConfig
 from worker.engine import Worker
 from worker.kv_cache import KVCache, SwapSpace, bytes_per_block, num_blocks_for, parse_bytes
-from worker.model_config import ModelLoadError
-from worker.tiny import TINY_FILES, materialize_tiny
+from worker.model.config import ModelLoadError
+from worker.model.tiny import TINY_FILES, materialize_tiny
 
 
 @pytest.fixture(scope="module")
@@ -183,9 +183,9 @@ def test_swap_space_grows_on_demand_and_keeps_what_it_holds() -> None:
 
 
 def test_dtype_auto_follows_the_hardware_never_a_timing() -> None:
-    from worker import cpu_matmul
-    from worker.loader import resolve_dtype
-    from worker.model_config import LlamaConfig
+    from worker.model import cpu_matmul
+    from worker.model.config import LlamaConfig
+    from worker.model.loader import resolve_dtype
 
     cfg = LlamaConfig.from_file(materialize_tiny() / "config.json")
     assert cpu_matmul.choose_dtype(bf16_instructions=False).dtype == torch.float32
@@ -210,8 +210,9 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, own_kernel: bool) ->
     the kernel's 6-row tiles and leave every remainder, output sizes off its 64-output tiles, an
     odd input size (which the bfloat16 kernel leaves to oneDNN), and a strided input. The
     kernel's float32 rows do not depend on the batch: each row alone gives the same bits."""
-    from worker import cpu_kernels, cpu_matmul
-    from worker.layers import Linear
+    from worker.kernels import cpu as cpu_kernels
+    from worker.model import cpu_matmul
+    from worker.model.layers import Linear
 
     if own_kernel and not cpu_kernels.has_linear(cpu_kernels.load(), dtype):
         pytest.skip(f"the {dtype} kernel is not built on this CPU (no AVX-512 / AVX512-BF16, or no compiler)")

@@ -16,7 +16,7 @@ from worker_testing import Driver, greedy, one_cpu_thread
 
 from protocol.config import WorkerConfig
 from protocol.messages import NewRequest, SamplingParams, unpack_logprobs
-from worker.attention import AttentionMetadata
+from worker.attention import SdpaBackend
 from worker.engine import Worker
 
 NEW = 32
@@ -116,8 +116,8 @@ def test_logits_match_transformers_forward(worker: Worker, checkpoint: Path) -> 
     chunk_table = d.tables[5] + [next(d.free) for _ in range(5)]
     whole_table = [next(d.free) for _ in range(5)]
     n = len(chunked) - 30
-    meta = AttentionMetadata.build(runner.cache, [whole_table, chunk_table], [0, 30], [len(whole), n],
-                                   list(range(len(whole) + n)), runner.device)
+    meta = SdpaBackend(runner.device).build(runner.cache, [whole_table, chunk_table], [0, 30], [len(whole), n],
+                                            list(range(len(whole) + n)))
     with torch.inference_mode():
         got = runner.model(torch.tensor(whole + chunked[30:]), meta)
     torch.testing.assert_close(got[: len(whole)], want_whole, atol=1e-4, rtol=1e-4)
@@ -132,8 +132,8 @@ def test_contexts_of_very_different_lengths_attend_in_groups_and_match_transform
     prompts = {0: PROMPTS[0], 1: long_prompt, 2: PROMPTS[1], 3: PROMPTS[3]}
     want = dict(zip(prompts, hf_greedy(checkpoint, list(prompts.values()), 10), strict=True))
     runner = worker.runner
-    meta = AttentionMetadata.build(runner.cache, [list(range(40)), [40, 41]], [len(long_prompt), 5], [1, 1], [0, 1],
-                                   runner.device)
+    meta = SdpaBackend(runner.device).build(runner.cache, [list(range(40)), [40, 41]], [len(long_prompt), 5], [1, 1],
+                                            [0, 1])
     assert [g.block_table.shape[0] for g in meta.groups] == [1, 1]
     d = Driver(runner)
     d.prefill(prompts, greedy(10), steps=4)
@@ -199,8 +199,7 @@ def test_dtype_flag_casts_weights_and_cache(checkpoint: Path, dtype: str) -> Non
     assert {t.dtype for t in w.runner.cache.layers} == {want_dtype}
     prompt = PROMPTS[1]
     runner = w.runner
-    meta = AttentionMetadata.build(runner.cache, [[0, 1, 2]], [0], [len(prompt)], list(range(len(prompt))),
-                                   runner.device)
+    meta = SdpaBackend(runner.device).build(runner.cache, [[0, 1, 2]], [0], [len(prompt)], list(range(len(prompt))))
     with torch.inference_mode():
         got = runner.model(torch.tensor(prompt), meta)
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()

@@ -28,7 +28,7 @@ from protocol.messages import (
 )
 from protocol.transport import Endpoints, make_socket, scheduler_worker_codec, worker_codec
 from worker.engine import Worker
-from worker.tiny import materialize_tiny
+from worker.model.tiny import materialize_tiny
 
 WAIT_MS = 60_000  # generous: the machine may be busy; nothing here asserts on timing
 pytestmark = pytest.mark.timeout(180)

@@ -13,9 +13,9 @@ from worker_testing import Driver, greedy, one_cpu_thread
 from protocol.config import WorkerConfig
 from protocol.messages import CancelRows, NewRequest, SamplingParams, StepPlan, StepTokens, unpack_logprobs
 from worker.engine import Worker
+from worker.model.tiny import materialize_tiny
 from worker.runner import ModelRunner
 from worker.sequence import PlanError
-from worker.tiny import materialize_tiny
 
 BS = 4
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]

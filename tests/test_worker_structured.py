@@ -17,9 +17,9 @@ from worker_testing import Driver, greedy, one_cpu_thread
 from protocol.config import WorkerConfig
 from protocol.messages import NewRequest, SamplingParams
 from worker.engine import Worker
+from worker.model.tiny import materialize_tiny
 from worker.runner import ModelRunner
 from worker.structured import GrammarEngine, apply_masks
-from worker.tiny import materialize_tiny
 
 BS = 4
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32]

@@ -11,11 +11,13 @@ import msgspec
 
 from protocol.config import WorkerConfig
 from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
-from worker import cpu_matmul
 from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.kv_cache import KVCache, bytes_per_block, num_blocks_for, sizing_reason
-from worker.layers import use_cpu_kernels
-from worker.loader import (
+from worker.model import cpu_matmul
+from worker.model.config import LlamaConfig
+from worker.model.info import build_gguf_model_info, build_model_info
+from worker.model.layers import use_cpu_kernels
+from worker.model.loader import (
     is_gguf,
     load_model,
     resolve_device,
@@ -24,8 +26,6 @@ from worker.loader import (
     resolve_model_dir,
     served_name,
 )
-from worker.model_config import LlamaConfig
-from worker.model_info import build_gguf_model_info, build_model_info
 from worker.runner import ModelRunner
 from worker.sampling_defaults import sampling_defaults
 from worker.structured import GrammarEngine

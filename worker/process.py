@@ -42,7 +42,7 @@ from protocol.supervision import startup_failure_level, supervised
 from protocol.transport import Endpoints, make_socket, scheduler_worker_codec, worker_codec
 from worker.cpu_threads import configure_cpu_threads
 from worker.engine import Worker
-from worker.model_config import ModelLoadError
+from worker.model.config import ModelLoadError
 
 __all__ = ["Worker", "run"]
 

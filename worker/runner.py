@@ -40,12 +40,12 @@ from collections.abc import Iterator
 import torch
 
 from protocol.messages import CancelRows, StepPlan, StepTokens, pack_logprobs
-from worker.attention import AttentionBackend
+from worker.attention import select_backend
 from worker.cpu_threads import ThreadPlan
 from worker.host_copy import HostCopier, PendingCopy
 from worker.input_batch import InputBatch
 from worker.kv_cache import KVCache, SwapSpace
-from worker.llama import LlamaForCausalLM
+from worker.model.llama import LlamaForCausalLM
 from worker.sampler import Sampler, SamplerOutput, SamplingRow, TopLogprobs
 from worker.sequence import PlanError, SequenceState
 from worker.structured import GrammarEngine
@@ -91,10 +91,9 @@ class ModelRunner:
         self.device = device
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
-        self.sliding_window = model.config.sliding_window
         cfg = model.config
-        self.attention = AttentionBackend.select(device, cache.keys[0].dtype, cfg.num_heads, cfg.num_kv_heads,
-                                                 cfg.head_dim, cache.block_size, cfg.sliding_window)
+        self.attention = select_backend(device, cache.keys[0].dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                        cache.block_size, cfg.sliding_window)
         self.seqs: dict[int, SequenceState] = {}
         max_blocks = -(-max_model_len // cache.block_size)
         self.batch = InputBatch(max_num_seqs, max_blocks, pin_memory=device.type == "cuda")
@@ -327,8 +326,7 @@ class ModelRunner:
             for s in batch.samplers], params) if batch.samplers else None
         ids = batch.host_ids if batch.host_ids is not None else batch.keep
         host = ([ids] if ids is not None else []) + (sampling.tensors() if sampling is not None else [])
-        meta = self.attention.metadata(self.cache, tables, batch.starts, batch.lengths, batch.logits_indices,
-                                       self.device, self.sliding_window, host)
+        meta = self.attention.build(self.cache, tables, batch.starts, batch.lengths, batch.logits_indices, host)
         moved = meta.extra
         if batch.host_ids is not None:
             input_ids, moved = moved[0], moved[1:]

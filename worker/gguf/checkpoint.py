@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from worker.gguf.file import GGUFFile, GGUFFormatError
 from worker.gguf.quants import UnsupportedTensorType, dequantize
 from worker.gguf.tokenizer import UnsupportedTokenizer, build_tokenizer
-from worker.model_config import LlamaConfig, ModelLoadError
+from worker.model.config import LlamaConfig, ModelLoadError
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",

@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import save_file
 
 from worker.gguf.checkpoint import GGUFCheckpoint
-from worker.loader import DTYPES, load_model, resolve_model_dir
-from worker.model_config import LlamaConfig, ModelLoadError
+from worker.model.config import LlamaConfig, ModelLoadError
+from worker.model.loader import DTYPES, load_model, resolve_model_dir
 from worker.sampling_defaults import sampling_defaults
 
 

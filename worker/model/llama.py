@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.attention import AttentionMetadata, paged_attention
-from worker.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
-from worker.model_config import LlamaConfig
+from worker.attention.base import AttentionMetadata
+from worker.model.config import LlamaConfig
+from worker.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
 class Attention(nn.Module):
@@ -39,7 +39,7 @@ class Attention(nn.Module):
         qk = apply_rotary(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, meta, self.layer, self.scale)
+        out = meta.attend(self.layer, q, k, v, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker import cpu_kernels
-from worker.model_config import LlamaConfig
+from worker.kernels import cpu as cpu_kernels
+from worker.model.config import LlamaConfig
 
 
 class Linear(nn.Module):

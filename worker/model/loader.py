@@ -17,10 +17,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from protocol.models import unknown_model
-from worker import cpu_matmul
-from worker.llama import LlamaForCausalLM
-from worker.model_config import LlamaConfig, ModelLoadError
-from worker.tiny import materialize_tiny
+from worker.model import cpu_matmul
+from worker.model.config import LlamaConfig, ModelLoadError
+from worker.model.llama import LlamaForCausalLM
+from worker.model.tiny import materialize_tiny
 
 log = logging.getLogger("sluice.worker")
 

@@ -34,8 +34,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from worker import cpu_kernels
-from worker.layers import Linear
+from worker.kernels import cpu as cpu_kernels
+from worker.model.layers import Linear
 
 PACKED_FOR_ROWS = 16  # the batch size oneDNN's packed layout is chosen for
 

@@ -2,7 +2,7 @@
  * AVX512-BF16: products of bfloat16 pairs summed in float32 by vdpbf16ps, one rounding to
  * bfloat16 at the end, as oneDNN and torch round).
  *
- * The weight is packed once (worker/cpu_kernels.py: pack_linear) so that a load of 64 bytes is
+ * The weight is packed once (worker/kernels/cpu.py: pack_linear) so that a load of 64 bytes is
  * 16 consecutive outputs times 1 input (float32) or times 2 consecutive inputs (bfloat16):
  *
  *     float32:  packed[ob][i][j]     = W[16 * ob + j][i]

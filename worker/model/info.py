@@ -30,7 +30,7 @@ from tokenizers import Tokenizer
 
 from protocol.messages import ModelInfo
 from worker.gguf.checkpoint import GGUFCheckpoint
-from worker.model_config import LlamaConfig, ModelLoadError
+from worker.model.config import LlamaConfig, ModelLoadError
 
 _BOS_BY_DEFAULT_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast", "CodeLlamaTokenizer", "CodeLlamaTokenizerFast",
                            "GemmaTokenizer", "GemmaTokenizerFast")

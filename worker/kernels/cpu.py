@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from worker.tiny import default_cache_dir
+from worker.model.tiny import default_cache_dir
 
 log = logging.getLogger("sluice.worker")
 
@@ -116,10 +116,16 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
-def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
-    """Whether the kernel handles this geometry (float32 or bfloat16, within its scratch sizes)."""
-    return (dtype in (torch.float32, torch.bfloat16) and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
-            and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK)
+def unsupported(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> str | None:
+    """Why the decode kernel cannot attend this geometry (float32 or bfloat16, within its
+    scratch sizes), or None when it can."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the C decode kernel computes float32 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
+        return f"the C decode kernel takes GQA groups up to {MAX_GROUP}, not {num_heads} heads over {num_kv_heads}"
+    if head_dim > MAX_HEAD_DIM or block_size > MAX_BLOCK:
+        return f"the C decode kernel takes head sizes up to {MAX_HEAD_DIM} and blocks up to {MAX_BLOCK} tokens"
+    return None
 
 
 def _ptr(t: torch.Tensor) -> int:

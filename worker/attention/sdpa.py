@@ -1,7 +1,9 @@
-"""Paged attention: new keys/values go into cache slots, each sequence reads its context through
-its block table.
+"""The torch reference backend (``sdpa``): every step gathers its rows' context from the paged
+cache and runs ``scaled_dot_product_attention``; it runs on every device and dtype. The CPU
+backend (``cpu_paged``) builds on it for its steps' prefill chunks.
 
-The metadata of a step is built once on the host and shared by every layer:
+Paged attention: new keys/values go into cache slots, each sequence reads its context through
+its block table. The metadata of a step is built once on the host and shared by every layer:
 
 * ``slot_mapping[t]`` — cache slot (``block * block_size + offset``) where token t's K/V go;
 * ``groups`` — the rows split by context length, so a long row is not padded onto short ones
@@ -28,17 +30,6 @@ position ``first_block[g] * block_size + c``.
 A decode step is the special case max_q = 1, and a prefill chunk after an already computed
 prefix is the general case: its queries start at position ``start`` and see everything before.
 
-Three backends, chosen once at start-up (``AttentionBackend.select``) and logged:
-
-* ``torch`` — the gather and ``scaled_dot_product_attention`` described above, for every step
-  on every device: the reference.
-* ``cpu-paged`` — on the CPU in float32 or bfloat16, steps where every row decodes one token (multi-step
-  decode windows: the bulk of serving) go to a C kernel (``worker/cpu_kernels.py``) that writes
-  the new keys and values and attends reading the paged cache in place, no gathered copy;
-  steps with prefill chunks keep the torch path, whose blocked SDPA suits many queries.
-  Measured on SmolLM2 at 64 streams: the gather and SDPA were 41% of a decode step.
-* ``flashinfer`` — on CUDA where ``flashinfer`` is installed: its paged decode and prefill
-  kernels read the cache in place (``worker/attention_flashinfer.py``).
 Positions a sequence reads were always written by that same sequence first (in this step or an
 earlier one); the rest of a gathered block (stale data of a recycled block, or block 0's) is
 masked, and the cache only ever holds finite values, so masked columns contribute nothing.
@@ -46,28 +37,15 @@ masked, and the cache only ever holds finite values, so masked columns contribut
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import logging
 import weakref
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from worker import cpu_kernels
+from worker.attention.base import AttentionBackend, AttentionMetadata, as_tables, check_cover
 from worker.input_batch import RowTables
 from worker.kv_cache import KVCache
-from worker.staging import HostToDevice
-
-log = logging.getLogger("sluice.worker")
-
-
-class PagedKernelStep(Protocol):
-    """A backend's planned step whose kernels read the paged cache in place."""
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, layer: int
-               ) -> torch.Tensor: ...
 
 
 @dataclasses.dataclass
@@ -84,69 +62,52 @@ class AttentionGroup:
 
 @dataclasses.dataclass
 class DecodeRows:
-    """The rows of a step that compute one token each, for the C kernel: int32 host tensors."""
+    """Rows of a step that compute one token each, for a paged decode kernel: int32 host tensors."""
 
-    kernel: ctypes.CDLL
     block_table: torch.Tensor  # [B, max blocks], contiguous
     context_lens: torch.Tensor  # [B]: positions 0 .. len - 1 exist once this step's token is written
     first_positions: torch.Tensor  # [B]: the earliest position the row's query sees (sliding window)
     tokens: torch.Tensor | None = None  # [B] their flat token indices; None: every token of the step, in order
 
     @classmethod
-    def of(cls, kernel: ctypes.CDLL, tables: RowTables, positions: torch.Tensor, rows: torch.Tensor,
-           sliding_window: int | None, bs: int, tokens: torch.Tensor | None = None) -> DecodeRows:
+    def of(cls, tables: RowTables, positions: torch.Tensor, rows: torch.Tensor, sliding_window: int | None, bs: int,
+           tokens: torch.Tensor | None = None) -> DecodeRows:
         """Rows ``rows`` of ``tables`` computing the token at ``positions``."""
         used = positions // bs + 1  # blocks up to the one this step's token goes into
-        num_blocks = tables.num_blocks[rows]
-        _check_cover(num_blocks, used, positions)
+        check_cover(tables.num_blocks[rows], used, positions)
         table = tables.table[rows, : int(used.max())].contiguous()
         first = (positions - sliding_window + 1).clamp(min=0) if sliding_window is not None else torch.zeros_like(positions)
-        return cls(kernel, table, (positions + 1).to(torch.int32), first.to(torch.int32), tokens)
+        return cls(table, (positions + 1).to(torch.int32), first.to(torch.int32), tokens)
 
 
-@dataclasses.dataclass
-class AttentionMetadata:
-    positions: torch.Tensor  # [T]
-    slot_mapping: torch.Tensor  # [T]
+@dataclasses.dataclass(kw_only=True)
+class SdpaMetadata(AttentionMetadata):
     groups: list[AttentionGroup]
-    logits_indices: torch.Tensor  # flat token indices whose logits are needed
-    cache: KVCache
     key_scratch: torch.Tensor | None  # [blocks, block numel]: every group of every layer gathers into these
     value_scratch: torch.Tensor | None
-    decode: DecodeRows | None = None  # set: the C kernel attends these rows (every row, when there are no groups)
-    # The step's other inputs (input ids, sampling tensors), moved to the device in the same copy.
-    extra: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    paged: PagedKernelStep | None = None  # set: a paged-kernel backend (FlashInfer) attends this step
+    decode: DecodeRows | None = None  # set: a decode kernel attends these rows (all of them, without groups)
 
-    @classmethod
-    def build(cls, cache: KVCache, block_tables: RowTables | list[list[int]], starts: list[int], lengths: list[int],
-              logits_indices: list[int], device: torch.device, sliding_window: int | None = None,
-              decode_kernel: ctypes.CDLL | None = None, to_device: HostToDevice | None = None,
-              extra: list[torch.Tensor] | None = None) -> AttentionMetadata:
-        """Sequence b computes ``lengths[b]`` (>= 1) tokens at positions ``starts[b]`` onwards,
-        reading its context through its block table (row b of ``block_tables``: the input
-        batch's ``RowTables``, or plain lists), which must cover them. With a sliding window, a
-        query at position i sees only positions > i - window (Mistral's rule).
-        ``decode_kernel``: the C kernel to use when every row computes one token. Everything is
-        built on the host and moved by ``to_device`` (one copy; the backend keeps one across steps),
-        with the host tensors ``extra``, whose device copies are the result's ``extra``."""
-        tables = block_tables if isinstance(block_tables, RowTables) else RowTables.from_lists(block_tables)
-        extra = extra or []
-        to_device = to_device or HostToDevice(device)
-        if decode_kernel is not None and all(n == 1 for n in lengths):
-            return cls._for_kernel(decode_kernel, cache, tables, starts, logits_indices, sliding_window, to_device,
-                                   extra)
-        bs = cache.block_size
-        rows = _Rows(starts, lengths, bs, sliding_window)
+
+class SdpaBackend(AttentionBackend):
+    """Gather + SDPA for every row of every step."""
+
+    name = "torch (gather + SDPA)"
+    split_decode = False  # whether rows computing one token are left to a decode kernel (``DecodeRows``)
+
+    def build(self, cache: KVCache, block_tables: RowTables | list[list[int]], starts: list[int], lengths: list[int],
+              logits_indices: list[int], extra: list[torch.Tensor] | None = None) -> SdpaMetadata:
+        tables = as_tables(block_tables)
+        bs, window = cache.block_size, self.sliding_window
+        rows = _Rows(starts, lengths, bs, window)
         table = rows.table(tables)
         flat_rows = torch.repeat_interleave(torch.arange(len(lengths)), rows.lengths)
         positions = rows.starts[flat_rows] + (torch.arange(flat_rows.shape[0]) - rows.first_token[flat_rows])
         # Every position computed now lies in a gathered block (first_block <= start // bs).
         slots = table[flat_rows, positions // bs - rows.first_block[flat_rows]] * bs + positions % bs
-        # A step with prefill chunks: its decode rows still go to the kernel (with continuous
-        # arrivals nearly every step has a chunk, and gathering every decode row's context for
-        # SDPA made those steps several times slower); the chunks are grouped for SDPA.
-        decoding = [i for i, n in enumerate(lengths) if n == 1] if decode_kernel is not None else []
+        # A step with prefill chunks: its decode rows still go to the kernel where there is one
+        # (with continuous arrivals nearly every step has a chunk, and gathering every decode
+        # row's context for SDPA made those steps several times slower); the chunks are grouped.
+        decoding = [i for i, n in enumerate(lengths) if n == 1] if self.split_decode else []
         prefilling = [i for i, n in enumerate(lengths) if n > 1] if decoding else list(range(len(lengths)))
         blocks = rows.num_blocks.tolist()
         groups = [rows.group([prefilling[j] for j in members], table)
@@ -156,97 +117,40 @@ class AttentionMetadata:
             groups[0].tokens = None
         decode = None
         if decoding:
-            assert decode_kernel is not None
             idx = torch.tensor(decoding)
-            decode = DecodeRows.of(decode_kernel, tables, rows.starts[idx], idx, sliding_window, bs,
-                                   tokens=rows.first_token[idx])
+            decode = DecodeRows.of(tables, rows.starts[idx], idx, window, bs, tokens=rows.first_token[idx])
         host = [positions, slots, torch.tensor(logits_indices, dtype=torch.long)]
         for g in groups:
             host += [g.block_table, g.mask, g.query_rows, g.query_cols] + ([g.tokens] if g.tokens is not None else [])
-        moved = iter(to_device(host + extra))
+        moved = iter(self.to_device(host + (extra or [])))
         positions, slots, logits = next(moved), next(moved), next(moved)
         for g in groups:
             g.block_table, g.mask, g.query_rows, g.query_cols = next(moved), next(moved), next(moved), next(moved)
             if g.tokens is not None:
                 g.tokens = next(moved)
-        return cls(
-            positions=positions,
-            slot_mapping=slots,
-            groups=groups,
-            logits_indices=logits,
-            cache=cache,
-            key_scratch=key_scratch,
-            value_scratch=value_scratch,
-            decode=decode,
-            extra=list(moved),
-        )
+        return SdpaMetadata(backend=self, positions=positions, slot_mapping=slots, logits_indices=logits, cache=cache,
+                            extra=list(moved), groups=groups, key_scratch=key_scratch, value_scratch=value_scratch,
+                            decode=decode)
 
-    @classmethod
-    def _for_kernel(cls, kernel: ctypes.CDLL, cache: KVCache, tables: RowTables, starts: list[int],
-                    logits_indices: list[int], sliding_window: int | None, to_device: HostToDevice,
-                    extra: list[torch.Tensor]) -> AttentionMetadata:
-        """The C kernel's metadata: its tables stay on the host, where the kernel reads them."""
-        bs = cache.block_size
-        positions = torch.tensor(starts)
-        rows = DecodeRows.of(kernel, tables, positions, torch.arange(len(starts)), sliding_window, bs)
-        slots = rows.block_table[torch.arange(len(starts)), positions // bs].long() * bs + positions % bs
-        logits, *moved = to_device([torch.tensor(logits_indices, dtype=torch.long), *extra])
-        return cls(
-            positions=positions,
-            slot_mapping=slots,
-            groups=[],
-            logits_indices=logits,
-            cache=cache,
-            key_scratch=None,
-            value_scratch=None,
-            decode=rows,
-            extra=moved,
-        )
+    def forward(self, meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        assert isinstance(meta, SdpaMetadata)
+        cache = meta.cache
+        cache.key_slots[layer].index_copy_(0, meta.slot_mapping, k)
+        cache.value_slots[layer].index_copy_(0, meta.slot_mapping, v)
+        if meta.groups[0].tokens is None:  # one group: the whole step, in order
+            return _attend(q, *_gather_both(cache, layer, meta.groups[0], meta), meta.groups[0], scale)
+        out = torch.empty_like(q)
+        if meta.decode is not None:  # a mixed step: its decode rows through the kernel, keys already written
+            assert meta.decode.tokens is not None
+            out[meta.decode.tokens] = self.decode_rows(meta, layer, q[meta.decode.tokens], scale)
+        for group in meta.groups:
+            out[group.tokens] = _attend(q[group.tokens], *_gather_both(cache, layer, group, meta), group, scale)
+        return out
 
-
-def _check_cover(num_blocks: torch.Tensor, needed: torch.Tensor, last_positions: torch.Tensor) -> None:
-    short = (num_blocks < needed).nonzero()
-    if len(short):
-        i = int(short[0])
-        raise ValueError(f"row {i}: {int(num_blocks[i])} blocks do not cover position {int(last_positions[i])}")
-
-
-class AttentionBackend:
-    """Which attention a worker runs; chosen once, at start-up (see the module docstring)."""
-
-    def __init__(self, decode_kernel: ctypes.CDLL | None, device: torch.device) -> None:
-        self.decode_kernel = decode_kernel
-        self.to_device = HostToDevice(device)
-        self.name = "cpu-paged (C kernel for decode steps, torch gather + SDPA for prefill)" if decode_kernel \
-            else "torch (gather + SDPA)"
-
-    @classmethod
-    def select(cls, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-               block_size: int, sliding_window: int | None = None) -> AttentionBackend:
-        """CPU: the C decode kernel where it builds. CUDA: FlashInfer's paged kernels where
-        flashinfer is installed. Elsewhere, and as the fallback: the torch path."""
-        backend: AttentionBackend | None = None
-        if device.type == "cuda":
-            from worker.attention_flashinfer import FlashInferBackend
-
-            backend = FlashInferBackend.create(device, dtype, num_heads, num_kv_heads, head_dim, block_size,
-                                               sliding_window)
-            if backend is None:
-                log.info("flashinfer is not installed: attention gathers the context for SDPA "
-                         "(pip install flashinfer-python for paged kernels)")
-        if backend is None:
-            kernel = None
-            if device.type == "cpu" and cpu_kernels.supports(dtype, num_heads, num_kv_heads, head_dim, block_size):
-                kernel = cpu_kernels.load()
-            backend = cls(kernel, device)
-        log.info("attention backend: %s", backend.name)
-        return backend
-
-    def metadata(self, cache: KVCache, block_tables: RowTables | list[list[int]], starts: list[int], lengths: list[int],
-                 logits_indices: list[int], device: torch.device, sliding_window: int | None,
-                 extra: list[torch.Tensor] | None = None) -> AttentionMetadata:
-        return AttentionMetadata.build(cache, block_tables, starts, lengths, logits_indices, device, sliding_window,
-                                       self.decode_kernel, self.to_device, extra)
+    def decode_rows(self, meta: SdpaMetadata, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """The decode kernel's attention of ``meta.decode``'s rows (their keys already written)."""
+        raise NotImplementedError(f"{self.name} has no decode kernel")
 
 
 class _Rows:
@@ -266,7 +170,7 @@ class _Rows:
 
     def table(self, tables: RowTables) -> torch.Tensor:
         """[B, max blocks] long: the blocks each row reads, from its first visible one."""
-        _check_cover(tables.num_blocks, self.first_block + self.num_blocks, self.kv_lens - 1)
+        check_cover(tables.num_blocks, self.first_block + self.num_blocks, self.kv_lens - 1)
         cols = self.first_block[:, None] + torch.arange(int(self.num_blocks.max()))[None, :]
         # Columns past a row's last block read padding (or beyond the table: clamped); masked.
         in_row = cols < (self.first_block + self.num_blocks)[:, None]
@@ -345,38 +249,7 @@ def _gather(layer: torch.Tensor, table: torch.Tensor, scratch: torch.Tensor) -> 
     return out.view(g, blocks * bs, kv_heads, head_dim).transpose(1, 2)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, layer: int,
-                    scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] of this step's tokens -> attention output [T, H, D]."""
-    cache = meta.cache
-    if meta.paged is not None:
-        return meta.paged.attend(q, k, v, meta, layer)
-    if meta.decode is not None and not meta.groups:  # a decode step: the kernel writes the keys too
-        rows = meta.decode
-        with torch.profiler.record_function("sluice::paged_decode"):  # ctypes calls are invisible to profiles
-            cpu_kernels.write_kv(rows.kernel, k, v, cache.key_slots[layer], cache.value_slots[layer],
-                                  meta.slot_mapping)
-            return cpu_kernels.decode(rows.kernel, q, cache.key_slots[layer], cache.value_slots[layer],
-                                       rows.block_table, rows.context_lens, rows.first_positions, cache.block_size,
-                                       scale)
-    cache.key_slots[layer].index_copy_(0, meta.slot_mapping, k)
-    cache.value_slots[layer].index_copy_(0, meta.slot_mapping, v)
-    if meta.groups[0].tokens is None:  # one group: the whole step, in order
-        return _attend(q, *_gather_both(cache, layer, meta.groups[0], meta), meta.groups[0], scale)
-    out = torch.empty_like(q)
-    if meta.decode is not None:  # a mixed step: its decode rows through the kernel, keys already written
-        rows = meta.decode
-        assert rows.tokens is not None
-        with torch.profiler.record_function("sluice::paged_decode"):
-            out[rows.tokens] = cpu_kernels.decode(rows.kernel, q[rows.tokens], cache.key_slots[layer],
-                                                  cache.value_slots[layer], rows.block_table, rows.context_lens,
-                                                  rows.first_positions, cache.block_size, scale)
-    for group in meta.groups:
-        out[group.tokens] = _attend(q[group.tokens], *_gather_both(cache, layer, group, meta), group, scale)
-    return out
-
-
-def _gather_both(cache: KVCache, layer: int, group: AttentionGroup, meta: AttentionMetadata
+def _gather_both(cache: KVCache, layer: int, group: AttentionGroup, meta: SdpaMetadata
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     assert meta.key_scratch is not None and meta.value_scratch is not None
     return (_gather(cache.keys[layer], group.block_table, meta.key_scratch),

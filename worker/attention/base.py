@@ -1,0 +1,73 @@
+"""What every attention backend is: ``build`` a step's metadata on the host once, then
+``forward`` one layer's attention with it, for every layer of the step.
+
+A backend is chosen once, at start-up, by ``worker.attention.select_backend``, which checks what
+it supports (device, dtype, head size, GQA group) and says in the log which one runs and why the
+others do not. The runner never asks which backend it has: it calls ``build``; the model calls
+``AttentionMetadata.attend``, which hands the layer to the backend that built the metadata.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import torch
+
+from worker.input_batch import RowTables
+from worker.kv_cache import KVCache
+from worker.staging import HostToDevice
+
+
+@dataclasses.dataclass(kw_only=True)
+class AttentionMetadata:
+    """What every backend's step has: each query's position, the cache slot its key and value
+    go to, which positions' logits are needed, and the step's other host inputs (input ids,
+    sampling tensors) moved to the device in the same staged copy. Backends add their own."""
+
+    backend: AttentionBackend
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+    logits_indices: torch.Tensor  # flat token indices whose logits are needed
+    cache: KVCache
+    extra: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """One layer: q [T, H, D], k/v [T, KVH, D] of this step's tokens -> [T, H, D]; the keys
+        and values are written into the cache first."""
+        return self.backend.forward(self, layer, q, k, v, scale)
+
+
+class AttentionBackend(abc.ABC):
+    name: str
+
+    def __init__(self, device: torch.device, sliding_window: int | None = None) -> None:
+        self.device = device
+        self.sliding_window = sliding_window
+        self.to_device = HostToDevice(device)  # one staged copy per step, buffers kept across steps
+
+    @abc.abstractmethod
+    def build(self, cache: KVCache, block_tables: RowTables | list[list[int]], starts: list[int], lengths: list[int],
+              logits_indices: list[int], extra: list[torch.Tensor] | None = None) -> AttentionMetadata:
+        """Row b computes ``lengths[b]`` (>= 1) tokens at positions ``starts[b]`` onwards,
+        reading its context through its block table (row b of ``block_tables``: the input
+        batch's ``RowTables``, or plain lists), which must cover them. With a sliding window, a
+        query at position i sees only positions > i - window (Mistral's rule). The host tensors
+        ``extra`` travel in the step's one copy; their device copies are the result's ``extra``."""
+
+    @abc.abstractmethod
+    def forward(self, meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        """``AttentionMetadata.attend`` for metadata this backend built."""
+
+
+def as_tables(block_tables: RowTables | list[list[int]]) -> RowTables:
+    return block_tables if isinstance(block_tables, RowTables) else RowTables.from_lists(block_tables)
+
+
+def check_cover(num_blocks: torch.Tensor, needed: torch.Tensor, last_positions: torch.Tensor) -> None:
+    """Each row's blocks reach the last position it touches, or a ValueError naming the first that does not."""
+    short = (num_blocks < needed).nonzero()
+    if len(short):
+        i = int(short[0])
+        raise ValueError(f"row {i}: {int(num_blocks[i])} blocks do not cover position {int(last_positions[i])}")
