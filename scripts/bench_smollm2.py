@@ -7,13 +7,14 @@ client, same run.
 
 Each cell sends ``c`` streaming completions at once (``--prompt-tokens`` token ids each, exactly
 ``--output-tokens`` generated: ``ignore_eos``) and reports output tokens/s over the cell, time
-to first token and inter-token latency (p50/p99 over every stream). Both servers stay up for
-the whole run and the cells are interleaved (Sluice, llama.cpp, Sluice, ...), ``--rounds``
-times; a figure is the median over rounds. llama.cpp gets the same GGUF file converted to the
+to first token and inter-token latency (p50/p99 over every stream). The cells are interleaved
+(Sluice, llama.cpp, Sluice, ...), ``--rounds`` times; a figure is the median over rounds.
+llama.cpp is configured as its users run it for the load: the same GGUF file converted to the
 same weight dtype (``llama-quantize --allow-requantize``, found beside ``llama-server``), all
-cores (``-t``), one slot per stream and a context large enough for every stream. Then each
-server's peak resident memory. Sluice runs with its defaults (threads, KV cache size, dtype
-unless ``--dtype`` is given).
+cores (``-t``), one slot per concurrent stream (``-np c``) and 512 tokens of context per slot
+(``-c c*512``), started fresh for each cell. Sluice stays up for the whole run, with its
+defaults (threads, KV cache size, dtype unless ``--dtype`` is given). Then each server's peak
+resident memory (llama.cpp's: at the largest cell).
 """
 
 from __future__ import annotations
@@ -158,33 +159,46 @@ def main() -> None:
 
     cores = len(os.sched_getaffinity(0))
     most = max(args.concurrency)
-    servers = [Server("sluice", [sys.executable, "-m", "frontend", "serve", "--model", "smollm2", "--dtype", args.dtype,
-                                 "--port", str(port := _free_port()), *args.sluice_args.split()],
-                      f"http://127.0.0.1:{port}", pid_pattern="worker --config")]
-    if args.llama_server is not None:
-        gguf = _llama_gguf(args.llama_server, args.dtype, Path(tempfile.gettempdir()))
-        ctx = most * (args.prompt_tokens + args.output_tokens + 16)
-        servers.append(Server("llama.cpp", [str(args.llama_server), "-m", str(gguf), "--port", str(port := _free_port()),
-                                            "-t", str(cores), "-np", str(most), "-c", str(ctx), "--no-webui"],
-                              f"http://127.0.0.1:{port}", ready_path="/health"))
+    sluice = Server("sluice", [sys.executable, "-m", "frontend", "serve", "--model", "smollm2", "--dtype", args.dtype,
+                               "--port", str(port := _free_port()), *args.sluice_args.split()],
+                    f"http://127.0.0.1:{port}", pid_pattern="worker --config")
+    gguf = _llama_gguf(args.llama_server, args.dtype, Path(tempfile.gettempdir())) if args.llama_server else None
+
+    def llama_cpp(c: int) -> Server:
+        """llama-server as its users run it for c streams: a slot each, 512 tokens of context each."""
+        assert args.llama_server is not None and gguf is not None
+        return Server("llama.cpp", [str(args.llama_server), "-m", str(gguf), "--port", str(port := _free_port()),
+                                    "-t", str(cores), "-np", str(c), "-c", str(c * 512), "--no-webui"],
+                      f"http://127.0.0.1:{port}", ready_path="/health")
+
+    names = ["sluice"] + (["llama.cpp"] if gguf is not None else [])
     cells: dict[tuple[str, int], list[Cell]] = {}
+    memory: dict[str, float] = {}
     try:
-        for server in servers:
-            server.start()
-            asyncio.run(_cell(server.url, 1, 8, 4, salt=0))  # warm-up
-            print(f"{server.name}: ready in {server.ready_s:.1f} s", file=sys.stderr)
+        sluice.start()
+        asyncio.run(_cell(sluice.url, 1, 8, 4, salt=0))  # warm-up
+        print(f"sluice: ready in {sluice.ready_s:.1f} s", file=sys.stderr)
         salt = 1
         for r in range(args.rounds):
             for c in args.concurrency:
-                for server in servers:
-                    cell = asyncio.run(_cell(server.url, c, args.prompt_tokens, args.output_tokens, salt))
+                for name in names:
+                    server = sluice if name == "sluice" else llama_cpp(c)
+                    try:
+                        if server is not sluice:
+                            server.start()
+                            asyncio.run(_cell(server.url, 1, 8, 4, salt=0))  # warm-up, as Sluice's
+                        cell = asyncio.run(_cell(server.url, c, args.prompt_tokens, args.output_tokens, salt))
+                        if server is not sluice and c == most:
+                            memory[name] = _rss_mib(server.memory_pid())
+                    finally:
+                        if server is not sluice:
+                            server.stop()
                     salt += 1
-                    cells.setdefault((server.name, c), []).append(cell)
-                    print(f"round {r + 1}, {server.name}, {c} streams: {cell.tok_s:,.1f} tok/s", file=sys.stderr)
-        memory = {s.name: _rss_mib(s.memory_pid()) for s in servers}
+                    cells.setdefault((name, c), []).append(cell)
+                    print(f"round {r + 1}, {name}, {c} streams: {cell.tok_s:,.1f} tok/s", file=sys.stderr)
+        memory["sluice"] = _rss_mib(sluice.memory_pid())
     finally:
-        for server in servers:
-            server.stop()
+        sluice.stop()
 
     print(f"\nSmolLM2-135M-Instruct as {args.dtype}, {args.prompt_tokens} prompt / {args.output_tokens} output "
           f"tokens per stream, {cores} cores, median of {args.rounds} round(s)")
@@ -192,19 +206,19 @@ def main() -> None:
           f"{'ITL p50':>7} | {'ITL p99':>7} | ratio")
     for c in args.concurrency:
         base = None
-        for server in servers:
-            runs = cells[(server.name, c)]
+        for name in names:
+            runs = cells[(name, c)]
             tok_s = statistics.median(x.tok_s for x in runs)
             ttft = [t for x in runs for t in x.ttft]
             itl = [t for x in runs for t in x.itl]
-            if server.name == "llama.cpp":
+            if name == "llama.cpp":
                 base = tok_s
             ratio = f"{statistics.median(x.tok_s for x in cells[('sluice', c)]) / base:5.2f}" if base else ""
-            print(f"  {c:>7} | {server.name:<9} | {tok_s:>7,.1f} | {_pct(ttft, 0.5) * 1e3:>6.0f}ms | "
+            print(f"  {c:>7} | {name:<9} | {tok_s:>7,.1f} | {_pct(ttft, 0.5) * 1e3:>6.0f}ms | "
                   f"{_pct(ttft, 0.99) * 1e3:>6.0f}ms | {_pct(itl, 0.5) * 1e3:>5.1f}ms | {_pct(itl, 0.99) * 1e3:>5.1f}ms | "
                   f"{ratio}")
-    print("  peak resident memory: " + ", ".join(f"{name} {mib:,.0f} MiB" for name, mib in memory.items())
-          + " (Sluice: its worker process)")
+    print("  peak resident memory: " + ", ".join(f"{name} {mib:,.0f} MiB" for name, mib in sorted(memory.items()))
+          + f" (Sluice: its worker process; llama.cpp: at {most} streams)")
     print("  ratio: Sluice's tok/s over llama.cpp's at the same concurrency")
 
 

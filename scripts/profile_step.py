@@ -3,12 +3,14 @@
     python scripts/profile_step.py                              # SmolLM2, float32, 1 16 64 rows
     python scripts/profile_step.py --dtype float32 bfloat16     # both dtypes, interleaved
     python scripts/profile_step.py --rows 64 --profile          # + torch.profiler's table
+    python scripts/profile_step.py --dtype bfloat16 --paths fused per-operator   # the decoder stack's two paths
 
 For each dtype a worker is loaded once; every round, each (dtype, rows) cell prefills ``rows``
 prompts of ``--context`` tokens (not timed) and then times ``--steps`` decode steps in plans of
 ``--window`` steps (multi-step, as the server runs them). A figure is the median over
 ``--rounds`` of the per-step time; cells are interleaved, so drift on a noisy machine hits
-every cell alike. ``--profile`` prints the profiler's table of one more window per cell.
+every cell alike. ``--paths`` times the CPU's whole-stack decoder (``fused``: one C call per
+step, where it runs) against the per-operator forward, side by side. ``--profile`` prints the profiler's table of one more window per cell.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class StepTimer:
                                           block_size=self.bs, log_level="warning"))
         self.worker.runner.threads = configure_cpu_threads(self.worker.device, threads, self.worker.num_params)
         self.worker.warm_up()
+        self.decoder = self.worker.runner.model.cpu_decoder
         self.plan_ids = itertools.count(1)
         self.rids = itertools.count(0)
 
@@ -62,7 +65,8 @@ class StepTimer:
                 pass
             done += n
 
-    def step_ms(self, rows: int, window: int, profile: bool) -> float:
+    def step_ms(self, rows: int, window: int, profile: bool, path: str = "fused") -> float:
+        self.worker.runner.model.cpu_decoder = self.decoder if path == "fused" else None
         rids = self._prefill(rows)
         self._decode(rids, window, window)  # first touch of the cells it reads
         start = time.perf_counter()
@@ -88,20 +92,27 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="0: the worker's default")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--paths", nargs="+", default=["fused"], choices=["fused", "per-operator"],
+                   help="decode steps through the whole-stack C decoder (where it runs) or operator by operator")
     args = p.parse_args()
 
     timers = {d: StepTimer(args.model, d, max(args.rows), args.context, args.steps, args.threads) for d in args.dtype}
     print(f"{torch.get_num_threads()} torch thread(s), context {args.context}, window {args.window}", file=sys.stderr)
-    times: dict[tuple[str, int], list[float]] = {}
+    for d, timer in timers.items():
+        if timer.decoder is None and "fused" in args.paths:
+            print(f"{d}: no whole-stack decoder on this machine; 'fused' runs operator by operator", file=sys.stderr)
+    times: dict[tuple[str, str, int], list[float]] = {}
     for r in range(args.rounds):
         for rows in args.rows:
             for d, timer in timers.items():
-                last = r == args.rounds - 1
-                times.setdefault((d, rows), []).append(timer.step_ms(rows, args.window, args.profile and last))
-    print(f"{'dtype':<10} {'rows':>5} {'ms/step':>9} {'tok/s':>8}   (median of {args.rounds})")
-    for (d, rows), ms in times.items():
+                for path in args.paths:
+                    last = r == args.rounds - 1
+                    times.setdefault((d, path, rows), []).append(
+                        timer.step_ms(rows, args.window, args.profile and last, path))
+    print(f"{'dtype':<10} {'path':<13} {'rows':>5} {'ms/step':>9} {'tok/s':>8}   (median of {args.rounds})")
+    for (d, path, rows), ms in sorted(times.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
         med = statistics.median(ms)
-        print(f"{d:<10} {rows:>5} {med:>9.2f} {rows * 1000 / med:>8.1f}")
+        print(f"{d:<10} {path:<13} {rows:>5} {med:>9.2f} {rows * 1000 / med:>8.1f}")
 
 
 if __name__ == "__main__":

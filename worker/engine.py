@@ -15,6 +15,7 @@ from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.kv_cache import KVCache, bytes_per_block, num_blocks_for, sizing_reason
 from worker.model import cpu_matmul
 from worker.model.config import LlamaConfig
+from worker.model.cpu_decoder import CpuDecoder
 from worker.model.info import build_gguf_model_info, build_model_info
 from worker.model.layers import use_cpu_kernels
 from worker.model.loader import (
@@ -56,6 +57,7 @@ class Worker:
         if self.device.type == "cpu":
             use_cpu_kernels(model)
             log.info("linear layers: %s", cpu_matmul.prepare(model, dtype))
+            model.cpu_decoder = CpuDecoder.for_model(model)
         log.info("loaded %s (%s, %.1fM parameters) on %s as %s in %.1f s", source, cfg.architecture,
                  self.num_params / 1e6, self.device, str(dtype).removeprefix("torch."), time.perf_counter() - began)
         per_block = bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)

@@ -32,10 +32,36 @@ class AttentionMetadata:
     cache: KVCache
     extra: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
+    def decode_only(self) -> DecodeRows | None:
+        """Where every row of the step decodes one token through a paged decode kernel that
+        reads the cache in place: those rows, for a caller that runs the kernel itself (the
+        CPU's whole-stack decoder, ``worker/model/cpu_decoder.py``); else None."""
+        return None
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """One layer: q [T, H, D], k/v [T, KVH, D] of this step's tokens -> [T, H, D]; the keys
         and values are written into the cache first."""
         return self.backend.forward(self, layer, q, k, v, scale)
+
+
+@dataclasses.dataclass
+class DecodeRows:
+    """Rows of a step that compute one token each, for a paged decode kernel: int32 host tensors."""
+
+    block_table: torch.Tensor  # [B, max blocks], contiguous
+    context_lens: torch.Tensor  # [B]: positions 0 .. len - 1 exist once this step's token is written
+    first_positions: torch.Tensor  # [B]: the earliest position the row's query sees (sliding window)
+    tokens: torch.Tensor | None = None  # [B] their flat token indices; None: every token of the step, in order
+
+    @classmethod
+    def of(cls, tables: RowTables, positions: torch.Tensor, rows: torch.Tensor, sliding_window: int | None, bs: int,
+           tokens: torch.Tensor | None = None) -> DecodeRows:
+        """Rows ``rows`` of ``tables`` computing the token at ``positions``."""
+        used = positions // bs + 1  # blocks up to the one this step's token goes into
+        check_cover(tables.num_blocks[rows], used, positions)
+        table = tables.table[rows, : int(used.max())].contiguous()
+        first = (positions - sliding_window + 1).clamp(min=0) if sliding_window is not None else torch.zeros_like(positions)
+        return cls(table, (positions + 1).to(torch.int32), first.to(torch.int32), tokens)
 
 
 class AttentionBackend(abc.ABC):

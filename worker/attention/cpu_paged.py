@@ -14,8 +14,8 @@ import ctypes
 
 import torch
 
-from worker.attention.base import AttentionMetadata, as_tables
-from worker.attention.sdpa import DecodeRows, SdpaBackend, SdpaMetadata
+from worker.attention.base import AttentionMetadata, DecodeRows, as_tables
+from worker.attention.sdpa import SdpaBackend, SdpaMetadata
 from worker.input_batch import RowTables
 from worker.kernels import cpu as cpu_kernels
 from worker.kv_cache import KVCache

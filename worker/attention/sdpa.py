@@ -43,7 +43,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from worker.attention.base import AttentionBackend, AttentionMetadata, as_tables, check_cover
+from worker.attention.base import AttentionBackend, AttentionMetadata, DecodeRows, as_tables, check_cover
 from worker.input_batch import RowTables
 from worker.kv_cache import KVCache
 
@@ -60,32 +60,15 @@ class AttentionGroup:
     max_q: int
 
 
-@dataclasses.dataclass
-class DecodeRows:
-    """Rows of a step that compute one token each, for a paged decode kernel: int32 host tensors."""
-
-    block_table: torch.Tensor  # [B, max blocks], contiguous
-    context_lens: torch.Tensor  # [B]: positions 0 .. len - 1 exist once this step's token is written
-    first_positions: torch.Tensor  # [B]: the earliest position the row's query sees (sliding window)
-    tokens: torch.Tensor | None = None  # [B] their flat token indices; None: every token of the step, in order
-
-    @classmethod
-    def of(cls, tables: RowTables, positions: torch.Tensor, rows: torch.Tensor, sliding_window: int | None, bs: int,
-           tokens: torch.Tensor | None = None) -> DecodeRows:
-        """Rows ``rows`` of ``tables`` computing the token at ``positions``."""
-        used = positions // bs + 1  # blocks up to the one this step's token goes into
-        check_cover(tables.num_blocks[rows], used, positions)
-        table = tables.table[rows, : int(used.max())].contiguous()
-        first = (positions - sliding_window + 1).clamp(min=0) if sliding_window is not None else torch.zeros_like(positions)
-        return cls(table, (positions + 1).to(torch.int32), first.to(torch.int32), tokens)
-
-
 @dataclasses.dataclass(kw_only=True)
 class SdpaMetadata(AttentionMetadata):
     groups: list[AttentionGroup]
     key_scratch: torch.Tensor | None  # [blocks, block numel]: every group of every layer gathers into these
     value_scratch: torch.Tensor | None
     decode: DecodeRows | None = None  # set: a decode kernel attends these rows (all of them, without groups)
+
+    def decode_only(self) -> DecodeRows | None:
+        return self.decode if not self.groups else None
 
 
 class SdpaBackend(AttentionBackend):

@@ -1,7 +1,9 @@
 """The worker's C kernels for the CPU, built, loaded and called: decode attention over the paged
-cache (``csrc/paged_decode.c``) and RMSNorm with the residual add before it (``csrc/rms_norm.c``),
-each in float32 and bfloat16; and linear layers on CPUs with AVX-512, float32 and (with
-AVX512-BF16) bfloat16 (``csrc/linear.c``).
+cache (``csrc/paged_decode.c``), RMSNorm with the residual add before it (``csrc/rms_norm.c``),
+the rotary embedding and silu(gate) * up (``csrc/decoder.c``), each in float32 and bfloat16;
+linear layers on CPUs with AVX-512, float32 and (with AVX512-BF16) bfloat16 (``csrc/linear.c``);
+and a decode step's whole decoder stack in one call, built from those same pieces
+(``csrc/decoder.c``, driven by ``worker/model/cpu_decoder.py``).
 
 The kernels are plain C, compiled on first use by the system C compiler into Sluice's cache
 directory (a second or two, once per machine and source version) and called through ctypes:
@@ -32,10 +34,10 @@ from worker.model.tiny import default_cache_dir
 log = logging.getLogger("sluice.worker")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_decode.c", "rms_norm.c", "linear.c")]
-HEADERS = [CSRC / "bf16.h"]
+SOURCES = [CSRC / name for name in ("paged_decode.c", "rms_norm.c", "linear.c", "decoder.c")]
+HEADERS = [CSRC / name for name in ("bf16.h", "kernels.h", "simd.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math"]
+         "-fno-trapping-math", "-ffp-contract=off"]
 # What the kernel's fixed-size scratch holds (see the #defines in the source).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 128
 
@@ -108,6 +110,16 @@ def load() -> ctypes.CDLL | None:
     lib.rms_norm_bf16.restype = None
     for entry in (lib.linear_f32, lib.linear_bf16):
         entry.argtypes = [p, i64, p, p, p, i32, i32, i32, i32]
+        entry.restype = None
+    for entry in (lib.rope_f32, lib.rope_bf16):
+        entry.argtypes = [p, i64, i32, i32, i32, p, p, p, i32]
+        entry.restype = None
+    for entry in (lib.silu_mul_f32, lib.silu_mul_bf16):
+        entry.argtypes = [p, p, i32, i32, i32]
+        entry.restype = None
+    for entry in (lib.decode_layers_f32, lib.decode_layers_bf16):
+        entry.argtypes = [p, p, p, p, p, p, p, p, i32, p, p, p, p, p, i32, p, p, i32, i32, i32, i32, i32, i32, i32, f32,
+                          f32, i32]
         entry.restype = None
     for available in (lib.linear_f32_available, lib.linear_bf16_available):
         available.argtypes = []
@@ -215,3 +227,21 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, bias: torch.
     entry(_ptr(x), x.stride(0), _ptr(packed), None if bias is None else _ptr(bias), _ptr(y), rows, out_features,
           in_features, torch.get_num_threads())
     return y
+
+
+def rope(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x [T, heads, D] (float32 or bfloat16; rows may be strided, heads contiguous) in place
+    by ``positions`` [T] (int64), reading the float32 tables ``cos``/``sin`` [positions, D]."""
+    rows, heads, head_dim = x.shape
+    entry = lib.rope_bf16 if x.dtype == torch.bfloat16 else lib.rope_f32
+    entry(_ptr(x), x.stride(0), rows, heads, head_dim, _ptr(positions), _ptr(cos), _ptr(sin), torch.get_num_threads())
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """gate_up [T, 2 * inter] contiguous (gate, then up) -> silu(gate) * up [T, inter]."""
+    rows = gate_up.shape[0]
+    out = torch.empty((rows, inter), dtype=gate_up.dtype)
+    entry = lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_mul_f32
+    entry(_ptr(gate_up), _ptr(out), rows, inter, torch.get_num_threads())
+    return out
+

@@ -9,6 +9,7 @@ cheap (torch's random initialisers on meta tensors pull in its compiler stack, ~
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 
 import torch
@@ -51,11 +52,16 @@ class Linear(nn.Module):
 
 
 def use_cpu_kernels(model: nn.Module) -> None:
-    """RMSNorm through the C kernel (float32 or bfloat16 on the CPU), when it can be built here."""
+    """RMSNorm, the rotary embedding and silu(gate) * up through the C kernels (float32 or
+    bfloat16 on the CPU), when they can be built here: the same functions the whole-stack
+    decoder runs (``worker/model/cpu_decoder.py``), so a row's bits do not depend on which path
+    computed its step."""
     kernels = cpu_kernels.load()
     for module in model.modules():
-        if isinstance(module, RMSNorm):
+        if isinstance(module, RMSNorm | RotaryEmbedding):
             module.kernel = kernels
+        elif hasattr(module, "silu_kernel"):
+            setattr(module, "silu_kernel", kernels)  # noqa: B010 (the MLP of llama.py, which imports this module)
 
 
 class Embedding(nn.Module):
@@ -126,6 +132,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, max_positions: int) -> None:
         super().__init__()
+        self.kernel: ctypes.CDLL | None = None  # the C kernels, on the CPU (use_cpu_kernels)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), rope_inv_freq(cfg))
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -134,6 +141,30 @@ class RotaryEmbedding(nn.Module):
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, d] of a step's positions: looked up once, used by every layer."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
+        """What every layer of a step rotates its queries and keys with."""
+        if self.kernel is not None and dtype in (torch.float32, torch.bfloat16) and positions.device.type == "cpu":
+            return StepRope(kernel=self.kernel, positions=positions.contiguous(), tables=(self.cos, self.sin))
+        return StepRope(kernel=None, positions=positions, tables=self.lookup(positions, dtype))
+
+
+@dataclasses.dataclass
+class StepRope:
+    """A step's rotation: the C kernel reading the float32 tables by position, or torch's
+    operators on the step's looked-up cos and sin."""
+
+    kernel: ctypes.CDLL | None
+    positions: torch.Tensor  # [T] int64
+    tables: tuple[torch.Tensor, torch.Tensor]  # kernel: the whole float32 tables; else the step's [T, 1, d] rows
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, heads, d] (rows may be strided, heads contiguous) rotated: in place by the
+        kernel, into a new tensor by torch."""
+        if self.kernel is not None:
+            cpu_kernels.rope(self.kernel, x, self.positions, *self.tables)
+            return x
+        return apply_rotary(x, *self.tables)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

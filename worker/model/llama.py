@@ -12,13 +12,18 @@ decode step's profile. Checkpoints keep Hugging Face's separate names:
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Callable
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.attention.base import AttentionMetadata
+from worker.attention.base import AttentionMetadata, DecodeRows
+from worker.kernels import cpu as cpu_kernels
 from worker.model.config import LlamaConfig
-from worker.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from worker.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, StepRope
 
 
 class Attention(nn.Module):
@@ -32,11 +37,11 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: StepRope) -> torch.Tensor:
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k are adjacent columns: one rotation for both.
-        qk = apply_rotary(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        qk = rope.rotate(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = meta.attend(self.layer, q, k, v, self.scale)
@@ -50,9 +55,13 @@ class MLP(nn.Module):
         self.inter = inter
         self.gate_up_proj = Linear(h, 2 * inter, bias=bias)
         self.down_proj = Linear(inter, h, bias=bias)
+        self.silu_kernel: ctypes.CDLL | None = None  # the C kernels, on the CPU (use_cpu_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu_kernel is not None and gate_up.dtype in (torch.float32, torch.bfloat16):
+            return self.down_proj(cpu_kernels.silu_mul(self.silu_kernel, gate_up, self.inter))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
@@ -65,7 +74,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                rope: StepRope) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``: the previous layer's output, not yet added to the residual stream (the first
         layer: the embeddings, and no stream yet). Returns this layer's output and the stream."""
         if residual is None:
@@ -84,6 +93,9 @@ class LlamaBody(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [cast(DecoderLayer, layer) for layer in self.layers]
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig, max_positions: int) -> None:
@@ -92,14 +104,23 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBody(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg, max_positions)
+        # A decode step's whole stack in one C call, on a CPU where every piece has its kernel
+        # (worker/model/cpu_decoder.py); set after the weights are packed.
+        self.cpu_decoder: Callable[[torch.Tensor, AttentionMetadata, DecodeRows],
+                                   tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Logits of the positions in ``meta.logits_indices`` only (the ones that sample)."""
         x = self.model.embed_tokens(input_ids)
-        rope = self.rotary.lookup(meta.positions, x.dtype)
-        residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, meta, rope)
+        decoding = meta.decode_only() if self.cpu_decoder is not None else None
+        if decoding is not None:
+            assert self.cpu_decoder is not None
+            x, residual = self.cpu_decoder(x, meta, decoding)
+        else:
+            rope = self.rotary.for_step(meta.positions, x.dtype)
+            residual = None
+            for layer in self.model.layers:
+                x, residual = layer(x, residual, meta, rope)
         assert residual is not None
         x = self.model.norm(x[meta.logits_indices] + residual[meta.logits_indices])
         return self.lm_head(x).float()

@@ -89,11 +89,11 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t x_
     }
 }
 
-static inline __attribute__((always_inline)) void linear(const void *x, int64_t x_stride, const void *packed,
-                                                         const void *bias, void *y, int num_rows, int out, int in,
-                                                         int num_threads, const int bf16) {
+static inline __attribute__((always_inline)) void linear_tiles(const void *x, int64_t x_stride, const void *packed,
+                                                               const void *bias, void *y, int num_rows, int out, int in,
+                                                               const int bf16) {
     const int tiles = (out + 16 * TILE_BLOCKS - 1) / (16 * TILE_BLOCKS);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (tiles > 1)
+#pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
         int r0 = 0;
         for (; r0 + MAX_ROWS <= num_rows; r0 += MAX_ROWS) tile(x, x_stride, packed, bias, y, r0, MAX_ROWS, t, out, in, bf16);
@@ -109,20 +109,34 @@ static inline __attribute__((always_inline)) void linear(const void *x, int64_t 
 }
 #endif
 
+/* The work-sharing bodies (tiles split among the threads of the enclosing parallel region, as in
+ * decoder.c's layer loop; all of them by one thread outside one). */
+void linear_tiles_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y,
+                      int num_rows, int out, int in) {
+#ifdef __AVX512F__
+    linear_tiles(x, x_stride, packed, bias, y, num_rows, out, in, 0);
+#endif
+}
+
+void linear_tiles_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                       int num_rows, int out, int in) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    linear_tiles(x, x_stride, packed, bias, y, num_rows, out, in, 1);
+#endif
+}
+
 /* x [num_rows, in] (rows x_stride elements apart; in even for bfloat16), packed as above, bias
  * [out] or NULL, y [num_rows, out] contiguous. Each is a no-op where *_available() says 0. */
 void linear_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y, int num_rows,
                 int out, int in, int num_threads) {
-#ifdef __AVX512F__
-    linear(x, x_stride, packed, bias, y, num_rows, out, in, num_threads, 0);
-#endif
+#pragma omp parallel num_threads(num_threads) if (out > 16 * 4)
+    linear_tiles_f32(x, x_stride, packed, bias, y, num_rows, out, in);
 }
 
 void linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                  int num_rows, int out, int in, int num_threads) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-    linear(x, x_stride, packed, bias, y, num_rows, out, in, num_threads, 1);
-#endif
+#pragma omp parallel num_threads(num_threads) if (out > 16 * 4)
+    linear_tiles_bf16(x, x_stride, packed, bias, y, num_rows, out, in);
 }
 
 int linear_f32_available(void) {

@@ -7,7 +7,7 @@
  * Softmax is the streaming kind: a running max and sum per query head, the accumulator
  * rescaled once per block rather than once per position.
  *
- * Built by worker/paged_decode.py with the system C compiler (-O3 -march=native -fopenmp, and
+ * Built by worker/kernels/cpu.py with the system C compiler (-O3 -march=native -fopenmp, and
  * reassociation allowed so the dot products vectorise; no -ffinite-math: -INFINITY is used);
  * the inner loops over head_dim are plain loops the compiler vectorises.
  */
@@ -52,10 +52,10 @@ static inline float load(const void *base, int64_t i, const int bf16) {
 static inline __attribute__((always_inline)) void decode_rows(
         const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int32_t *block_table,
         int max_blocks, const int32_t *context_lens, const int32_t *first_positions, void *out, int num_rows,
-        int num_heads, int kv_heads, int head_dim, int block_size, float scale, int num_threads, const int bf16) {
+        int num_heads, int kv_heads, int head_dim, int block_size, float scale, const int bf16) {
     const int group = num_heads / kv_heads;
     const int64_t slot_width = (int64_t)kv_heads * head_dim;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp for collapse(2) schedule(dynamic, 1)
     for (int b = 0; b < num_rows; b++) {
         for (int h = 0; h < kv_heads; h++) {
             float acc[MAX_GROUP][MAX_HEAD_DIM];
@@ -114,7 +114,7 @@ static inline __attribute__((always_inline)) void decode_rows(
 }
 
 #ifdef __AVX512F__
-#include <immintrin.h>
+#include "simd.h"
 
 /* The same attention with AVX-512 intrinsics, for head_dim a multiple of 16 (every common
  * model): a row of keys or values is head_dim / 16 registers, converted from bfloat16 once
@@ -122,50 +122,14 @@ static inline __attribute__((always_inline)) void decode_rows(
  * the accumulators stay float32. About 3x the plain loops' speed (they reduce a dot product and
  * call expf once per position and head). */
 
-static inline __m512 load16(const void *base, int64_t i, const int bf16) {
-    if (bf16) {
-        const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-    }
-    return _mm512_loadu_ps((const float *)base + i);
-}
-
-static inline void store16(void *base, int64_t i, __m512 v, const int bf16) {
-    if (bf16) { /* round to nearest even, as f32_to_bf16 */
-        const __m512i bits = _mm512_castps_si512(v);
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-    } else {
-        _mm512_storeu_ps((float *)base + i, v);
-    }
-}
-
-/* exp(x) for x <= 0: 2^(x log2 e) split into an integer n and f in [-1/2, 1/2]; 2^f by its Taylor
- * series to degree 6 (relative error ~1e-7, float32's own), then scaled by 2^n. Below 2^-126 the
- * result is that tiny value instead of 0, which no softmax sum notices. */
-static inline __m512 exp512(__m512 x) {
-    __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 static inline __attribute__((always_inline)) void decode_rows_avx512(
         const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int32_t *block_table,
         int max_blocks, const int32_t *context_lens, const int32_t *first_positions, void *out, int num_rows,
-        int num_heads, int kv_heads, int head_dim, int block_size, float scale, int num_threads, const int bf16,
+        int num_heads, int kv_heads, int head_dim, int block_size, float scale, const int bf16,
         const int chunks) {
     const int group = num_heads / kv_heads;
     const int64_t slot_width = (int64_t)kv_heads * head_dim;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp for collapse(2) schedule(dynamic, 1)
     for (int b = 0; b < num_rows; b++) {
         for (int h = 0; h < kv_heads; h++) {
             __m512 qs[MAX_GROUP][MAX_HEAD_DIM / 16], acc[MAX_GROUP][MAX_HEAD_DIM / 16];
@@ -242,42 +206,62 @@ static inline __attribute__((always_inline)) void decode_rows_avx512(
 static inline __attribute__((always_inline)) void decode(
         const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int32_t *block_table,
         int max_blocks, const int32_t *context_lens, const int32_t *first_positions, void *out, int num_rows,
-        int num_heads, int kv_heads, int head_dim, int block_size, float scale, int num_threads, const int bf16) {
+        int num_heads, int kv_heads, int head_dim, int block_size, float scale, const int bf16) {
 #if HAVE_AVX512_DECODE
     if (head_dim % 16 == 0) {
         const int chunks = head_dim / 16;
         if (chunks == 2)
             decode_rows_avx512(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions,
-                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, bf16, 2);
+                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, bf16, 2);
         else if (chunks == 4)
             decode_rows_avx512(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions,
-                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, bf16, 4);
+                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, bf16, 4);
         else if (chunks == 8)
             decode_rows_avx512(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions,
-                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, bf16, 8);
+                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, bf16, 8);
         else
             decode_rows_avx512(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions,
-                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, bf16,
+                               out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, bf16,
                                chunks);
         return;
     }
 #endif
     decode_rows(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out,
-                num_rows, num_heads, kv_heads, head_dim, block_size, scale, num_threads, bf16);
+                num_rows, num_heads, kv_heads, head_dim, block_size, scale, bf16);
+}
+
+/* The work-sharing bodies: inside an enclosing parallel region (decoder.c's layer loop) they
+ * share its threads; called outside one, a single thread does every row. */
+void paged_decode_rows_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                           const int32_t *block_table, int max_blocks, const int32_t *context_lens,
+                           const int32_t *first_positions, float *out, int num_rows, int num_heads, int kv_heads,
+                           int head_dim, int block_size, float scale) {
+    decode(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out, num_rows,
+           num_heads, kv_heads, head_dim, block_size, scale, 0);
+}
+
+void paged_decode_rows_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int32_t *block_table, int max_blocks, const int32_t *context_lens,
+                            const int32_t *first_positions, uint16_t *out, int num_rows, int num_heads, int kv_heads,
+                            int head_dim, int block_size, float scale) {
+    decode(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out, num_rows,
+           num_heads, kv_heads, head_dim, block_size, scale, 1);
 }
 
 void paged_decode(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                   const int32_t *block_table, int max_blocks, const int32_t *context_lens,
                   const int32_t *first_positions, float *out, int num_rows, int num_heads,
                   int kv_heads, int head_dim, int block_size, float scale, int num_threads) {
-    decode(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out, num_rows,
-           num_heads, kv_heads, head_dim, block_size, scale, num_threads, 0);
+#pragma omp parallel num_threads(num_threads)
+    paged_decode_rows_f32(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out,
+                          num_rows, num_heads, kv_heads, head_dim, block_size, scale);
 }
 
 void paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *block_table, int max_blocks, const int32_t *context_lens,
                        const int32_t *first_positions, uint16_t *out, int num_rows, int num_heads,
                        int kv_heads, int head_dim, int block_size, float scale, int num_threads) {
-    decode(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out, num_rows,
-           num_heads, kv_heads, head_dim, block_size, scale, num_threads, 1);
+#pragma omp parallel num_threads(num_threads)
+    paged_decode_rows_bf16(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out,
+                           num_rows, num_heads, kv_heads, head_dim, block_size, scale);
 }

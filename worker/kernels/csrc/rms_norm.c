@@ -18,8 +18,8 @@
 
 static inline __attribute__((always_inline)) void norm_rows(
         const void *x, int64_t x_stride, void *residual, const void *weight, void *out, int num_rows, int dim,
-        float eps, int num_threads, const int bf16) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows >= 16)
+        float eps, const int bf16) {
+#pragma omp for schedule(static)
     for (int r = 0; r < num_rows; r++) {
         float row[dim];
         for (int d = 0; d < dim; d++) {
@@ -56,12 +56,24 @@ static inline __attribute__((always_inline)) void norm_rows(
 
 /* residual may be NULL (no add). x rows are x_stride elements apart; residual and out are
  * contiguous [num_rows, dim]. */
+void rms_norm_rows_f32(const float *x, int64_t x_stride, float *residual, const float *weight, float *out,
+                       int num_rows, int dim, float eps) {
+    norm_rows(x, x_stride, residual, weight, out, num_rows, dim, eps, 0);
+}
+
+void rms_norm_rows_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residual, const uint16_t *weight,
+                        uint16_t *out, int num_rows, int dim, float eps) {
+    norm_rows(x, x_stride, residual, weight, out, num_rows, dim, eps, 1);
+}
+
 void rms_norm(const float *x, int64_t x_stride, float *residual, const float *weight, float *out, int num_rows,
               int dim, float eps, int num_threads) {
-    norm_rows(x, x_stride, residual, weight, out, num_rows, dim, eps, num_threads, 0);
+#pragma omp parallel num_threads(num_threads) if (num_rows >= 16)
+    rms_norm_rows_f32(x, x_stride, residual, weight, out, num_rows, dim, eps);
 }
 
 void rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residual, const uint16_t *weight, uint16_t *out,
                    int num_rows, int dim, float eps, int num_threads) {
-    norm_rows(x, x_stride, residual, weight, out, num_rows, dim, eps, num_threads, 1);
+#pragma omp parallel num_threads(num_threads) if (num_rows >= 16)
+    rms_norm_rows_bf16(x, x_stride, residual, weight, out, num_rows, dim, eps);
 }

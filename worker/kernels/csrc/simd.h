@@ -1,0 +1,46 @@
+/* AVX-512 helpers shared by the kernels: 16 float32 or bfloat16 values loaded as float32 and
+ * stored back (bfloat16 rounded to nearest even, as torch rounds), and exp of 16 floats. */
+#ifndef SLUICE_SIMD_H
+#define SLUICE_SIMD_H
+#ifdef __AVX512F__
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline __m512 load16(const void *base, int64_t i, const int bf16) {
+    if (bf16) {
+        const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + i);
+}
+
+static inline void store16(void *base, int64_t i, __m512 v, const int bf16) {
+    if (bf16) { /* round to nearest even, as f32_to_bf16 */
+        const __m512i bits = _mm512_castps_si512(v);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    } else {
+        _mm512_storeu_ps((float *)base + i, v);
+    }
+}
+
+/* exp(x) for x <= 0: 2^(x log2 e) split into an integer n and f in [-1/2, 1/2]; 2^f by its Taylor
+ * series to degree 6 (relative error ~1e-7, float32's own), then scaled by 2^n. Below 2^-126 the
+ * result is that tiny value instead of 0, which no softmax sum notices. */
+static inline __m512 exp512(__m512 x) {
+    __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+#endif
+#endif
