@@ -290,3 +290,24 @@ def test_one_staged_copy_per_step_carries_every_input(worker: Worker) -> None:
     direct, staged = run(False), run(True)
     assert staged == direct
     assert [len(direct[0][rid]) for rid in mixed] == [9, 14, 6, 11, 8]
+
+
+def test_warm_up_runs_a_two_step_window_of_a_greedy_and_a_sampled_row_and_leaves_nothing(tmp_path: Path) -> None:
+    # Decode steps, random sampling (top-k, top-p) and logprobs used to first run on a real
+    # user's request after /ready: the warm-up ran one prefill step of one greedy row.
+    worker = Worker(WorkerConfig(model=str(materialize_tiny()), num_kv_blocks=16, block_size=16, dtype="float32",
+                                 log_level="warning"))
+    seen: list[StepTokens] = []
+    run = worker.runner.execute
+
+    def spy(plan: StepPlan) -> Iterator[StepTokens]:
+        for msg in run(plan):
+            seen.append(msg)
+            yield msg
+
+    worker.runner.execute = spy  # type: ignore[method-assign]
+    worker.warm_up()
+    assert [m.step for m in seen] == [0, 1]
+    assert all(sorted(m.rids) == [-2, -1] for m in seen)
+    assert all(len(unpack_logprobs(m.logprobs)) == 1 for m in seen)  # the sampled row's, each step
+    assert not worker.runner.seqs and len(worker.runner.batch) == 0
