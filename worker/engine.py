@@ -9,6 +9,7 @@ import logging
 import time
 
 import msgspec
+import torch
 
 from protocol.config import WorkerConfig
 from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
@@ -41,6 +42,11 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            # Events, streams and pinned-copy fences are made on the current device: without this,
+            # a worker on cuda:1 records its staging events on cuda:0 while its copies run on
+            # cuda:1, and a pinned buffer can be refilled while its copy is still in flight.
+            torch.cuda.set_device(self.device)
         began = time.perf_counter()
         source = resolve_model_dir(config.model)
         log.info("loading %s on %s", source, self.device)

@@ -1,9 +1,12 @@
-"""Device-to-host copy of each step's sampled token ids.
+"""Device-to-host copy of each step's sampled token ids (and its logprobs, where rows asked).
 
 On CUDA the copy goes to a pinned buffer on a side stream, fenced by an event: the compute
 stream never waits for the host, and only the thread that needs the ids blocks, on that event.
 A small ring of pinned buffers lets several steps' copies be in flight at once (the runner reads
-step k while step k+1 computes). On the CPU the same calls degenerate to a plain synchronous read.
+step k while step k+1 computes). Logprobs travel the same way, into pinned tensors from torch's
+caching host allocator: reading them with ``.tolist()`` on the device tensors would wait for
+everything queued on the compute stream, the next step included, and undo the overlap. On the
+CPU the same calls degenerate to a plain synchronous read.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ class PendingCopy:
     source: torch.Tensor  # on CUDA, kept alive until the copy is done
     host: torch.Tensor  # the pinned destination (or ``source`` itself on the CPU)
     event: torch.cuda.Event | None
+    extras: list[torch.Tensor] = dataclasses.field(default_factory=list)  # host copies of ``start``'s extras
 
     def done(self) -> bool:
         return self.event is None or bool(self.event.query())
@@ -30,6 +34,12 @@ class PendingCopy:
             self.event.synchronize()
         return [int(t) for t in self.host.tolist()]
 
+    def extra_results(self) -> list[torch.Tensor]:
+        """The extras' host copies, once landed."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.extras
+
 
 class HostCopier:
     def __init__(self, device: torch.device, capacity: int = 256) -> None:
@@ -39,11 +49,12 @@ class HostCopier:
             self.ring = [torch.empty(capacity, dtype=torch.long, pin_memory=True) for _ in range(RING)]
             self.next = 0
 
-    def start(self, ids: torch.Tensor) -> PendingCopy:
-        """Begin copying ``ids`` (1-D, long) to the host. A copy must be read before ``RING``
-        more have started: they take turns with the pinned buffers."""
+    def start(self, ids: torch.Tensor, extras: list[torch.Tensor] | None = None) -> PendingCopy:
+        """Begin copying ``ids`` (1-D, long) and ``extras`` (any tensors) to the host. A copy
+        must be read before ``RING`` more have started: they take turns with the pinned buffers."""
+        extras = extras or []
         if not self.asynchronous:
-            return PendingCopy(ids, ids.cpu(), None)
+            return PendingCopy(ids, ids.cpu(), None, [t.cpu() for t in extras])
         n = ids.shape[0]
         slot = self.next
         self.next = (self.next + 1) % RING
@@ -53,7 +64,11 @@ class HostCopier:
         with torch.cuda.stream(self.stream):
             host = self.ring[slot][:n]
             host.copy_(ids, non_blocking=True)
+            pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in extras]
+            for dst, src in zip(pinned, extras, strict=True):
+                dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
-        ids.record_stream(self.stream)  # the caching allocator must not reuse ids' memory early
-        return PendingCopy(ids, host, event)
+        for t in (ids, *extras):
+            t.record_stream(self.stream)  # the caching allocator must not reuse their memory early
+        return PendingCopy(ids, host, event, pinned)

@@ -201,14 +201,15 @@ class ModelRunner:
             return None
         for seq in batch.samplers:
             seq.num_in_flight += 1
-        return LaunchedStep(step, batch.samplers, out.token_ids, self.copier.start(out.token_ids), out.logprobs)
+        extras = out.logprobs.tensors() if out.logprobs is not None else None
+        return LaunchedStep(step, batch.samplers, out.token_ids, self.copier.start(out.token_ids, extras), out.logprobs)
 
     def _finalize(self, plan_id: int, launched: LaunchedStep, jump: bool = False) -> StepTokens:
         """Read a step's ids on the host and apply them: each row's token, unless the row had
         already stopped (a lagged step computed past its stop); stopped rows are forgotten.
         ``jump``: another step of the window may follow, so constrained rows may jump forward."""
         tokens = launched.copy.result()
-        asked = launched.logprobs.by_row() if launched.logprobs is not None else None
+        asked = launched.logprobs.by_row(launched.copy.extra_results()) if launched.logprobs is not None else None
         rids: list[int] = []
         kept: list[int] = []
         logprobs = []

@@ -72,9 +72,10 @@ class TokenCounts:
     seen: torch.Tensor  # [V] bool: in the prompt or the outputs
 
     @classmethod
-    def of(cls, row: SamplingRow, vocab: int, device: torch.device) -> TokenCounts:
-        ids = torch.tensor(list(row.token_ids), dtype=torch.long, device=device)
-        outputs = ids[row.num_prompt_tokens :]
+    def of(cls, ids: torch.Tensor, num_prompt_tokens: int, vocab: int) -> TokenCounts:
+        """From a request's prompt and outputs ``ids`` (on the device)."""
+        device = ids.device
+        outputs = ids[num_prompt_tokens:]
         counts = torch.zeros(vocab, device=device)
         counts.index_add_(0, outputs, torch.ones_like(outputs, dtype=counts.dtype))
         seen = torch.zeros(vocab, dtype=torch.bool, device=device)
@@ -92,9 +93,14 @@ class TopLogprobs:
     top_ids: torch.Tensor  # [R, max k]
     top_values: torch.Tensor  # [R, max k]
 
-    def by_row(self) -> dict[int, WireLogprob]:
-        """Each asking row's entry (sampled logprob, top ids, top logprobs), by batch row."""
-        sampled, ids, values = self.sampled.tolist(), self.top_ids.tolist(), self.top_values.tolist()
+    def tensors(self) -> list[torch.Tensor]:
+        """What ``by_row`` reads, for the copy to the host."""
+        return [self.sampled, self.top_ids, self.top_values]
+
+    def by_row(self, host: list[torch.Tensor] | None = None) -> dict[int, WireLogprob]:
+        """Each asking row's entry (sampled logprob, top ids, top logprobs), by batch row, read
+        from ``host`` (``tensors()`` copied to the host) or from the tensors themselves."""
+        sampled, ids, values = (t.tolist() for t in (host or self.tensors()))
         return {row: (sampled[j], ids[j][:k], values[j][:k])
                 for j, (row, k) in enumerate(zip(self.rows, self.counts, strict=True))}
 
@@ -145,6 +151,11 @@ class StepSampling:
     unseeded: torch.Tensor | None = None  # random rows without a seed, when seeded ones are present
     constrained: torch.Tensor | None = None  # rows held to a grammar
     grammar_masks: torch.Tensor | None = None  # [R, ceil(V / 32)] int32: their allowed tokens, a bit each
+    filtered: torch.Tensor | None = None  # rows with top-k or top-p, when some rows have neither
+    # Penalised rows whose history the sampler does not keep yet: their prompt and outputs, one
+    # after the other, and where each lies (row -> start, length, prompt length; on the host).
+    history_ids: torch.Tensor | None = None
+    history_spans: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, rows: list[SamplingRow], eos_token_ids: tuple[int, ...], params: torch.Tensor | None = None,
@@ -174,6 +185,9 @@ class StepSampling:
         seeded = [r.params.seed is not None for r in rows]
         if any(seeded):
             step.unseeded = _index([i for i, s in enumerate(seeded) if not s])
+        filtered = [i for i, r in enumerate(rows) if _filters(r.params.top_k, r.params.top_p)]
+        if filtered and len(filtered) < len(rows):
+            step.filtered = _index(filtered)
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:
             assert grammars is not None
@@ -211,7 +225,15 @@ class Sampler:
 
     def prepare(self, rows: list[SamplingRow], params: torch.Tensor | None = None) -> StepSampling:
         """The host half of sampling ``rows`` (see ``StepSampling``); move it, then call."""
-        return StepSampling.build(rows, self.eos_token_ids, params, self.grammars)
+        step = StepSampling.build(rows, self.eos_token_ids, params, self.grammars)
+        new = [i for i, r in enumerate(rows) if r.params.reads_history and (r.rid is None or r.rid not in self.counts)]
+        if new:  # their histories reach the device in the step's staged copy, not a transfer of their own
+            ids: list[int] = []
+            for i in new:
+                step.history_spans[i] = (len(ids), len(rows[i].token_ids), rows[i].num_prompt_tokens)
+                ids.extend(rows[i].token_ids)
+            step.history_ids = _index(ids)
+        return step
 
     def __call__(self, logits: torch.Tensor, step: StepSampling | list[SamplingRow]) -> SamplerOutput:
         """One token per row of ``logits`` [B, V] (float32; not modified). ``step``: prepared and
@@ -247,12 +269,15 @@ class Sampler:
         """Drop a request's counts (it stopped, or will be sent again from its tokens)."""
         self.counts.pop(rid, None)
 
-    def _history(self, row: SamplingRow, vocab: int) -> TokenCounts:
-        if row.rid is None:
-            return TokenCounts.of(row, vocab, self.device)
-        counts = self.counts.get(row.rid)
+    def _history(self, i: int, step: StepSampling, vocab: int) -> TokenCounts:
+        row = step.rows[i]
+        counts = self.counts.get(row.rid) if row.rid is not None else None
         if counts is None:
-            counts = self.counts[row.rid] = TokenCounts.of(row, vocab, self.device)
+            assert step.history_ids is not None
+            start, length, prompt = step.history_spans[i]
+            counts = TokenCounts.of(step.history_ids[start : start + length], prompt, vocab)
+            if row.rid is not None:
+                self.counts[row.rid] = counts
         return counts
 
     def _count(self, rows: list[SamplingRow], token_ids: torch.Tensor) -> None:
@@ -275,7 +300,7 @@ class Sampler:
         if step.penalised is None:
             return logits
         vocab = logits.shape[-1]
-        histories = [self._history(r, vocab) for r in step.rows if r.params.reads_history]
+        histories = [self._history(i, step, vocab) for i, r in enumerate(step.rows) if r.params.reads_history]
         counts = torch.stack([h.output_counts for h in histories])  # [R, V]
         seen = torch.stack([h.seen for h in histories])
         rep, freq, pres = (step.column(name)[step.penalised][:, None]
@@ -300,8 +325,9 @@ class Sampler:
         scaled = logits / step.column("temperature")[:, None]
         top_k = [r.params.top_k for r in rows]
         top_p = [r.params.top_p for r in rows]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            scaled = _filter_top_k_top_p(scaled, top_k, top_p, step.column("top_k"), step.column("top_p"))
+        if any(_filters(k, p) for k, p in zip(top_k, top_p, strict=True)):
+            scaled = _filter_top_k_top_p(scaled, top_k, top_p, step.column("top_k"), step.column("top_p"),
+                                         step.filtered)
         probs = scaled.softmax(dim=-1)
         if any(r.params.min_p > 0.0 for r in rows):
             floor = step.column("min_p")[:, None] * probs.max(dim=-1, keepdim=True).values
@@ -337,8 +363,12 @@ def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 TOP_P_PROBE = 512  # on the CPU, top-p alone first looks for its nucleus among this many best tokens
 
 
+def _filters(top_k: int, top_p: float) -> bool:
+    return top_k > 0 or top_p < 1.0
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float], k: torch.Tensor,
-                        p: torch.Tensor) -> torch.Tensor:
+                        p: torch.Tensor, filtered: torch.Tensor | None = None) -> torch.Tensor:
     """Mask to -inf what lies outside each row's top-k (``top_k`` on the host, ``k`` the same on
     the device; 0: off), then outside the top-p nucleus of what is left (``top_p`` / ``p``). The
     most likely token always survives; rows with neither filter are returned as they are.
@@ -348,12 +378,15 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     and no top-k would need the full sort; on the CPU its nucleus is first looked for among the
     ``TOP_P_PROBE`` best tokens (normalised over the whole vocabulary), which almost always hold
     it, and only rows whose nucleus is wider are sorted whole (the host can check for free there;
-    on CUDA that check would wait for the device, and sorting is cheap there)."""
+    on CUDA that check would wait for the device, and sorting is cheap there).
+
+    ``filtered``: the rows that have a filter, on the logits' device (the step's staged copy
+    brought it: an index made here would be a transfer that waits for the whole queued step)."""
     vocab = logits.shape[-1]
     ks = [min(n, vocab) if n > 0 else vocab for n in top_k]
-    rows = [i for i, (n, q) in enumerate(zip(ks, top_p, strict=True)) if n < vocab or q < 1.0]
+    rows = [i for i, (n, q) in enumerate(zip(top_k, top_p, strict=True)) if _filters(n, q)]
     if len(rows) < len(ks):
-        idx = torch.tensor(rows, device=logits.device)
+        idx = filtered if filtered is not None else torch.tensor(rows, device=logits.device)
         out = logits.clone()
         out[idx] = _filter_top_k_top_p(logits[idx], [top_k[i] for i in rows], [top_p[i] for i in rows], k[idx], p[idx])
         return out

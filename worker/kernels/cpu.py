@@ -46,16 +46,23 @@ _tried = False
 
 
 def _cpu_signature() -> str:
+    """The CPU's instruction-set line: ``flags`` on x86, ``Features`` on ARM."""
     try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        flags = ""
-    return f"{platform.machine()} {flags}"
+        lines = []
+    features = next((line for line in lines if line.startswith(("flags", "Features"))), "")
+    return f"{platform.machine()} {features}"
+
+
+def _flags() -> list[str]:
+    """``FLAGS``, then ``SLUICE_KERNEL_CFLAGS`` (tests build the portable path with -mno-avx512f)."""
+    return FLAGS + os.environ.get("SLUICE_KERNEL_CFLAGS", "").split()
 
 
 def _library_path() -> Path:
     sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
-    digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + _cpu_signature().encode())
+    digest = hashlib.sha256(sources + " ".join(_flags()).encode() + _cpu_signature().encode())
     return default_cache_dir() / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
 
@@ -68,7 +75,7 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
+        done = subprocess.run([compiler, *_flags(), "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
                               timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1:]}")
