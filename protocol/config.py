@@ -124,6 +124,7 @@ class WorkerConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory
     kv_cache_memory: str = "auto"  # bytes, or "2GiB"-style; auto: a share of free memory
+    gpu_memory_utilization: float = 0.9  # CUDA, auto: the device's share for weights, activations and the cache
     max_model_len: int | None = None  # None: the model's
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -145,6 +146,9 @@ class WorkerConfig:
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
         if self.worker_threads < 0:
             raise ConfigError("--worker-threads must be >= 0 (0: automatic)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--gpu-memory-utilization is a share of the device, in (0, 1], not "
+                              f"{self.gpu_memory_utilization:g}")
         if self.tensor_parallel_size > 1:
             # The flag and the per-rank wiring exist; sharded layers and a plan fan-out do not yet.
             raise ConfigError("--tensor-parallel-size > 1 is not supported yet; use 1")

@@ -4,12 +4,15 @@
     python scripts/profile_step.py --dtype float32 bfloat16     # both dtypes, interleaved
     python scripts/profile_step.py --rows 64 --profile          # + torch.profiler's table
     python scripts/profile_step.py --dtype bfloat16 --paths fused per-operator   # the decoder stack's two paths
+    python scripts/profile_step.py --count-ops                 # Python-level calls per decode step
 
 For each dtype a worker is loaded once; every round, each (dtype, rows) cell prefills ``rows``
 prompts of ``--context`` tokens (not timed) and then times ``--steps`` decode steps in plans of
 ``--window`` steps (multi-step, as the server runs them). A figure is the median over
 ``--rounds`` of the per-step time; cells are interleaved, so drift on a noisy machine hits
-every cell alike. ``--paths`` times the CPU's whole-stack decoder (``fused``: one C call per
+every cell alike. ``--count-ops`` counts the Python-level operations of a decode step (every
+Python function call and every call into C: torch operators, ctypes, builtins, through
+``sys.setprofile``) over one more window per cell. ``--paths`` times the CPU's whole-stack decoder (``fused``: one C call per
 step, where it runs) against the per-operator forward, side by side. ``--profile`` prints the profiler's table of one more window per cell.
 """
 
@@ -65,6 +68,27 @@ class StepTimer:
                 pass
             done += n
 
+    def count_ops(self, rows: int, window: int, path: str) -> float:
+        """Python-level calls and C calls per decode step, over one window of ``rows`` rows."""
+        self.worker.runner.model.cpu_decoder = self.decoder if path == "fused" else None
+        rids = self._prefill(rows)
+        self._decode(rids, window, window)
+        calls = 0
+
+        def count(frame: object, event: str, arg: object) -> None:
+            nonlocal calls
+            if event in ("call", "c_call"):
+                calls += 1
+
+        sys.setprofile(count)
+        try:
+            self._decode(rids, window, window)
+        finally:
+            sys.setprofile(None)
+        for rid in rids:
+            self.worker.runner.forget(rid)
+        return calls / window
+
     def step_ms(self, rows: int, window: int, profile: bool, path: str = "fused") -> float:
         self.worker.runner.model.cpu_decoder = self.decoder if path == "fused" else None
         rids = self._prefill(rows)
@@ -92,6 +116,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="0: the worker's default")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--count-ops", action="store_true", help="Python-level calls per decode step instead of times")
     p.add_argument("--paths", nargs="+", default=["fused"], choices=["fused", "per-operator"],
                    help="decode steps through the whole-stack C decoder (where it runs) or operator by operator")
     args = p.parse_args()
@@ -101,6 +126,13 @@ def main() -> None:
     for d, timer in timers.items():
         if timer.decoder is None and "fused" in args.paths:
             print(f"{d}: no whole-stack decoder on this machine; 'fused' runs operator by operator", file=sys.stderr)
+    if args.count_ops:
+        print(f"{'dtype':<10} {'path':<13} {'rows':>5} {'Python-level calls per decode step':>36}")
+        for d, timer in timers.items():
+            for rows in args.rows:
+                for path in args.paths:
+                    print(f"{d:<10} {path:<13} {rows:>5} {timer.count_ops(rows, args.window, path):>36,.0f}")
+        return
     times: dict[tuple[str, str, int], list[float]] = {}
     for r in range(args.rounds):
         for rows in args.rows:

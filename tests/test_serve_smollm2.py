@@ -116,7 +116,7 @@ def test_bfloat16_answers_sensibly_with_logits_close_to_float32(tmp_path: Path) 
         ids = Tokenizer.from_str(w.info.tokenizer_json).encode(QUESTIONS[1]).ids
         meta = SdpaBackend(w.device).build(w.runner.cache, [list(range(16))], [0], [len(ids)], list(range(len(ids))))
         with torch.inference_mode():
-            logits.append(w.runner.model(torch.tensor(ids), meta))
+            logits.append(w.runner.model(torch.tensor(ids, device=w.device), meta).cpu())
     full, half = logits
     assert torch.nn.functional.cosine_similarity(full, half, dim=-1).min() > 0.99
     assert full[-1].argmax() == half[-1].argmax()

@@ -119,7 +119,7 @@ def test_logits_match_transformers_forward(worker: Worker, checkpoint: Path) -> 
     meta = SdpaBackend(runner.device).build(runner.cache, [whole_table, chunk_table], [0, 30], [len(whole), n],
                                             list(range(len(whole) + n)))
     with torch.inference_mode():
-        got = runner.model(torch.tensor(whole + chunked[30:]), meta)
+        got = runner.model(torch.tensor(whole + chunked[30:], device=runner.device), meta).cpu()
     torch.testing.assert_close(got[: len(whole)], want_whole, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[len(whole) :], want_chunk, atol=1e-4, rtol=1e-4)
 
@@ -201,7 +201,7 @@ def test_dtype_flag_casts_weights_and_cache(checkpoint: Path, dtype: str) -> Non
     runner = w.runner
     meta = SdpaBackend(runner.device).build(runner.cache, [[0, 1, 2]], [0], [len(prompt)], list(range(len(prompt))))
     with torch.inference_mode():
-        got = runner.model(torch.tensor(prompt), meta)
+        got = runner.model(torch.tensor(prompt, device=runner.device), meta).cpu()
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0]

@@ -14,6 +14,7 @@ import torch
 from protocol.config import WorkerConfig
 from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
 from worker.gguf.checkpoint import GGUFCheckpoint
+from worker.gpu_memory import cuda_kv_blocks
 from worker.kv_cache import KVCache, bytes_per_block, num_blocks_for, sizing_reason
 from worker.model import cpu_matmul
 from worker.model.config import LlamaConfig
@@ -68,11 +69,25 @@ class Worker:
         log.info("loaded %s (%s, %.1fM parameters) on %s as %s in %.1f s", source, cfg.architecture,
                  self.num_params / 1e6, self.device, str(dtype).removeprefix("torch."), time.perf_counter() - began)
         per_block = bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-        num_blocks = num_blocks_for(config, per_block, self.device, weight_bytes, self.max_model_len)
-        cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
-                        self.device)
+        def make_cache(num_blocks: int) -> KVCache:
+            return KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
+                           self.device)
+
+        if self.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory == "auto":
+            def run_plan(trial: KVCache, plan: StepPlan) -> None:
+                for _ in ModelRunner(model, trial, self.device, self.max_model_len, cfg.eos_token_ids,
+                                     config.max_num_seqs).execute(plan):
+                    pass
+
+            num_blocks, sizing = cuda_kv_blocks(self.device, config.gpu_memory_utilization, per_block, make_cache,
+                                                run_plan, config.max_num_batched_tokens, config.max_num_seqs,
+                                                self.max_model_len, config.block_size)
+        else:
+            num_blocks = num_blocks_for(config, per_block, self.device, weight_bytes, self.max_model_len)
+            sizing = sizing_reason(config, self.device, weight_bytes)
+        cache = make_cache(num_blocks)
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", num_blocks, config.block_size,
-                 num_blocks * config.block_size, cache.nbytes / 2**20, sizing_reason(config, self.device, weight_bytes))
+                 num_blocks * config.block_size, cache.nbytes / 2**20, sizing)
         name = config.served_model_name or served_name(config.model)
         if gguf is not None:
             self.info: ModelInfo = build_gguf_model_info(gguf, cfg, name=name, max_model_len=self.max_model_len,

@@ -24,8 +24,6 @@ log = logging.getLogger("sluice.worker")
 CPU_WEIGHTS_MULTIPLE = 2  # auto on the CPU: twice the weights' bytes (SmolLM2 float32: 1 GiB, 23k tokens)
 CPU_MIN_BYTES = 256 << 20  # small models: the weights say little about how many streams are served
 CPU_MAX_SHARE = 0.25  # of physical memory: the host also holds weights, the swap space, the OS
-CUDA_FREE_SHARE = 0.90
-CUDA_MARGIN_BYTES = 1 << 30  # activations and attention's gathered context, beyond the weights
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -129,10 +127,9 @@ def parse_bytes(text: str) -> int:
 
 
 def memory_budget(kv_cache_memory: str, device: torch.device, weight_bytes: int = 0, min_bytes: int = 0) -> int:
-    """Bytes for the KV cache: the flag's figure; or, for "auto", on CUDA 90% of the memory free
-    after loading the weights minus a fixed margin for activations, and on the CPU twice the
-    weights' bytes, at least 256 MiB and ``min_bytes`` (one longest sequence), at most a quarter
-    of physical memory.
+    """Bytes for the KV cache: the flag's figure; or, for "auto" on the CPU, twice the weights'
+    bytes, at least 256 MiB and ``min_bytes`` (one longest sequence), at most a quarter of
+    physical memory. (On CUDA, "auto" is measured by a profiling run: ``worker.gpu_memory``.)
 
     Why twice the weights on the CPU: a CPU decodes tens of streams at once, not thousands, and
     a decode step reads every weight once and each stream's context once; a cache much larger
@@ -140,9 +137,6 @@ def memory_budget(kv_cache_memory: str, device: torch.device, weight_bytes: int 
     memory taken from the machine (the old fixed 2 GiB made a 135M-parameter server hold 3 GB)."""
     if kv_cache_memory != "auto":
         return parse_bytes(kv_cache_memory)
-    if device.type == "cuda" and torch.cuda.is_available():
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free * CUDA_FREE_SHARE) - CUDA_MARGIN_BYTES
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return min(max(CPU_WEIGHTS_MULTIPLE * weight_bytes, CPU_MIN_BYTES, min_bytes), int(total * CPU_MAX_SHARE))
 
@@ -153,8 +147,6 @@ def sizing_reason(config: WorkerConfig, device: torch.device, weight_bytes: int)
         return "--num-kv-blocks"
     if config.kv_cache_memory != "auto":
         return "--kv-cache-memory"
-    if device.type == "cuda":
-        return "auto: free device memory"
     return (f"auto: twice the weights' {weight_bytes / 2**20:.0f} MiB, at least 256 MiB and one longest sequence, "
             "at most a quarter of RAM")
 
