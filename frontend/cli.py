@@ -94,7 +94,7 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                             "least 256 MiB, at most a quarter of RAM)" + SAYS_DEFAULT)
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="CUDA: the share of the device the worker may use, weights, activations and KV cache "
-                            "together (the cache gets the rest after a profiling run)" + SAYS_DEFAULT)
+                            "together (the cache gets the rest after a profiling run)")
         p.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output (default: model's)" + SAYS_DEFAULT)
         p.add_argument("--generation-config", default="auto", choices=["auto", "none"],
                        help="auto: the model's sampling defaults (its generation_config.json; the built-in "

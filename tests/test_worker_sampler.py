@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from protocol.messages import SamplingParams
@@ -240,3 +241,45 @@ def test_running_counts_equal_a_rebuild_from_the_history() -> None:
         for rid, token in zip(histories, out, strict=False):
             histories[rid].append(token)
     assert set(s.counts) == {10, 11}
+
+
+def test_what_only_some_rows_need_travels_in_the_steps_staged_copy() -> None:
+    # The rows with top-k/top-p (when others have none) and a new penalised request's history
+    # were made into device tensors mid-step: on CUDA a transfer that waits for the whole queued
+    # step. They are now host tensors of the prepared step, moved with the attention metadata.
+    s = sampler()
+    history = [1, 5, 9, 5, 7]
+    batch = [SamplingRow(SamplingParams(temperature=0.0), 0),
+             SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), 0),
+             SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=1.3), 2, history, 3, rid=7)]
+    step = s.prepare(batch)
+    assert step.filtered is not None and step.filtered.tolist() == [1]
+    assert step.history_ids is not None and step.history_ids.tolist() == history
+    assert step.history_spans == {2: (0, len(history), 3)}
+    moved = step.tensors()
+    assert any(t is step.filtered for t in moved) and any(t is step.history_ids for t in moved)
+    logits = random_logits(3, 40)
+    first = s(logits, step.moved([t.clone() for t in moved]))
+    assert first.token_ids[0] == logits[0].argmax()
+    again = s.prepare(batch)  # the history now lives on the device: nothing to send
+    assert again.history_ids is None and again.history_spans == {}
+    assert torch.equal(s(logits, again.moved(again.tensors())).token_ids[2], first.token_ids[2])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sampling_a_mixed_step_on_cuda_makes_no_synchronizing_call() -> None:
+    cuda = torch.device("cuda")
+    s = Sampler(cuda, [EOS], seed=0)
+    batch = [SamplingRow(SamplingParams(temperature=0.0, logprobs=3), 0),
+             SamplingRow(SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=3), 1),
+             SamplingRow(SamplingParams(temperature=0.0, frequency_penalty=0.5), 1, [1, 4, 4], 2, rid=9)]
+    step = s.prepare(batch)
+    moved = step.moved([t.to(cuda) for t in step.tensors()])
+    logits = random_logits(3, 64).to(cuda)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = s(logits, moved)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.token_ids.shape == (3,)
