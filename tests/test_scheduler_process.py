@@ -54,6 +54,19 @@ def scheduler(tmp_path: Path) -> Iterator[SchedulerProcess]:
         thread.join(10)
 
 
+def registered(push: zmq.Socket[Any], pull: zmq.Socket[Any]) -> None:
+    """Ping until a Pong comes back: the scheduler then knows this frontend's return route. (A
+    reply sent before the frontend's receiving socket is connected is lost: "host unreachable".)"""
+    send, decode = scheduler_frontend_codec().encode, frontend_codec().decode
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        push.send(send(Ping(0.0)))
+        while pull.poll(200):
+            if isinstance(decode(pull.recv()), Pong):
+                return
+    raise AssertionError("the scheduler never answered a ping")
+
+
 def connected_worker_inbox(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
     """A PULL socket standing in for a worker, returned once its link to the scheduler is up: the
     scheduler sends a plan without waiting, and one sent before a worker is connected fails."""
@@ -82,6 +95,7 @@ def test_a_handler_that_raises_ends_its_request_and_the_process_goes_on(schedule
     pull.setsockopt(zmq.RCVTIMEO, 10_000)
     send, decode = scheduler_frontend_codec().encode, frontend_codec().decode
     try:
+        registered(push, pull)
         push.send(send(PauseAll()))  # keep the request queued: no worker is attached to run it
         push.send(send(AddRequest(1, "r1", [5, 6, 7], SamplingParams(max_tokens=4))))
         push.send(send(AddRequest(2, "r2", [5, 6, 8], SamplingParams(max_tokens=4))))
@@ -119,9 +133,7 @@ def test_a_failure_inside_the_core_ends_live_requests_and_a_clean_core_goes_on(s
         sock.setsockopt(zmq.RCVTIMEO, 10_000)
     send, decode = scheduler_frontend_codec().encode, frontend_codec().decode
     try:
-        push.send(send(Ping(0.0)))  # registers this frontend's return route first
-        while not isinstance(decode(pull.recv()), Pong):
-            pass
+        registered(push, pull)
         push.send(send(AddRequest(1, "r1", [5, 6, 7], SamplingParams(max_tokens=4))))
         while not isinstance(msg := decode(pull.recv()), TokenBatch) or not msg.finished:
             pass
@@ -157,9 +169,7 @@ def test_a_failure_while_applying_tokens_sends_what_was_done_and_a_clean_core_go
         sock.setsockopt(zmq.RCVTIMEO, 10_000)
     send, decode = scheduler_frontend_codec().encode, frontend_codec().decode
     try:
-        push.send(send(Ping(0.0)))
-        while not isinstance(decode(pull.recv()), Pong):
-            pass
+        registered(push, pull)
         push.send(send(PauseAll()))  # both requests in one plan
         push.send(send(AddRequest(1, "r1", [5, 6, 7], SamplingParams(max_tokens=1))))
         push.send(send(AddRequest(2, "r2", [5, 6, 8], SamplingParams(max_tokens=5))))
@@ -198,9 +208,7 @@ def test_a_request_that_arrives_while_the_worker_is_gone_is_refused_at_once(sche
     pull.setsockopt(zmq.RCVTIMEO, 10_000)
     send, decode = scheduler_frontend_codec().encode, frontend_codec().decode
     try:
-        push.send(send(Ping(0.0)))
-        while not isinstance(decode(pull.recv()), Pong):
-            pass
+        registered(push, pull)
         worker_outbox.send(scheduler_worker_codec().encode(WorkerStopping(0)))
         pong = None
         while pong is None or pong.workers_alive:

@@ -49,5 +49,17 @@ def test_a_cuda_worker_sizes_its_cache_from_the_profile() -> None:
     assert torch.cuda.memory_allocated() <= 0.5 * total + 64 * 2**20
     assert worker.info.num_kv_blocks > 0
     with pytest.raises(ConfigError, match="no room for the KV cache"):
-        cuda_kv_blocks(torch.device("cuda"), 1e-6, 1 << 20, lambda n: worker.runner.cache, lambda c, p: None,
+        cuda_kv_blocks(torch.device("cuda"), 1e-6, 1 << 20, lambda n: worker.runner.cache, lambda c, p: True,
                        64, 4, 128, 16)
+
+
+def test_a_cuda_device_always_carries_its_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.cuda.set_device refuses an index-less "cuda", which is what --device auto resolved to.
+    from worker.model.loader import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert resolve_device("auto") == torch.device("cuda", 3)
+    assert resolve_device("cuda") == torch.device("cuda", 3)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")

@@ -13,6 +13,7 @@ import torch
 
 from protocol.config import WorkerConfig
 from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
+from worker.attention import SdpaBackend
 from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.gpu_memory import cuda_kv_blocks
 from worker.kv_cache import KVCache, bytes_per_block, num_blocks_for, sizing_reason
@@ -74,10 +75,13 @@ class Worker:
                            self.device)
 
         if self.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory == "auto":
-            def run_plan(trial: KVCache, plan: StepPlan) -> None:
-                for _ in ModelRunner(model, trial, self.device, self.max_model_len, cfg.eos_token_ids,
-                                     config.max_num_seqs).execute(plan):
+            def run_plan(trial: KVCache, plan: StepPlan) -> bool:
+                """Run the profiling plan; whether attention read the cache in place."""
+                runner = ModelRunner(model, trial, self.device, self.max_model_len, cfg.eos_token_ids,
+                                     config.max_num_seqs)
+                for _ in runner.execute(plan):
                     pass
+                return not isinstance(runner.attention, SdpaBackend)
 
             num_blocks, sizing = cuda_kv_blocks(self.device, config.gpu_memory_utilization, per_block, make_cache,
                                                 run_plan, config.max_num_batched_tokens, config.max_num_seqs,

@@ -26,6 +26,13 @@ from worker.kv_cache import KVCache
 log = logging.getLogger("sluice.worker")
 
 PROFILE_RID = -100  # and below: rids the frontend assigns are >= 0, the warm-up's -1 and -2
+# Without paged kernels attention gathers each row's context (and SDPA may build its scores):
+# memory that grows with the context, beyond what a profile of short prompts shows.
+GATHER_MARGIN_BYTES = 1 << 30
+
+
+def _run(run_plan: Callable[[KVCache, StepPlan], bool], cache: KVCache, plan: StepPlan, ran: list[bool]) -> None:
+    ran.append(run_plan(cache, plan))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +81,11 @@ def largest_step(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: 
 
 def profiling_plan(rows: int, per_row: int, blocks_per_row: int) -> StepPlan:
     """One step: ``rows`` prompts of ``per_row`` tokens on their own blocks (block 0 left out),
-    each sampling one token with top-k, top-p and logprobs (the sampler's widest path)."""
-    sampling = SamplingParams(max_tokens=1, temperature=0.8, top_k=50, top_p=0.9, logprobs=5, ignore_eos=True)
+    each sampling one token on the sampler's widest path: top-p without top-k (on CUDA, a sort
+    of the whole vocabulary per row), penalties (each request's counts over the vocabulary, kept
+    while it runs) and logprobs."""
+    sampling = SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, logprobs=20, repetition_penalty=1.1,
+                              frequency_penalty=0.1, ignore_eos=True)
     rids = [PROFILE_RID - i for i in range(rows)]
     news = [NewRequest(rid, [1 + (i + j) % 100 for j in range(per_row)], per_row, sampling) for i, rid in enumerate(rids)]
     tables = [list(range(1 + i * blocks_per_row, 1 + (i + 1) * blocks_per_row)) for i in range(rows)]
@@ -83,19 +93,32 @@ def profiling_plan(rows: int, per_row: int, blocks_per_row: int) -> StepPlan:
 
 
 def cuda_kv_blocks(device: torch.device, utilization: float, per_block: int, make_cache: Callable[[int], KVCache],
-                   run_plan: Callable[[KVCache, StepPlan], None], max_num_batched_tokens: int, max_num_seqs: int,
+                   run_plan: Callable[[KVCache, StepPlan], bool], max_num_batched_tokens: int, max_num_seqs: int,
                    max_model_len: int, block_size: int) -> tuple[int, str]:
-    """KV blocks for a CUDA worker, and the reason for the log: the profiling run above."""
-    rows, per_row, blocks_per_row = largest_step(max_num_batched_tokens, max_num_seqs, max_model_len, block_size)
+    """KV blocks for a CUDA worker, and the reason for the log: the profiling run above, of two
+    shapes (the token budget over the most rows; all of it in one row, whose attention is the
+    widest). ``run_plan`` says whether its attention read the cache in place (FlashInfer);
+    where it gathered the context instead, attention's memory grows with the context, which no
+    short profile shows, and ``GATHER_MARGIN_BYTES`` more are kept back."""
+    shapes = {largest_step(max_num_batched_tokens, max_num_seqs, max_model_len, block_size),
+              largest_step(max_num_batched_tokens, 1, max_model_len, block_size)}
     torch.cuda.empty_cache()
     allocated = torch.cuda.memory_allocated(device)
-    trial = make_cache(rows * blocks_per_row + 1)
-    step = functools.partial(run_plan, trial, profiling_plan(rows, per_row, blocks_per_row))
-    profile = profile_step_memory(device, step, trial.nbytes, allocated)
-    del step, trial  # the provisional cache goes before the real one is allocated
-    torch.cuda.empty_cache()
+    profiles, in_place = [], True
+    for rows, per_row, blocks_per_row in sorted(shapes):
+        trial = make_cache(rows * blocks_per_row + 1)
+        ran: list[bool] = []
+        step = functools.partial(_run, run_plan, trial, profiling_plan(rows, per_row, blocks_per_row), ran)
+        profiles.append(profile_step_memory(device, step, trial.nbytes, allocated))
+        in_place = in_place and all(ran)
+        del step, trial  # the provisional cache goes before the next one, and before the real one
+        torch.cuda.empty_cache()
+    profile = max(profiles, key=lambda p: p.activation_peak + p.non_torch)
+    if not in_place:
+        profile = dataclasses.replace(profile, activation_peak=profile.activation_peak + GATHER_MARGIN_BYTES)
     budget = kv_budget(profile, utilization)
-    why = explain(profile, utilization)
+    why = explain(profile, utilization) + ("" if in_place else
+                                           f" (with {GATHER_MARGIN_BYTES / 2**30:.0f} GiB kept for gathered contexts)")
     if budget < per_block:
         raise ConfigError(f"no room for the KV cache: {why} leave {max(budget, 0) / 2**20:.0f} MiB, less than one "
                           f"block ({per_block} bytes); raise --gpu-memory-utilization, or lower "

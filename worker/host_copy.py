@@ -47,6 +47,7 @@ class HostCopier:
         if self.asynchronous:
             self.stream = torch.cuda.Stream(device=device)
             self.ring = [torch.empty(capacity, dtype=torch.long, pin_memory=True) for _ in range(RING)]
+            self.extras: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
             self.next = 0
 
     def start(self, ids: torch.Tensor, extras: list[torch.Tensor] | None = None) -> PendingCopy:
@@ -64,7 +65,7 @@ class HostCopier:
         with torch.cuda.stream(self.stream):
             host = self.ring[slot][:n]
             host.copy_(ids, non_blocking=True)
-            pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in extras]
+            pinned = [self._pinned(slot, i, t) for i, t in enumerate(extras)]
             for dst, src in zip(pinned, extras, strict=True):
                 dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
@@ -72,3 +73,14 @@ class HostCopier:
         for t in (ids, *extras):
             t.record_stream(self.stream)  # the caching allocator must not reuse their memory early
         return PendingCopy(ids, host, event, pinned)
+
+    def _pinned(self, slot: int, i: int, like: torch.Tensor) -> torch.Tensor:
+        """Pinned room for extra ``i`` of ring slot ``slot``, shaped like ``like``: kept and grown
+        by doubling, as the ids' buffers are (a fresh pinned allocation of a size the host
+        allocator has not cached calls cudaHostAlloc, which waits for the device)."""
+        key = (slot, i, like.dtype)
+        flat = self.extras.get(key)
+        if flat is None or flat.numel() < like.numel():
+            flat = self.extras[key] = torch.empty(max(like.numel(), 2 * (flat.numel() if flat is not None else 64)),
+                                                  dtype=like.dtype, pin_memory=True)
+        return flat[: like.numel()].view(like.shape)

@@ -174,6 +174,8 @@ class FlashInferBackend(AttentionBackend):
                 scale: float) -> torch.Tensor:
         """Write the step's keys and values into their slots, then attend: q [T, H, D] -> [T, H, D]."""
         assert isinstance(meta, FlashInferMetadata)
+        if scale != self.head_dim**-0.5:  # the plan fixed its scale (sm_scale) at build
+            raise ValueError(f"FlashInfer was planned with scale head_dim**-0.5, asked for {scale}")
         cache = meta.cache
         cache.key_slots[layer].index_copy_(0, meta.slot_mapping, k)
         cache.value_slots[layer].index_copy_(0, meta.slot_mapping, v)

@@ -62,6 +62,7 @@ class CpuDecoder:
         """The embeddings ``x`` [T, hidden] (overwritten) of a step whose rows all decode ->
         (the last layer's output, the residual stream), as the per-operator forward returns them."""
         num_rows = x.shape[0]
+        self.model.rotary.check(meta.positions)
         residual = torch.empty_like(x)
         h, qkv, attn, gate_up, act = self._buffers(num_rows)
         ptr = cpu_kernels._ptr

@@ -142,9 +142,15 @@ class RotaryEmbedding(nn.Module):
         """cos and sin [T, 1, d] of a step's positions: looked up once, used by every layer."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
+    def check(self, positions: torch.Tensor) -> None:
+        """The C kernels read the tables by position unchecked, where torch's indexing raised."""
+        if len(positions) and int(positions.max()) >= self.cos.shape[0]:
+            raise ValueError(f"position {int(positions.max())} is past the rotary tables' {self.cos.shape[0]}")
+
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
         """What every layer of a step rotates its queries and keys with."""
         if self.kernel is not None and dtype in (torch.float32, torch.bfloat16) and positions.device.type == "cpu":
+            self.check(positions)
             return StepRope(kernel=self.kernel, positions=positions.contiguous(), tables=(self.cos, self.sin))
         return StepRope(kernel=None, positions=positions, tables=self.lookup(positions, dtype))
 

@@ -106,11 +106,16 @@ def is_gguf(source: Path) -> bool:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The worker's device; a CUDA one always with its index (``cuda`` alone is the current
+    device), which ``torch.cuda.set_device`` and the streams and events made on it need."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError(f"--device {name}: no CUDA device is available")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device, cfg: LlamaConfig) -> tuple[torch.dtype, str]:

@@ -25,9 +25,11 @@ static inline void store16(void *base, int64_t i, __m512 v, const int bf16) {
     }
 }
 
-/* exp(x) for x <= 0: 2^(x log2 e) split into an integer n and f in [-1/2, 1/2]; 2^f by its Taylor
- * series to degree 6 (relative error ~1e-7, float32's own), then scaled by 2^n. Below 2^-126 the
- * result is that tiny value instead of 0, which no softmax sum notices. */
+/* exp(x): 2^(x log2 e) split into an integer n and f in [-1/2, 1/2]; 2^f by its Taylor series to
+ * degree 6 (relative error ~1e-7, float32's own), then scaled by 2^n. Below 2^-126 the result is
+ * that tiny value instead of 0, which no softmax sum notices; past 2^128 it is infinity (silu of a
+ * very negative input then gives -0, as torch's does). Not torch's exp bit for bit: silu through
+ * it may differ from torch's by one unit in the last place, the same in both of Sluice's paths. */
 static inline __m512 exp512(__m512 x) {
     __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.0f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
