@@ -118,12 +118,20 @@ class Server:
         self.ready_s = time.perf_counter() - began
 
     def memory_pid(self) -> int:
+        """The process whose memory counts: the server itself, or its child whose command line
+        holds ``pid_pattern`` (sluice serve starts its components in sessions of their own)."""
         assert self.proc is not None
         if self.pid_pattern is None:
             return self.proc.pid
-        found = subprocess.run(["pgrep", "-f", "-n", "-g", str(self.proc.pid), self.pid_pattern],
-                               capture_output=True, text=True).stdout.split()
-        return int(found[0]) if found else self.proc.pid
+        for entry in Path("/proc").iterdir():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == self.proc.pid and self.pid_pattern in cmdline:
+                return int(entry.name)
+        raise RuntimeError(f"{self.name}: no child process matching {self.pid_pattern!r}")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
