@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from sluice_server import SluiceServer, running_server
 
 AUTH = {"Authorization": "Bearer t"}
@@ -219,3 +220,32 @@ def test_a_worker_restarted_on_a_busy_machine_keeps_its_engines_dtype(
         assert dtype() == want
         assert complete(url, SHORT, 24) == before  # the same precision: the same greedy text
         assert f"dtype: {want} (auto: " in server.log()
+
+
+def test_a_bfloat16_stream_recomputed_after_a_restart_continues_with_the_undisturbed_text(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # The recompute prefills the prompt and the tokens so far in one chunk. When prefill chunks
+    # went through a masked SDPA that rounds differently from the decode kernel, greedy text in
+    # bfloat16 parted from the undisturbed run after the restart. Every kernel now computes a
+    # token's row the same way whatever the step's shape, so it continues exactly.
+    from worker.kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.has_linear(cpu_kernels.load(), torch.bfloat16):
+        pytest.skip("no bfloat16 linear kernel here (AVX512-BF16): bfloat16 products depend on the batch")
+    with running_server("--dtype", "bfloat16", "--admin-token", "t", "--max-num-batched-tokens", "64",
+                        log_dir=tmp_path_factory.mktemp("bf16crash")) as server:
+        url = server.url
+        want_decode = complete(url, SHORT, 1200)
+        want_prefill = complete(url, LONG_PROMPT, 16)
+        httpx.post(f"{url}/admin/prefix-cache/reset", headers=AUTH)
+        decoding = Stream(url, SHORT, 1200)
+        wait_until(lambda: decoding.tokens >= 300, 60)
+        prefilling = Stream(url, LONG_PROMPT, 16)
+        wait_until(lambda: any(0 < r["computed_tokens"] < r["prompt_tokens"] for r in
+                               httpx.get(f"{url}/admin/requests", headers=AUTH).json()["data"]), 30)
+        os.kill(worker_pid(server), signal.SIGKILL)
+        decoding.join()
+        prefilling.join()
+        assert decoding.errors == [] and prefilling.errors == []
+        assert decoding.text == want_decode
+        assert prefilling.text == want_prefill

@@ -58,7 +58,7 @@ def test_decode_kernel_matches_the_torch_path(heads: int, kv_heads: int, head_di
     cpu = torch.device("cpu")
     ref_meta = SdpaBackend(cpu, window).build(caches[0], tables, starts, [1] * rows, list(range(rows)))
     kernel_meta = CpuPagedBackend(kernel, cpu, window).build(caches[1], tables, starts, [1] * rows, list(range(rows)))
-    assert ref_meta.decode is None and kernel_meta.decode is not None
+    assert kernel_meta.decode_only() is not None
     want = ref_meta.attend(0, q, k, v, head_dim**-0.5)
     got = kernel_meta.attend(0, q, k, v, head_dim**-0.5)
     # bfloat16: both round their float32 results once; SDPA may round partial sums too.
@@ -69,25 +69,23 @@ def test_decode_kernel_matches_the_torch_path(heads: int, kv_heads: int, head_di
     assert torch.equal(caches[0].values[0], caches[1].values[0])
 
 
-def test_steps_with_prefill_chunks_send_only_their_decode_rows_to_the_kernel() -> None:
+def test_decode_steps_build_decode_rows_and_others_rows_of_any_length() -> None:
     cache = KVCache(1, 16, 4, 2, 8, torch.float32, torch.device("cpu"))
     backend = CpuPagedBackend(kernel, torch.device("cpu"))
     mixed = backend.build(cache, [[0, 1], [2, 3]], [5, 0], [1, 3], [0, 3])
     decode = backend.build(cache, [[0, 1], [2, 3]], [5, 2], [1, 1], [0, 1])
-    prefill = backend.build(cache, [[0, 1], [2, 3]], [0, 0], [4, 3], [3, 6])
-    assert mixed.decode is not None and mixed.groups and mixed.decode.tokens is not None
-    assert mixed.decode.tokens.tolist() == [0] and [g.tokens.tolist() for g in mixed.groups if g.tokens is not None] == [[1, 2, 3]]
-    assert decode.decode is not None and not decode.groups
-    assert prefill.decode is None and prefill.groups
+    assert mixed.decode_only() is None and mixed.chunks is not None
+    assert mixed.chunks.lengths.tolist() == [1, 3] and mixed.chunks.first_tokens.tolist() == [0, 1]
+    assert mixed.chunks.ends.tolist() == [6, 3] and mixed.positions.tolist() == [5, 0, 1, 2]
+    assert decode.decode_only() is not None and decode.chunks is None
 
 
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_steps_attend_as_the_torch_path(seed: int, window: int | None, dtype: torch.dtype) -> None:
-    """Decode rows and prefill chunks in one step, shuffled tables: the kernel for the decodes
-    and SDPA for the chunks give what the torch path gives for the whole step, and the cache
-    ends the same."""
+    """Decode rows and prefill chunks in one step, shuffled tables, GQA, a sliding window: the
+    kernel gives what the torch path (gather + masked SDPA) gives, and the cache ends the same."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     bs, heads, kv_heads, head_dim = 4, 6, 2, 32
@@ -112,7 +110,7 @@ def test_mixed_steps_attend_as_the_torch_path(seed: int, window: int | None, dty
     cpu = torch.device("cpu")
     ref = SdpaBackend(cpu, window).build(caches[0], tables, starts, lengths, [total - 1])
     mixed = CpuPagedBackend(kernel, cpu, window).build(caches[1], tables, starts, lengths, [total - 1])
-    assert ref.decode is None and mixed.decode is not None and len(mixed.decode.context_lens) == 6
+    assert mixed.chunks is not None and len(mixed.chunks.ends) == 9
     want = ref.attend(0, q, k, v, head_dim**-0.5)
     got = mixed.attend(0, q, k, v, head_dim**-0.5)
     tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
@@ -156,3 +154,45 @@ def test_rms_norm_matches_torch(rows: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got_added, want_added, **tol)
     if dtype == torch.bfloat16:
         assert (got.float() != want.float()).float().mean() < 0.01  # nearly all bit-identical
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window"), [(9, 3, 64, None), (8, 2, 16, 7),
+                                                                     (4, 2, 24, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_attention_is_the_same_bits_in_a_prefill_a_chunk_and_a_decode(heads: int, kv_heads: int,
+                                                                                 head_dim: int, window: int | None,
+                                                                                 dtype: torch.dtype) -> None:
+    """A 45-token prompt attended in one prefill, in chunks of 7 among other rows, and token by
+    token as decode rows: every query's output is bitwise the same (the recompute after a
+    restart relies on it)."""
+    torch.manual_seed(1)
+    bs, n = 8, 45
+    cpu = torch.device("cpu")
+    cache = KVCache(1, 64, bs, kv_heads, head_dim, dtype, cpu)
+    cache.keys[0].copy_(torch.randn_like(cache.keys[0]))
+    cache.values[0].copy_(torch.randn_like(cache.values[0]))
+    table = [11, 3, 40, 7, 22, 9]  # 48 positions, shuffled
+    other = [50, 51]  # a neighbour row in the chunked steps
+    q = torch.randn(n, heads, head_dim, dtype=dtype)
+    k, v = torch.randn(n, kv_heads, head_dim, dtype=dtype), torch.randn(n, kv_heads, head_dim, dtype=dtype)
+    backend = CpuPagedBackend(kernel, cpu, window)
+    whole = backend.build(cache, [table], [0], [n], [n - 1]).attend(0, q, k, v, head_dim**-0.5)
+    chunked = []
+    for start in range(0, n, 7):
+        m = min(7, n - start)
+        extra_q = torch.randn(3, heads, head_dim, dtype=dtype)
+        extra_kv = torch.randn(3, kv_heads, head_dim, dtype=dtype)
+        meta = backend.build(cache, [other, table], [5, start], [3, m], [2])
+        out = meta.attend(0, torch.cat([extra_q, q[start : start + m]]), torch.cat([extra_kv, k[start : start + m]]),
+                          torch.cat([extra_kv, v[start : start + m]]), head_dim**-0.5)
+        chunked.append(out[3:])
+    decoded = []
+    for p in range(n):
+        meta = backend.build(cache, [table, other], [p, 9], [1, 1], [0, 1])
+        assert meta.decode_only() is not None
+        out = meta.attend(0, torch.stack([q[p], q[0]]), torch.stack([k[p], k[0]]), torch.stack([v[p], v[0]]),
+                          head_dim**-0.5)
+        decoded.append(out[:1])
+    assert torch.equal(torch.cat(chunked), whole)
+    assert torch.equal(torch.cat(decoded), whole)
+

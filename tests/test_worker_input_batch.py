@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 from protocol.messages import SamplingParams
 from worker.attention import AttentionBackend, CpuPagedBackend, SdpaBackend
+from worker.attention.base import AttentionMetadata
+from worker.attention.cpu_paged import CpuPagedMetadata
 from worker.attention.sdpa import SdpaMetadata
 from worker.input_batch import InputBatch
 from worker.kernels import cpu as cpu_kernels
@@ -30,16 +32,23 @@ CACHE = KVCache(1, 64, BS, 1, 8, torch.float32, CPU)
 KERNEL = cpu_kernels.load() if cpu_kernels.unsupported(torch.float32, 1, 1, 8, BS) is None else None
 
 
-def assert_same(a: SdpaMetadata, b: SdpaMetadata) -> None:
+def assert_same(a: AttentionMetadata, b: AttentionMetadata) -> None:
+    assert type(a) is type(b)
     assert torch.equal(a.positions, b.positions)
     assert torch.equal(a.slot_mapping, b.slot_mapping)
     assert torch.equal(a.logits_indices, b.logits_indices)
-    assert (a.decode is None) == (b.decode is None)
-    if a.decode is not None and b.decode is not None:
-        # The batch's rows hold every block sent, the lists too: the tables match in full.
-        assert torch.equal(a.decode.block_table, b.decode.block_table)
-        assert torch.equal(a.decode.context_lens, b.decode.context_lens)
-        assert torch.equal(a.decode.first_positions, b.decode.first_positions)
+    if isinstance(a, CpuPagedMetadata) and isinstance(b, CpuPagedMetadata):
+        assert (a.decode is None) == (b.decode is None) and (a.chunks is None) == (b.chunks is None)
+        if a.decode is not None and b.decode is not None:
+            # The batch's rows hold every block sent, the lists too: the tables match in full.
+            assert torch.equal(a.decode.block_table, b.decode.block_table)
+            assert torch.equal(a.decode.context_lens, b.decode.context_lens)
+            assert torch.equal(a.decode.first_positions, b.decode.first_positions)
+        if a.chunks is not None and b.chunks is not None:
+            for name in ("block_table", "ends", "lengths", "first_tokens", "first_positions"):
+                assert torch.equal(getattr(a.chunks, name), getattr(b.chunks, name)), name
+        return
+    assert isinstance(a, SdpaMetadata) and isinstance(b, SdpaMetadata)
     assert len(a.groups) == len(b.groups)
     for ga, gb in zip(a.groups, b.groups, strict=True):
         assert torch.equal(ga.block_table, gb.block_table)
@@ -107,7 +116,7 @@ def test_batch_metadata_matches_the_list_builder(history: list[tuple[str, int]],
                 starts.append((r * (i + 3)) % (capacity - n + 1))
                 lengths.append(n)
             logits = list(range(sum(lengths)))[-len(rows):]
-            kernel = KERNEL if decode_only else None
+            kernel = KERNEL if r % 2 else None  # the C backend's metadata, or the torch path's
             tables, sampling = batch.gather(rows, rows[::-1])
             assert torch.equal(sampling, torch.tensor([param_row(params[rid]) for rid in rows[::-1]]))
             backend: AttentionBackend = CpuPagedBackend(kernel, CPU, window) if kernel else SdpaBackend(CPU, window)

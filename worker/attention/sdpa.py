@@ -1,6 +1,6 @@
 """The torch reference backend (``sdpa``): every step gathers its rows' context from the paged
-cache and runs ``scaled_dot_product_attention``; it runs on every device and dtype. The CPU
-backend (``cpu_paged``) builds on it for its steps' prefill chunks.
+cache and runs ``scaled_dot_product_attention``; it runs on every device and dtype (the CPU's
+own kernels are ``cpu_paged``; CUDA's, ``flashinfer``).
 
 Paged attention: new keys/values go into cache slots, each sequence reads its context through
 its block table. The metadata of a step is built once on the host and shared by every layer:
@@ -43,7 +43,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from worker.attention.base import AttentionBackend, AttentionMetadata, DecodeRows, as_tables, check_cover
+from worker.attention.base import AttentionBackend, AttentionMetadata, as_tables, check_cover
 from worker.input_batch import RowTables
 from worker.kv_cache import KVCache
 
@@ -65,17 +65,12 @@ class SdpaMetadata(AttentionMetadata):
     groups: list[AttentionGroup]
     key_scratch: torch.Tensor | None  # [blocks, block numel]: every group of every layer gathers into these
     value_scratch: torch.Tensor | None
-    decode: DecodeRows | None = None  # set: a decode kernel attends these rows (all of them, without groups)
-
-    def decode_only(self) -> DecodeRows | None:
-        return self.decode if not self.groups else None
 
 
 class SdpaBackend(AttentionBackend):
     """Gather + SDPA for every row of every step."""
 
     name = "torch (gather + SDPA)"
-    split_decode = False  # whether rows computing one token are left to a decode kernel (``DecodeRows``)
 
     def build(self, cache: KVCache, block_tables: RowTables | list[list[int]], starts: list[int], lengths: list[int],
               logits_indices: list[int], extra: list[torch.Tensor] | None = None) -> SdpaMetadata:
@@ -87,21 +82,11 @@ class SdpaBackend(AttentionBackend):
         positions = rows.starts[flat_rows] + (torch.arange(flat_rows.shape[0]) - rows.first_token[flat_rows])
         # Every position computed now lies in a gathered block (first_block <= start // bs).
         slots = table[flat_rows, positions // bs - rows.first_block[flat_rows]] * bs + positions % bs
-        # A step with prefill chunks: its decode rows still go to the kernel where there is one
-        # (with continuous arrivals nearly every step has a chunk, and gathering every decode
-        # row's context for SDPA made those steps several times slower); the chunks are grouped.
-        decoding = [i for i, n in enumerate(lengths) if n == 1] if self.split_decode else []
-        prefilling = [i for i, n in enumerate(lengths) if n > 1] if decoding else list(range(len(lengths)))
         blocks = rows.num_blocks.tolist()
-        groups = [rows.group([prefilling[j] for j in members], table)
-                  for members in _group_rows([blocks[i] for i in prefilling], bs)]
+        groups = [rows.group(members, table) for members in _group_rows(blocks, bs)]
         key_scratch, value_scratch = _scratch(cache, max(g.block_table.numel() for g in groups))
-        if len(groups) == 1 and not decoding:
+        if len(groups) == 1:
             groups[0].tokens = None
-        decode = None
-        if decoding:
-            idx = torch.tensor(decoding)
-            decode = DecodeRows.of(tables, rows.starts[idx], idx, window, bs, tokens=rows.first_token[idx])
         host = [positions, slots, torch.tensor(logits_indices, dtype=torch.long)]
         for g in groups:
             host += [g.block_table, g.mask, g.query_rows, g.query_cols] + ([g.tokens] if g.tokens is not None else [])
@@ -112,8 +97,7 @@ class SdpaBackend(AttentionBackend):
             if g.tokens is not None:
                 g.tokens = next(moved)
         return SdpaMetadata(backend=self, positions=positions, slot_mapping=slots, logits_indices=logits, cache=cache,
-                            extra=list(moved), groups=groups, key_scratch=key_scratch, value_scratch=value_scratch,
-                            decode=decode)
+                            extra=list(moved), groups=groups, key_scratch=key_scratch, value_scratch=value_scratch)
 
     def forward(self, meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: float) -> torch.Tensor:
@@ -124,16 +108,9 @@ class SdpaBackend(AttentionBackend):
         if meta.groups[0].tokens is None:  # one group: the whole step, in order
             return _attend(q, *_gather_both(cache, layer, meta.groups[0], meta), meta.groups[0], scale)
         out = torch.empty_like(q)
-        if meta.decode is not None:  # a mixed step: its decode rows through the kernel, keys already written
-            assert meta.decode.tokens is not None
-            out[meta.decode.tokens] = self.decode_rows(meta, layer, q[meta.decode.tokens], scale)
         for group in meta.groups:
             out[group.tokens] = _attend(q[group.tokens], *_gather_both(cache, layer, group, meta), group, scale)
         return out
-
-    def decode_rows(self, meta: SdpaMetadata, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """The decode kernel's attention of ``meta.decode``'s rows (their keys already written)."""
-        raise NotImplementedError(f"{self.name} has no decode kernel")
 
 
 class _Rows:

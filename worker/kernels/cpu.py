@@ -1,5 +1,5 @@
-"""The worker's C kernels for the CPU, built, loaded and called: decode attention over the paged
-cache (``csrc/paged_decode.c``), RMSNorm with the residual add before it (``csrc/rms_norm.c``),
+"""The worker's C kernels for the CPU, built, loaded and called: attention over the paged cache,
+decode rows and prefill chunks alike (``csrc/paged_attention.c``), RMSNorm with the residual add before it (``csrc/rms_norm.c``),
 the rotary embedding and silu(gate) * up (``csrc/decoder.c``), each in float32 and bfloat16;
 linear layers on CPUs with AVX-512, float32 and (with AVX512-BF16) bfloat16 (``csrc/linear.c``);
 and a decode step's whole decoder stack in one call, built from those same pieces
@@ -34,7 +34,7 @@ from worker.model.tiny import default_cache_dir
 log = logging.getLogger("sluice.worker")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_decode.c", "rms_norm.c", "linear.c", "decoder.c")]
+SOURCES = [CSRC / name for name in ("paged_attention.c", "rms_norm.c", "linear.c", "decoder.c")]
 HEADERS = [CSRC / name for name in ("bf16.h", "kernels.h", "simd.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-ffp-contract=off"]
@@ -111,6 +111,9 @@ def load() -> ctypes.CDLL | None:
     lib.paged_decode.restype = None
     lib.paged_decode_bf16.argtypes = lib.paged_decode.argtypes
     lib.paged_decode_bf16.restype = None
+    for entry in (lib.paged_attention, lib.paged_attention_bf16):
+        entry.argtypes = [p, i64, p, p, p, i32, p, p, p, p, i32, p, i32, i32, i32, i32, i32, f32, i32]
+        entry.restype = None
     lib.rms_norm.argtypes = [p, i64, p, p, p, i32, i32, f32, i32]
     lib.rms_norm.restype = None
     lib.rms_norm_bf16.argtypes = lib.rms_norm.argtypes
@@ -250,5 +253,21 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor, inter: int) -> torch.Tenso
     out = torch.empty((rows, inter), dtype=gate_up.dtype)
     entry = lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_mul_f32
     entry(_ptr(gate_up), _ptr(out), rows, inter, torch.get_num_threads())
+    return out
+
+
+def attention(lib: ctypes.CDLL, q: torch.Tensor, key_slots: torch.Tensor, value_slots: torch.Tensor,
+              block_table: torch.Tensor, ends: torch.Tensor, lengths: torch.Tensor, first_tokens: torch.Tensor,
+              first_positions: torch.Tensor, window: int, block_size: int, scale: float) -> torch.Tensor:
+    """q [T, H, D] (rows may be strided) of rows of any length against their contexts -> [T, H, D].
+    Row r's ``lengths[r]`` queries end at position ``ends[r] - 1`` and are tokens
+    ``first_tokens[r]`` onwards; ``block_table`` [B, max blocks] and the per-row tensors int32;
+    ``window`` > 0: a sliding window (Mistral's rule), besides ``first_positions``."""
+    tokens, heads, head_dim = q.shape
+    out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
+    entry = lib.paged_attention_bf16 if q.dtype == torch.bfloat16 else lib.paged_attention
+    entry(_ptr(q), q.stride(0), _ptr(key_slots), _ptr(value_slots), _ptr(block_table), block_table.shape[1],
+          _ptr(ends), _ptr(lengths), _ptr(first_tokens), _ptr(first_positions), window, _ptr(out), len(ends), heads,
+          key_slots.shape[1], head_dim, block_size, scale, torch.get_num_threads())
     return out
 

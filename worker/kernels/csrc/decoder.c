@@ -10,7 +10,7 @@
  * Run per operator from Python, one SmolLM2 layer at one row costs ~160 us beyond its four
  * products (about fifteen torch operators and ctypes calls, each a few microseconds, and a
  * parallel region per kernel): 4.8 of a 14.5 ms step. Here every layer runs inside one parallel
- * region, each stage a work-shared loop (the bodies of linear.c, rms_norm.c and paged_decode.c)
+ * region, each stage a work-shared loop (the bodies of linear.c, rms_norm.c and paged_attention.c)
  * ending at a barrier, so a stage costs its arithmetic and a barrier.
  *
  * The rotation and silu(gate) * up are the same functions the per-operator path calls (rope_*,

@@ -1,0 +1,374 @@
+/* Attention straight from the paged KV cache (float32 or bfloat16, CPU), for decode rows (one query
+ * each) and prefill chunks (many) alike.
+ *
+ * Each row's new keys and values are written into their cache slots first (write_kv). Then each
+ * (row, kv head, tile of queries) attends over the row's context block by block, reading keys and
+ * values where they lie in the cache: no gathered copy, no mask, and no work for positions a
+ * query cannot see (a causal prefill computes half the scores a masked one would). The G query
+ * heads that share a kv head are done together, so each key and value is read once for all of
+ * them; the queries of a tile share the block while it is in the L1 cache. Softmax is the
+ * streaming kind: a running max and sum per query head, the accumulator rescaled once per block.
+ *
+ * A query's arithmetic does not depend on anything but its own position: it visits the runs of
+ * its context in the same order (from its first visible position to the end of that block, whole
+ * blocks, its own position last), with the same operations, whether it is a decode row or one
+ * query of a prefill chunk of any length, whatever the batch. So a token's attention gives the
+ * same bits in a prefill, a chunked prefill or a decode step: a stream recomputed after a
+ * restart continues exactly (with the per-row linear, norm, rotation and silu kernels).
+ *
+ * Built by worker/kernels/cpu.py with the system C compiler (-O3 -march=native -fopenmp,
+ * reassociation allowed so the plain loops vectorise; no -ffinite-math: -INFINITY is used).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define MAX_GROUP 16      /* query heads per kv head */
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK 128     /* tokens per KV block */
+#define TILE_HEADS 32     /* query heads (queries x group) a tile holds */
+
+/* Strides are in elements of elem_size bytes (4: float32, 2: bfloat16): the bytes are copied. A
+ * negative slot is skipped (a padding row). */
+void write_kv(const char *k_new, const char *v_new, int64_t k_stride, int64_t v_stride, char *k_cache,
+              char *v_cache, const int64_t *slots, int num_rows, int kv_heads, int head_dim, int elem_size) {
+    const int64_t width = (int64_t)kv_heads * head_dim * elem_size;
+    for (int b = 0; b < num_rows; b++) {
+        if (slots[b] < 0) continue;
+        memcpy(k_cache + slots[b] * width, k_new + b * k_stride * elem_size, width);
+        memcpy(v_cache + slots[b] * width, v_new + b * v_stride * elem_size, width);
+    }
+}
+
+/* Element i of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array, as a float. */
+static inline float load(const void *base, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* Where the rows' queries are: row r's queries are the last lengths[r] positions before ends[r]
+ * (lengths NULL: one each), at flat tokens first_tokens[r] onwards (NULL: token r); query j sees
+ * from max(first_positions[r], position - window + 1) (window 0: first_positions[r]) to itself. */
+typedef struct {
+    const int32_t *block_table;
+    int max_blocks;
+    const int32_t *ends, *lengths, *first_tokens, *first_positions;
+    int window;
+} Rows;
+
+static inline int row_length(const Rows *rows, int r) { return rows->lengths ? rows->lengths[r] : 1; }
+
+static inline int first_visible(const Rows *rows, int r, int position) {
+    const int first = rows->first_positions[r];
+    if (rows->window > 0 && position - rows->window + 1 > first) return position - rows->window + 1;
+    return first;
+}
+
+/* The work items of a call: (row, kv head, tile of `per_tile` queries), tiles of a row counted
+ * from its last (the costliest under causal masking first, for the dynamic schedule). */
+static inline void item_of(const Rows *rows, int num_rows, int kv_heads, int per_tile, int item, int *r, int *h,
+                           int *tile) {
+    for (int row = 0; row < num_rows; row++) {
+        const int tiles = (row_length(rows, row) + per_tile - 1) / per_tile;
+        if (item < tiles * kv_heads) {
+            *r = row;
+            *h = item % kv_heads;
+            *tile = tiles - 1 - item / kv_heads;
+            return;
+        }
+        item -= tiles * kv_heads;
+    }
+    *r = -1;
+}
+
+static inline int count_items(const Rows *rows, int num_rows, int kv_heads, int per_tile) {
+    int items = 0;
+    for (int row = 0; row < num_rows; row++) items += (row_length(rows, row) + per_tile - 1) / per_tile * kv_heads;
+    return items;
+}
+
+/* ------------------------------------------------------------------ plain loops */
+
+/* q, the caches and out are all float32 or all bfloat16; scores, softmax and the accumulators
+ * are float32 either way. Inlined with bf16 a constant: each type compiles to its own loops. */
+static inline __attribute__((always_inline)) void attend_rows(
+        const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const Rows *rows, void *out,
+        int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale, const int bf16) {
+    const int group = num_heads / kv_heads;
+    const int per_tile = TILE_HEADS / group > 0 ? TILE_HEADS / group : 1;
+    const int64_t slot_width = (int64_t)kv_heads * head_dim;
+    const int items = count_items(rows, num_rows, kv_heads, per_tile);
+#pragma omp for schedule(dynamic, 1)
+    for (int item = 0; item < items; item++) {
+        int r, h, tile;
+        item_of(rows, num_rows, kv_heads, per_tile, item, &r, &h, &tile);
+        const int length = row_length(rows, r);
+        const int j0 = tile * per_tile, nq = length - j0 < per_tile ? length - j0 : per_tile;
+        const int32_t *table = rows->block_table + (int64_t)r * rows->max_blocks;
+        float acc[TILE_HEADS][MAX_HEAD_DIM], qs[TILE_HEADS][MAX_HEAD_DIM];
+        float running_max[TILE_HEADS], running_sum[TILE_HEADS], scores[MAX_GROUP][MAX_BLOCK];
+        int position[TILE_HEADS], first[TILE_HEADS];
+        int64_t token[TILE_HEADS];
+        int lo = 1 << 30, hi = 0;
+        for (int t = 0; t < nq; t++) {
+            position[t] = rows->ends[r] - length + j0 + t;
+            first[t] = first_visible(rows, r, position[t]);
+            token[t] = (rows->first_tokens ? rows->first_tokens[r] : r) + j0 + t;
+            lo = first[t] < lo ? first[t] : lo;
+            hi = position[t] + 1 > hi ? position[t] + 1 : hi;
+            for (int g = 0; g < group; g++) {
+                const int64_t qg = token[t] * q_stride + (int64_t)(h * group + g) * head_dim;
+                for (int d = 0; d < head_dim; d++) {
+                    qs[t * group + g][d] = load(q, qg + d, bf16) * scale;
+                    acc[t * group + g][d] = 0.0f;
+                }
+                running_max[t * group + g] = -INFINITY;
+                running_sum[t * group + g] = 0.0f;
+            }
+        }
+        for (int start = lo - lo % block_size; start < hi; start += block_size) {
+            const int64_t block_base = (int64_t)table[start / block_size] * block_size;
+            for (int t = 0; t < nq; t++) {
+                const int a = first[t] > start ? first[t] : start;
+                const int b = position[t] + 1 < start + block_size ? position[t] + 1 : start + block_size;
+                if (a >= b) continue;
+                const int n = b - a;
+                const int64_t kv_base = (block_base + a - start) * slot_width + (int64_t)h * head_dim;
+                for (int g = 0; g < group; g++) {
+                    const int s_ = t * group + g;
+                    float block_max = running_max[s_];
+                    for (int i = 0; i < n; i++) {
+                        const int64_t k = kv_base + i * slot_width;
+                        float s = 0.0f;
+                        for (int d = 0; d < head_dim; d++) s += qs[s_][d] * load(k_cache, k + d, bf16);
+                        scores[g][i] = s;
+                        if (s > block_max) block_max = s;
+                    }
+                    const float rescale = expf(running_max[s_] - block_max);
+                    running_sum[s_] *= rescale;
+                    for (int d = 0; d < head_dim; d++) acc[s_][d] *= rescale;
+                    running_max[s_] = block_max;
+                    for (int i = 0; i < n; i++) {
+                        const float p = expf(scores[g][i] - block_max);
+                        running_sum[s_] += p;
+                        const int64_t v = kv_base + i * slot_width;
+                        for (int d = 0; d < head_dim; d++) acc[s_][d] += p * load(v_cache, v + d, bf16);
+                    }
+                }
+            }
+        }
+        for (int t = 0; t < nq; t++) {
+            for (int g = 0; g < group; g++) {
+                const int s_ = t * group + g;
+                const int64_t o = (token[t] * num_heads + h * group + g) * head_dim;
+                const float inv = 1.0f / running_sum[s_];
+                for (int d = 0; d < head_dim; d++) {
+                    if (bf16)
+                        ((uint16_t *)out)[o + d] = f32_to_bf16(acc[s_][d] * inv);
+                    else
+                        ((float *)out)[o + d] = acc[s_][d] * inv;
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ AVX-512 */
+
+#ifdef __AVX512F__
+#include "simd.h"
+
+/* The same attention with AVX-512 intrinsics, for head_dim a multiple of 16 (every common
+ * model): a row of keys or values is head_dim / 16 registers, converted from bfloat16 once for
+ * all the group's query heads; a run's scores are exponentiated 16 at a time (exp512); the
+ * accumulators stay float32. About 3x the plain loops' speed (they reduce a dot product and call
+ * expf once per position and head). */
+static inline __attribute__((always_inline)) void attend_rows_avx512(
+        const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const Rows *rows, void *out,
+        int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale, const int bf16,
+        const int chunks) {
+    const int group = num_heads / kv_heads;
+    const int per_tile = TILE_HEADS / group > 0 ? TILE_HEADS / group : 1;
+    const int64_t slot_width = (int64_t)kv_heads * head_dim;
+    const int items = count_items(rows, num_rows, kv_heads, per_tile);
+#pragma omp for schedule(dynamic, 1)
+    for (int item = 0; item < items; item++) {
+        int r, h, tile;
+        item_of(rows, num_rows, kv_heads, per_tile, item, &r, &h, &tile);
+        const int length = row_length(rows, r);
+        const int j0 = tile * per_tile, nq = length - j0 < per_tile ? length - j0 : per_tile;
+        const int32_t *table = rows->block_table + (int64_t)r * rows->max_blocks;
+        __m512 qs[TILE_HEADS][MAX_HEAD_DIM / 16], acc[TILE_HEADS][MAX_HEAD_DIM / 16];
+        float running_max[TILE_HEADS], running_sum[TILE_HEADS];
+        float scores[MAX_GROUP][MAX_BLOCK] __attribute__((aligned(64)));
+        int position[TILE_HEADS], first[TILE_HEADS];
+        int64_t token[TILE_HEADS];
+        int lo = 1 << 30, hi = 0;
+        for (int t = 0; t < nq; t++) {
+            position[t] = rows->ends[r] - length + j0 + t;
+            first[t] = first_visible(rows, r, position[t]);
+            token[t] = (rows->first_tokens ? rows->first_tokens[r] : r) + j0 + t;
+            lo = first[t] < lo ? first[t] : lo;
+            hi = position[t] + 1 > hi ? position[t] + 1 : hi;
+            for (int g = 0; g < group; g++) {
+                const int64_t qg = token[t] * q_stride + (int64_t)(h * group + g) * head_dim;
+                for (int c = 0; c < chunks; c++) {
+                    qs[t * group + g][c] = _mm512_mul_ps(load16(q, qg + 16 * c, bf16), _mm512_set1_ps(scale));
+                    acc[t * group + g][c] = _mm512_setzero_ps();
+                }
+                running_max[t * group + g] = -INFINITY;
+                running_sum[t * group + g] = 0.0f;
+            }
+        }
+        for (int start = lo - lo % block_size; start < hi; start += block_size) {
+            const int64_t block_base = (int64_t)table[start / block_size] * block_size;
+            for (int t = 0; t < nq; t++) {
+                const int a = first[t] > start ? first[t] : start;
+                const int b = position[t] + 1 < start + block_size ? position[t] + 1 : start + block_size;
+                if (a >= b) continue;
+                const int n = b - a;
+                const int64_t kv_base = (block_base + a - start) * slot_width + (int64_t)h * head_dim;
+                for (int i = 0; i < n; i++) {
+                    __m512 key[MAX_HEAD_DIM / 16];
+                    for (int c = 0; c < chunks; c++) key[c] = load16(k_cache, kv_base + i * slot_width + 16 * c, bf16);
+                    for (int g = 0; g < group; g++) {
+                        __m512 s = _mm512_mul_ps(qs[t * group + g][0], key[0]);
+                        for (int c = 1; c < chunks; c++) s = _mm512_fmadd_ps(qs[t * group + g][c], key[c], s);
+                        scores[g][i] = _mm512_reduce_add_ps(s);
+                    }
+                }
+                for (int g = 0; g < group; g++) {
+                    const int s_ = t * group + g;
+                    float block_max = running_max[s_];
+                    for (int i = 0; i < n; i++) block_max = scores[g][i] > block_max ? scores[g][i] : block_max;
+                    if (block_max > running_max[s_]) {
+                        const __m512 rescale = _mm512_set1_ps(expf(running_max[s_] - block_max));
+                        running_sum[s_] *= expf(running_max[s_] - block_max);
+                        for (int c = 0; c < chunks; c++) acc[s_][c] = _mm512_mul_ps(acc[s_][c], rescale);
+                        running_max[s_] = block_max;
+                    }
+                    __m512 sum = _mm512_setzero_ps();
+                    for (int i = 0; i < n; i += 16) {
+                        const __mmask16 lanes = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+                        const __m512 s = _mm512_maskz_loadu_ps(lanes, &scores[g][i]);
+                        const __m512 p = _mm512_maskz_mov_ps(lanes, exp512(_mm512_sub_ps(s, _mm512_set1_ps(block_max))));
+                        _mm512_mask_storeu_ps(&scores[g][i], lanes, p);
+                        sum = _mm512_add_ps(sum, p);
+                    }
+                    running_sum[s_] += _mm512_reduce_add_ps(sum);
+                }
+                for (int i = 0; i < n; i++) {
+                    __m512 value[MAX_HEAD_DIM / 16];
+                    for (int c = 0; c < chunks; c++) value[c] = load16(v_cache, kv_base + i * slot_width + 16 * c, bf16);
+                    for (int g = 0; g < group; g++) {
+                        const __m512 p = _mm512_set1_ps(scores[g][i]);
+                        for (int c = 0; c < chunks; c++) acc[t * group + g][c] = _mm512_fmadd_ps(p, value[c], acc[t * group + g][c]);
+                    }
+                }
+            }
+        }
+        for (int t = 0; t < nq; t++) {
+            for (int g = 0; g < group; g++) {
+                const int s_ = t * group + g;
+                const int64_t o = (token[t] * num_heads + h * group + g) * head_dim;
+                const __m512 inv = _mm512_set1_ps(1.0f / running_sum[s_]);
+                for (int c = 0; c < chunks; c++) store16(out, o + 16 * c, _mm512_mul_ps(acc[s_][c], inv), bf16);
+            }
+        }
+    }
+}
+#define HAVE_AVX512_ATTENTION 1
+#else
+#define HAVE_AVX512_ATTENTION 0
+#endif
+
+/* The AVX-512 path where it applies (common head sizes with constant trip counts), else the plain
+ * loops; inlined into the entry points with bf16 a constant. */
+static inline __attribute__((always_inline)) void attend(
+        const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const Rows *rows, void *out,
+        int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale, const int bf16) {
+#if HAVE_AVX512_ATTENTION
+    if (head_dim % 16 == 0) {
+        const int chunks = head_dim / 16;
+        if (chunks == 2)
+            attend_rows_avx512(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
+                               block_size, scale, bf16, 2);
+        else if (chunks == 4)
+            attend_rows_avx512(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
+                               block_size, scale, bf16, 4);
+        else if (chunks == 8)
+            attend_rows_avx512(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
+                               block_size, scale, bf16, 8);
+        else
+            attend_rows_avx512(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
+                               block_size, scale, bf16, chunks);
+        return;
+    }
+#endif
+    attend_rows(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale,
+                bf16);
+}
+
+/* ------------------------------------------------------------------ entry points */
+
+/* Decode rows, one query each: row b's query is at position context_lens[b] - 1 (token b: q row
+ * b, out row b) and sees from first_positions[b]. The work-sharing bodies share the threads of an
+ * enclosing parallel region (decoder.c's layer loop); called outside one, one thread does all. */
+void paged_decode_rows_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                           const int32_t *block_table, int max_blocks, const int32_t *context_lens,
+                           const int32_t *first_positions, float *out, int num_rows, int num_heads, int kv_heads,
+                           int head_dim, int block_size, float scale) {
+    const Rows rows = {block_table, max_blocks, context_lens, 0, 0, first_positions, 0};
+    attend(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, 0);
+}
+
+void paged_decode_rows_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int32_t *block_table, int max_blocks, const int32_t *context_lens,
+                            const int32_t *first_positions, uint16_t *out, int num_rows, int num_heads, int kv_heads,
+                            int head_dim, int block_size, float scale) {
+    const Rows rows = {block_table, max_blocks, context_lens, 0, 0, first_positions, 0};
+    attend(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, 1);
+}
+
+void paged_decode(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                  const int32_t *block_table, int max_blocks, const int32_t *context_lens,
+                  const int32_t *first_positions, float *out, int num_rows, int num_heads,
+                  int kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    paged_decode_rows_f32(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out,
+                          num_rows, num_heads, kv_heads, head_dim, block_size, scale);
+}
+
+void paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int32_t *block_table, int max_blocks, const int32_t *context_lens,
+                       const int32_t *first_positions, uint16_t *out, int num_rows, int num_heads,
+                       int kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    paged_decode_rows_bf16(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out,
+                           num_rows, num_heads, kv_heads, head_dim, block_size, scale);
+}
+
+/* Rows of any length (prefill chunks, decode rows, mixed): row r computes lengths[r] queries
+ * ending at position ends[r] - 1, at flat tokens first_tokens[r] onwards (q rows q_stride elements
+ * apart; out [tokens, heads, head_dim] contiguous); with a sliding window (window > 0) a query at
+ * p sees from max(first_positions[r], p - window + 1). */
+void paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                     const int32_t *block_table, int max_blocks, const int32_t *ends, const int32_t *lengths,
+                     const int32_t *first_tokens, const int32_t *first_positions, int window, float *out,
+                     int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale,
+                     int num_threads) {
+    const Rows rows = {block_table, max_blocks, ends, lengths, first_tokens, first_positions, window};
+#pragma omp parallel num_threads(num_threads)
+    attend(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, 0);
+}
+
+void paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                          const int32_t *block_table, int max_blocks, const int32_t *ends, const int32_t *lengths,
+                          const int32_t *first_tokens, const int32_t *first_positions, int window, uint16_t *out,
+                          int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale,
+                          int num_threads) {
+    const Rows rows = {block_table, max_blocks, ends, lengths, first_tokens, first_positions, window};
+#pragma omp parallel num_threads(num_threads)
+    attend(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, 1);
+}
