@@ -7,9 +7,12 @@ For each dtype a fresh ``sluice serve`` answers every prompt alone (one request 
 all of them at once (one batch: prefills and decodes of different lengths mixed), greedy, the
 same ``--max-tokens`` each. It prints how many completions are identical both ways and, for
 those that differ, where they part (characters of agreeing text). SPEC promises identical
-greedy text however a request is batched; the kernels keep that exactly in float32. In
-bfloat16 a product's rounding depends on how the batch was tiled, so a near tie between two
-tokens can go either way; this measures how often that happens.
+greedy text however a request is batched. Where the CPU kernels run (Sluice's linear kernel,
+the paged attention kernel for decode rows and prefill chunks alike, C norm, rotation and silu)
+every token's row is computed the same way whatever the step, in float32 and bfloat16 alike;
+on other paths (oneDNN's or torch's bfloat16 products, SDPA) a product's rounding depends on
+how the batch was tiled, so a near tie between two tokens can go either way: this measures how
+often that happens.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ to first token and inter-token latency (p50/p99 over every stream). The cells ar
 llama.cpp is configured as its users run it for the load: the same GGUF file converted to the
 same weight dtype (``llama-quantize --allow-requantize``, found beside ``llama-server``), all
 cores (``-t``), one slot per concurrent stream (``-np c``) and 512 tokens of context per slot
-(``-c c*512``), started fresh for each cell. Sluice stays up for the whole run, with its
+(``-c c*512``; more where a stream needs more), started fresh for each cell. Sluice stays up for the whole run, with its
 defaults (threads, KV cache size, dtype unless ``--dtype`` is given). Then each server's peak
 resident memory (llama.cpp's: at the largest cell).
 """
@@ -173,10 +173,12 @@ def main() -> None:
     gguf = _llama_gguf(args.llama_server, args.dtype, Path(tempfile.gettempdir())) if args.llama_server else None
 
     def llama_cpp(c: int) -> Server:
-        """llama-server as its users run it for c streams: a slot each, 512 tokens of context each."""
+        """llama-server as its users run it for c streams: a slot each, 512 tokens of context each
+        (or what a stream needs, if more)."""
+        per_slot = max(512, args.prompt_tokens + args.output_tokens + 16)
         assert args.llama_server is not None and gguf is not None
         return Server("llama.cpp", [str(args.llama_server), "-m", str(gguf), "--port", str(port := _free_port()),
-                                    "-t", str(cores), "-np", str(c), "-c", str(c * 512), "--no-webui"],
+                                    "-t", str(cores), "-np", str(c), "-c", str(c * per_slot), "--no-webui"],
                       f"http://127.0.0.1:{port}", ready_path="/health")
 
     names = ["sluice"] + (["llama.cpp"] if gguf is not None else [])
