@@ -88,6 +88,38 @@ static inline int count_items(const Rows *rows, int num_rows, int kv_heads, int 
     return items;
 }
 
+/* A tile's queries: their positions, what each sees from, their flat tokens, and the span of
+ * positions any of them sees ([lo, hi)). */
+typedef struct {
+    int nq, lo, hi;
+    int position[TILE_HEADS], first[TILE_HEADS];
+    int64_t token[TILE_HEADS];
+} Tile;
+
+static inline void tile_of(const Rows *rows, int r, int tile, int per_tile, Tile *t) {
+    const int length = row_length(rows, r), j0 = tile * per_tile;
+    t->nq = length - j0 < per_tile ? length - j0 : per_tile;
+    t->lo = 1 << 30;
+    t->hi = 0;
+    for (int i = 0; i < t->nq; i++) {
+        t->position[i] = rows->ends[r] - length + j0 + i;
+        t->first[i] = first_visible(rows, r, t->position[i]);
+        t->token[i] = (rows->first_tokens ? rows->first_tokens[r] : r) + j0 + i;
+        t->lo = t->first[i] < t->lo ? t->first[i] : t->lo;
+        t->hi = t->position[i] + 1 > t->hi ? t->position[i] + 1 : t->hi;
+    }
+}
+
+/* Query i's run in the block starting at position start: how many positions (0: none) and the
+ * element offset of the first one's key (or value) for kv head h. */
+static inline int run_in_block(const Tile *t, int i, int start, int block_size, int64_t block_base,
+                               int64_t slot_width, int64_t head_offset, int64_t *kv_base) {
+    const int a = t->first[i] > start ? t->first[i] : start;
+    const int b = t->position[i] + 1 < start + block_size ? t->position[i] + 1 : start + block_size;
+    *kv_base = (block_base + a - start) * slot_width + head_offset;
+    return a < b ? b - a : 0;
+}
+
 /* ------------------------------------------------------------------ plain loops */
 
 /* q, the caches and out are all float32 or all bfloat16; scores, softmax and the accumulators
@@ -103,22 +135,15 @@ static inline __attribute__((always_inline)) void attend_rows(
     for (int item = 0; item < items; item++) {
         int r, h, tile;
         item_of(rows, num_rows, kv_heads, per_tile, item, &r, &h, &tile);
-        const int length = row_length(rows, r);
-        const int j0 = tile * per_tile, nq = length - j0 < per_tile ? length - j0 : per_tile;
+        Tile tl;
+        tile_of(rows, r, tile, per_tile, &tl);
+        const int nq = tl.nq;
         const int32_t *table = rows->block_table + (int64_t)r * rows->max_blocks;
         float acc[TILE_HEADS][MAX_HEAD_DIM], qs[TILE_HEADS][MAX_HEAD_DIM];
         float running_max[TILE_HEADS], running_sum[TILE_HEADS], scores[MAX_GROUP][MAX_BLOCK];
-        int position[TILE_HEADS], first[TILE_HEADS];
-        int64_t token[TILE_HEADS];
-        int lo = 1 << 30, hi = 0;
         for (int t = 0; t < nq; t++) {
-            position[t] = rows->ends[r] - length + j0 + t;
-            first[t] = first_visible(rows, r, position[t]);
-            token[t] = (rows->first_tokens ? rows->first_tokens[r] : r) + j0 + t;
-            lo = first[t] < lo ? first[t] : lo;
-            hi = position[t] + 1 > hi ? position[t] + 1 : hi;
             for (int g = 0; g < group; g++) {
-                const int64_t qg = token[t] * q_stride + (int64_t)(h * group + g) * head_dim;
+                const int64_t qg = tl.token[t] * q_stride + (int64_t)(h * group + g) * head_dim;
                 for (int d = 0; d < head_dim; d++) {
                     qs[t * group + g][d] = load(q, qg + d, bf16) * scale;
                     acc[t * group + g][d] = 0.0f;
@@ -127,14 +152,13 @@ static inline __attribute__((always_inline)) void attend_rows(
                 running_sum[t * group + g] = 0.0f;
             }
         }
-        for (int start = lo - lo % block_size; start < hi; start += block_size) {
+        for (int start = tl.lo - tl.lo % block_size; start < tl.hi; start += block_size) {
             const int64_t block_base = (int64_t)table[start / block_size] * block_size;
             for (int t = 0; t < nq; t++) {
-                const int a = first[t] > start ? first[t] : start;
-                const int b = position[t] + 1 < start + block_size ? position[t] + 1 : start + block_size;
-                if (a >= b) continue;
-                const int n = b - a;
-                const int64_t kv_base = (block_base + a - start) * slot_width + (int64_t)h * head_dim;
+                int64_t kv_base;
+                const int n = run_in_block(&tl, t, start, block_size, block_base, slot_width, (int64_t)h * head_dim,
+                                           &kv_base);
+                if (n == 0) continue;
                 for (int g = 0; g < group; g++) {
                     const int s_ = t * group + g;
                     float block_max = running_max[s_];
@@ -161,7 +185,7 @@ static inline __attribute__((always_inline)) void attend_rows(
         for (int t = 0; t < nq; t++) {
             for (int g = 0; g < group; g++) {
                 const int s_ = t * group + g;
-                const int64_t o = (token[t] * num_heads + h * group + g) * head_dim;
+                const int64_t o = (tl.token[t] * num_heads + h * group + g) * head_dim;
                 const float inv = 1.0f / running_sum[s_];
                 for (int d = 0; d < head_dim; d++) {
                     if (bf16)
@@ -196,23 +220,16 @@ static inline __attribute__((always_inline)) void attend_rows_avx512(
     for (int item = 0; item < items; item++) {
         int r, h, tile;
         item_of(rows, num_rows, kv_heads, per_tile, item, &r, &h, &tile);
-        const int length = row_length(rows, r);
-        const int j0 = tile * per_tile, nq = length - j0 < per_tile ? length - j0 : per_tile;
+        Tile tl;
+        tile_of(rows, r, tile, per_tile, &tl);
+        const int nq = tl.nq;
         const int32_t *table = rows->block_table + (int64_t)r * rows->max_blocks;
         __m512 qs[TILE_HEADS][MAX_HEAD_DIM / 16], acc[TILE_HEADS][MAX_HEAD_DIM / 16];
         float running_max[TILE_HEADS], running_sum[TILE_HEADS];
         float scores[MAX_GROUP][MAX_BLOCK] __attribute__((aligned(64)));
-        int position[TILE_HEADS], first[TILE_HEADS];
-        int64_t token[TILE_HEADS];
-        int lo = 1 << 30, hi = 0;
         for (int t = 0; t < nq; t++) {
-            position[t] = rows->ends[r] - length + j0 + t;
-            first[t] = first_visible(rows, r, position[t]);
-            token[t] = (rows->first_tokens ? rows->first_tokens[r] : r) + j0 + t;
-            lo = first[t] < lo ? first[t] : lo;
-            hi = position[t] + 1 > hi ? position[t] + 1 : hi;
             for (int g = 0; g < group; g++) {
-                const int64_t qg = token[t] * q_stride + (int64_t)(h * group + g) * head_dim;
+                const int64_t qg = tl.token[t] * q_stride + (int64_t)(h * group + g) * head_dim;
                 for (int c = 0; c < chunks; c++) {
                     qs[t * group + g][c] = _mm512_mul_ps(load16(q, qg + 16 * c, bf16), _mm512_set1_ps(scale));
                     acc[t * group + g][c] = _mm512_setzero_ps();
@@ -221,14 +238,13 @@ static inline __attribute__((always_inline)) void attend_rows_avx512(
                 running_sum[t * group + g] = 0.0f;
             }
         }
-        for (int start = lo - lo % block_size; start < hi; start += block_size) {
+        for (int start = tl.lo - tl.lo % block_size; start < tl.hi; start += block_size) {
             const int64_t block_base = (int64_t)table[start / block_size] * block_size;
             for (int t = 0; t < nq; t++) {
-                const int a = first[t] > start ? first[t] : start;
-                const int b = position[t] + 1 < start + block_size ? position[t] + 1 : start + block_size;
-                if (a >= b) continue;
-                const int n = b - a;
-                const int64_t kv_base = (block_base + a - start) * slot_width + (int64_t)h * head_dim;
+                int64_t kv_base;
+                const int n = run_in_block(&tl, t, start, block_size, block_base, slot_width, (int64_t)h * head_dim,
+                                           &kv_base);
+                if (n == 0) continue;
                 for (int i = 0; i < n; i++) {
                     __m512 key[MAX_HEAD_DIM / 16];
                     for (int c = 0; c < chunks; c++) key[c] = load16(k_cache, kv_base + i * slot_width + 16 * c, bf16);
@@ -271,7 +287,7 @@ static inline __attribute__((always_inline)) void attend_rows_avx512(
         for (int t = 0; t < nq; t++) {
             for (int g = 0; g < group; g++) {
                 const int s_ = t * group + g;
-                const int64_t o = (token[t] * num_heads + h * group + g) * head_dim;
+                const int64_t o = (tl.token[t] * num_heads + h * group + g) * head_dim;
                 const __m512 inv = _mm512_set1_ps(1.0f / running_sum[s_]);
                 for (int c = 0; c < chunks; c++) store16(out, o + 16 * c, _mm512_mul_ps(acc[s_][c], inv), bf16);
             }
