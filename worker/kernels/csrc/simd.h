@@ -44,5 +44,18 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* The sums of a, b, c and d's sixteen lanes, as one vector of four: pairwise within each 128-bit
+ * lane, then across the four lanes. */
+static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512d ab_d = _mm512_castps_pd(ab), cd_d = _mm512_castps_pd(cd);
+    const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab_d, cd_d)),
+                                      _mm512_castpd_ps(_mm512_unpackhi_pd(ab_d, cd_d)));
+    const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+}
+
 #endif
 #endif
