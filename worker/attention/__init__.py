@@ -2,8 +2,8 @@
 
 * ``sdpa`` — torch: gather each row's context from the paged cache, then
   ``scaled_dot_product_attention``; every device and dtype. The reference, and the fallback.
-* ``cpu_paged`` — on the CPU in float32 or bfloat16: a C kernel attends decode rows reading the
-  cache in place; prefill chunks through ``sdpa``.
+* ``cpu_paged`` — on the CPU in float32 or bfloat16: a C kernel attends decode rows and prefill
+  chunks alike, reading the cache in place (a token's output the same bits in either).
 * ``flashinfer`` — on CUDA where ``flashinfer`` is installed and supports the model: its paged
   decode and prefill kernels.
 
