@@ -4,6 +4,7 @@ client, same run.
     python scripts/bench_smollm2.py                                # Sluice alone, 1 16 64 streams
     python scripts/bench_smollm2.py --llama-server ~/llama.cpp/build/bin/llama-server
     python scripts/bench_smollm2.py --dtype bfloat16 --llama-server ... --rounds 3
+    python scripts/bench_smollm2.py --concurrency 1 --prompt-tokens 7844 --output-tokens 4   # a long prompt
 
 Each cell sends ``c`` streaming completions at once (``--prompt-tokens`` token ids each, exactly
 ``--output-tokens`` generated: ``ignore_eos``) and reports output tokens/s over the cell, time
