@@ -152,18 +152,17 @@ def test_kv_cache_size_from_flags() -> None:
         parse_bytes("lots")
     per_block = bytes_per_block(4, 16, 2, 32, torch.float32)
     assert per_block == 2 * 4 * 16 * 2 * 32 * 4
-    cpu = torch.device("cpu")
-    assert num_blocks_for(WorkerConfig(num_kv_blocks=7, kv_cache_memory="1MiB"), per_block, cpu) == 7
-    assert num_blocks_for(WorkerConfig(kv_cache_memory="1MiB"), per_block, cpu) == (1 << 20) // per_block
+    assert num_blocks_for(WorkerConfig(num_kv_blocks=7, kv_cache_memory="1MiB"), per_block) == 7
+    assert num_blocks_for(WorkerConfig(kv_cache_memory="1MiB"), per_block) == (1 << 20) // per_block
     # auto on the CPU: twice the weights, at least 256 MiB and one longest sequence, at most a quarter of RAM
     floor = (256 << 20) // per_block
-    assert num_blocks_for(WorkerConfig(), per_block, cpu, weight_bytes=floor * per_block) == 2 * floor
-    assert num_blocks_for(WorkerConfig(), per_block, cpu, weight_bytes=per_block) == floor
-    assert num_blocks_for(WorkerConfig(), per_block, cpu, max_model_len=16 * 3 * floor) == 3 * floor
+    assert num_blocks_for(WorkerConfig(), per_block, weight_bytes=floor * per_block) == 2 * floor
+    assert num_blocks_for(WorkerConfig(), per_block, weight_bytes=per_block) == floor
+    assert num_blocks_for(WorkerConfig(), per_block, max_model_len=16 * 3 * floor) == 3 * floor
     quarter = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
-    assert num_blocks_for(WorkerConfig(), per_block, cpu, weight_bytes=quarter) == quarter // per_block
+    assert num_blocks_for(WorkerConfig(), per_block, weight_bytes=quarter) == quarter // per_block
     with pytest.raises(ConfigError, match="hold no KV block"):
-        num_blocks_for(WorkerConfig(kv_cache_memory="1KiB"), per_block, cpu)
+        num_blocks_for(WorkerConfig(kv_cache_memory="1KiB"), per_block)
 
 
 def test_swap_space_grows_on_demand_and_keeps_what_it_holds() -> None:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from worker_testing import Driver, greedy, one_cpu_thread
+from worker_testing import Driver, greedy, one_cpu_thread, tiny_worker
 
 from protocol.config import WorkerConfig
 from protocol.messages import CancelRows, NewRequest, SamplingParams, StepPlan, StepTokens, unpack_logprobs
@@ -30,8 +30,7 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Worker:
-    model = materialize_tiny(tmp_path_factory.mktemp("cache"))
-    return Worker(WorkerConfig(model=str(model), num_kv_blocks=512, block_size=BS, dtype="float32"))
+    return tiny_worker(tmp_path_factory.mktemp("cache"), BS)
 
 
 def runner_like(worker: Worker, eos: list[int] | None = None, max_model_len: int = 8192,

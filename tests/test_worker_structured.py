@@ -12,12 +12,10 @@ from collections.abc import Iterator
 import llguidance
 import pytest
 import torch
-from worker_testing import Driver, greedy, one_cpu_thread
+from worker_testing import Driver, greedy, one_cpu_thread, tiny_worker
 
-from protocol.config import WorkerConfig
 from protocol.messages import NewRequest, SamplingParams
 from worker.engine import Worker
-from worker.model.tiny import materialize_tiny
 from worker.runner import ModelRunner
 from worker.structured import GrammarEngine, apply_masks
 
@@ -34,8 +32,7 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Worker:
-    model = materialize_tiny(tmp_path_factory.mktemp("cache"))
-    return Worker(WorkerConfig(model=str(model), num_kv_blocks=512, block_size=BS, dtype="float32"))
+    return tiny_worker(tmp_path_factory.mktemp("cache"), BS)
 
 
 def runner(worker: Worker, lag: int = 0) -> ModelRunner:

@@ -1,4 +1,5 @@
-"""Helpers for the worker tests: a hand-driven scheduler stand-in and a one-thread torch."""
+"""Helpers for the worker tests: a hand-driven scheduler stand-in, a one-thread torch and the
+tiny model's worker."""
 
 from __future__ import annotations
 
@@ -6,11 +7,15 @@ import contextlib
 import itertools
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from protocol.config import WorkerConfig
 from protocol.messages import NewRequest, SamplingParams, StepPlan, StepTokens
+from worker.engine import Worker
+from worker.model.tiny import materialize_tiny
 from worker.runner import ModelRunner
 
 
@@ -23,6 +28,12 @@ def one_cpu_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def tiny_worker(cache_dir: Path, block_size: int) -> Worker:
+    """The built-in tiny model (made in ``cache_dir``) in float32, with 512 KV blocks."""
+    return Worker(WorkerConfig(model=str(materialize_tiny(cache_dir)), num_kv_blocks=512, block_size=block_size,
+                               dtype="float32"))
 
 
 def greedy(max_tokens: int, **kw: Any) -> SamplingParams:

@@ -21,7 +21,6 @@ from worker.model import cpu_matmul
 from worker.model.config import LlamaConfig
 from worker.model.cpu_decoder import CpuDecoder
 from worker.model.info import build_gguf_model_info, build_model_info
-from worker.model.layers import use_cpu_kernels
 from worker.model.loader import (
     is_gguf,
     load_model,
@@ -64,7 +63,7 @@ class Worker:
         self.num_params = sum(p.numel() for p in unique)
         weight_bytes = sum(p.numel() * p.element_size() for p in unique)
         if self.device.type == "cpu":
-            use_cpu_kernels(model)
+            model.use_cpu_kernels()
             log.info("linear layers: %s", cpu_matmul.prepare(model, dtype))
             model.cpu_decoder = CpuDecoder.for_model(model)
         log.info("loaded %s (%s, %.1fM parameters) on %s as %s in %.1f s", source, cfg.architecture,
@@ -87,8 +86,8 @@ class Worker:
                                                 run_plan, config.max_num_batched_tokens, config.max_num_seqs,
                                                 self.max_model_len, config.block_size)
         else:
-            num_blocks = num_blocks_for(config, per_block, self.device, weight_bytes, self.max_model_len)
-            sizing = sizing_reason(config, self.device, weight_bytes)
+            num_blocks = num_blocks_for(config, per_block, weight_bytes, self.max_model_len)
+            sizing = sizing_reason(config, weight_bytes)
         cache = make_cache(num_blocks)
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", num_blocks, config.block_size,
                  num_blocks * config.block_size, cache.nbytes / 2**20, sizing)

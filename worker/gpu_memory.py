@@ -13,8 +13,6 @@ free memory less a fixed 1 GiB, was right only for models whose activations happ
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 from collections.abc import Callable
 
 import torch
@@ -23,16 +21,10 @@ from protocol.config import ConfigError
 from protocol.messages import NewRequest, SamplingParams, StepPlan
 from worker.kv_cache import KVCache
 
-log = logging.getLogger("sluice.worker")
-
 PROFILE_RID = -100  # and below: rids the frontend assigns are >= 0, the warm-up's -1 and -2
 # Without paged kernels attention gathers each row's context (and SDPA may build its scores):
 # memory that grows with the context, beyond what a profile of short prompts shows.
 GATHER_MARGIN_BYTES = 1 << 30
-
-
-def _run(run_plan: Callable[[KVCache, StepPlan], bool], cache: KVCache, plan: StepPlan, ran: list[bool]) -> None:
-    ran.append(run_plan(cache, plan))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,13 +47,15 @@ def explain(profile: MemoryProfile, utilization: float) -> str:
             f"CUDA's own {profile.non_torch / gib:.2f} GiB")
 
 
-def profile_step_memory(device: torch.device, run_step: Callable[[], None], provisional_cache_bytes: int,
-                        allocated_before: int) -> MemoryProfile:
-    """Run ``run_step`` (the largest step, on a provisional cache of ``provisional_cache_bytes``
-    already allocated) and measure what it used beyond ``allocated_before``."""
+def start_profile(device: torch.device) -> None:
+    """Everything queued has run, and the peak counts from here."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    run_step()
+
+
+def measure(device: torch.device, provisional_cache_bytes: int, allocated_before: int) -> MemoryProfile:
+    """What the step run since ``start_profile`` (on a provisional cache of
+    ``provisional_cache_bytes``, already allocated) used beyond ``allocated_before``."""
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     free, total = torch.cuda.mem_get_info(device)
@@ -107,11 +101,10 @@ def cuda_kv_blocks(device: torch.device, utilization: float, per_block: int, mak
     profiles, in_place = [], True
     for rows, per_row, blocks_per_row in sorted(shapes):
         trial = make_cache(rows * blocks_per_row + 1)
-        ran: list[bool] = []
-        step = functools.partial(_run, run_plan, trial, profiling_plan(rows, per_row, blocks_per_row), ran)
-        profiles.append(profile_step_memory(device, step, trial.nbytes, allocated))
-        in_place = in_place and all(ran)
-        del step, trial  # the provisional cache goes before the next one, and before the real one
+        start_profile(device)
+        in_place = run_plan(trial, profiling_plan(rows, per_row, blocks_per_row)) and in_place
+        profiles.append(measure(device, trial.nbytes, allocated))
+        del trial  # the provisional cache goes before the next one, and before the real one
         torch.cuda.empty_cache()
     profile = max(profiles, key=lambda p: p.activation_peak + p.non_torch)
     if not in_place:

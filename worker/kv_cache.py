@@ -126,7 +126,7 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def memory_budget(kv_cache_memory: str, device: torch.device, weight_bytes: int = 0, min_bytes: int = 0) -> int:
+def memory_budget(kv_cache_memory: str, weight_bytes: int = 0, min_bytes: int = 0) -> int:
     """Bytes for the KV cache: the flag's figure; or, for "auto" on the CPU, twice the weights'
     bytes, at least 256 MiB and ``min_bytes`` (one longest sequence), at most a quarter of
     physical memory. (On CUDA, "auto" is measured by a profiling run: ``worker.gpu_memory``.)
@@ -141,7 +141,7 @@ def memory_budget(kv_cache_memory: str, device: torch.device, weight_bytes: int 
     return min(max(CPU_WEIGHTS_MULTIPLE * weight_bytes, CPU_MIN_BYTES, min_bytes), int(total * CPU_MAX_SHARE))
 
 
-def sizing_reason(config: WorkerConfig, device: torch.device, weight_bytes: int) -> str:
+def sizing_reason(config: WorkerConfig, weight_bytes: int) -> str:
     """Which rule sized the cache, for the start-up log line."""
     if config.num_kv_blocks is not None:
         return "--num-kv-blocks"
@@ -151,13 +151,12 @@ def sizing_reason(config: WorkerConfig, device: torch.device, weight_bytes: int)
             "at most a quarter of RAM")
 
 
-def num_blocks_for(config: WorkerConfig, per_block: int, device: torch.device, weight_bytes: int = 0,
-                   max_model_len: int = 0) -> int:
+def num_blocks_for(config: WorkerConfig, per_block: int, weight_bytes: int = 0, max_model_len: int = 0) -> int:
     """``--num-kv-blocks`` if given, else as many blocks as the memory budget holds."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     longest = -(-max_model_len // config.block_size) * per_block
-    budget = memory_budget(config.kv_cache_memory, device, weight_bytes, longest)
+    budget = memory_budget(config.kv_cache_memory, weight_bytes, longest)
     blocks = budget // per_block
     if blocks < 1:
         raise ConfigError(f"--kv-cache-memory: {max(budget, 0)} bytes hold no KV block "

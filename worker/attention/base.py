@@ -46,22 +46,20 @@ class AttentionMetadata:
 
 @dataclasses.dataclass
 class DecodeRows:
-    """Rows of a step that compute one token each, for a paged decode kernel: int32 host tensors."""
+    """A step whose rows compute one token each, for a paged decode kernel: int32 host tensors."""
 
     block_table: torch.Tensor  # [B, max blocks], contiguous
     context_lens: torch.Tensor  # [B]: positions 0 .. len - 1 exist once this step's token is written
     first_positions: torch.Tensor  # [B]: the earliest position the row's query sees (sliding window)
-    tokens: torch.Tensor | None = None  # [B] their flat token indices; None: every token of the step, in order
 
     @classmethod
-    def of(cls, tables: RowTables, positions: torch.Tensor, rows: torch.Tensor, sliding_window: int | None, bs: int,
-           tokens: torch.Tensor | None = None) -> DecodeRows:
-        """Rows ``rows`` of ``tables`` computing the token at ``positions``."""
+    def of(cls, tables: RowTables, positions: torch.Tensor, sliding_window: int | None, bs: int) -> DecodeRows:
+        """Row b of ``tables`` computing the token at ``positions[b]``."""
         used = positions // bs + 1  # blocks up to the one this step's token goes into
-        check_cover(tables.num_blocks[rows], used, positions)
-        table = tables.table[rows, : int(used.max())].contiguous()
+        check_cover(tables.num_blocks, used, positions)
+        table = tables.table[:, : int(used.max())].contiguous()
         first = (positions - sliding_window + 1).clamp(min=0) if sliding_window is not None else torch.zeros_like(positions)
-        return cls(table, (positions + 1).to(torch.int32), first.to(torch.int32), tokens)
+        return cls(table, (positions + 1).to(torch.int32), first.to(torch.int32))
 
 
 class AttentionBackend(abc.ABC):
@@ -97,3 +95,25 @@ def check_cover(num_blocks: torch.Tensor, needed: torch.Tensor, last_positions: 
     if len(short):
         i = int(short[0])
         raise ValueError(f"row {i}: {int(num_blocks[i])} blocks do not cover position {int(last_positions[i])}")
+
+
+@dataclasses.dataclass
+class FlatTokens:
+    """Where a step's flattened tokens come from: row b computes ``lengths[b]`` tokens from
+    position ``starts[b]``, flat tokens ``first_tokens[b]`` onwards."""
+
+    row_of: torch.Tensor  # [T] the row of each token
+    first_tokens: torch.Tensor  # [B]
+    positions: torch.Tensor  # [T]
+
+    @classmethod
+    def of(cls, starts: torch.Tensor, lengths: torch.Tensor) -> FlatTokens:
+        row_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        first_tokens = torch.cumsum(lengths, 0) - lengths
+        return cls(row_of, first_tokens, starts[row_of] + torch.arange(row_of.shape[0]) - first_tokens[row_of])
+
+    def slots(self, table: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Each token's cache slot, through the rows' block tables (``table[b, j]``: row b's
+        j-th block)."""
+        return table[self.row_of, self.positions // block_size].long() * block_size + self.positions % block_size
+

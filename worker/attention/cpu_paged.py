@@ -22,7 +22,14 @@ import dataclasses
 
 import torch
 
-from worker.attention.base import AttentionBackend, AttentionMetadata, DecodeRows, as_tables, check_cover
+from worker.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeRows,
+    FlatTokens,
+    as_tables,
+    check_cover,
+)
 from worker.input_batch import RowTables
 from worker.kernels import cpu as cpu_kernels
 from worker.kv_cache import KVCache
@@ -63,7 +70,7 @@ class CpuPagedBackend(AttentionBackend):
         logits, *moved = self.to_device([torch.tensor(logits_indices, dtype=torch.long), *(extra or [])])
         if all(n == 1 for n in lengths):
             positions = torch.tensor(starts)
-            rows = DecodeRows.of(tables, positions, torch.arange(len(starts)), self.sliding_window, bs)
+            rows = DecodeRows.of(tables, positions, self.sliding_window, bs)
             slots = rows.block_table[torch.arange(len(starts)), positions // bs].long() * bs + positions % bs
             return CpuPagedMetadata(backend=self, positions=positions, slot_mapping=slots, logits_indices=logits,
                                     cache=cache, extra=moved, decode=rows)
@@ -72,16 +79,13 @@ class CpuPagedBackend(AttentionBackend):
         needed = (ends - 1) // bs + 1
         check_cover(tables.num_blocks, needed, ends - 1)
         table = tables.table[:, : int(needed.max())].contiguous()
-        row_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths_t)
-        first_tokens = torch.cumsum(lengths_t, 0) - lengths_t
-        positions = starts_t[row_of] + torch.arange(row_of.shape[0]) - first_tokens[row_of]
-        slots = table[row_of, positions // bs].long() * bs + positions % bs
+        tokens = FlatTokens.of(starts_t, lengths_t)
         window = self.sliding_window or 0
         first = (starts_t - window + 1).clamp(min=0) if window else torch.zeros_like(starts_t)
-        chunks = ChunkRows(table, ends.to(torch.int32), lengths_t.to(torch.int32), first_tokens.to(torch.int32),
-                           first.to(torch.int32), window)
-        return CpuPagedMetadata(backend=self, positions=positions, slot_mapping=slots, logits_indices=logits,
-                                cache=cache, extra=moved, chunks=chunks)
+        chunks = ChunkRows(table, ends.to(torch.int32), lengths_t.to(torch.int32),
+                           tokens.first_tokens.to(torch.int32), first.to(torch.int32), window)
+        return CpuPagedMetadata(backend=self, positions=tokens.positions, slot_mapping=tokens.slots(table, bs),
+                                logits_indices=logits, cache=cache, extra=moved, chunks=chunks)
 
     def forward(self, meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: float) -> torch.Tensor:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from worker.attention.base import AttentionBackend, AttentionMetadata, as_tables, check_cover
+from worker.attention.base import AttentionBackend, AttentionMetadata, FlatTokens, as_tables, check_cover
 from worker.input_batch import RowTables
 from worker.kv_cache import KVCache
 
@@ -81,17 +81,14 @@ class PagedLayout:
         width = tables.table.shape[1]
         in_row = torch.arange(width)[None, :] < pages[:, None]
         kv_indices = tables.table[in_row]  # row-major: each row's first pages, rows in order
-        rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths_t)
-        first = torch.cumsum(lengths_t, 0) - lengths_t
-        positions = starts_t[rows] + torch.arange(rows.shape[0]) - first[rows]
-        slots = tables.table[rows, positions // block_size].long() * block_size + positions % block_size
+        tokens = FlatTokens.of(starts_t, lengths_t)
         return cls(
             qo_indptr=torch.cat([zero, lengths_t.cumsum(0)]).to(torch.int32),
             kv_indptr=kv_indptr.to(torch.int32),
             kv_indices=kv_indices.to(torch.int32),
             last_page_len=(kv_lens - (pages - 1) * block_size).to(torch.int32),
-            positions=positions,
-            slot_mapping=slots,
+            positions=tokens.positions,
+            slot_mapping=tokens.slots(tables.table, block_size),
         )
 
 

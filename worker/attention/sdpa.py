@@ -43,7 +43,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from worker.attention.base import AttentionBackend, AttentionMetadata, as_tables, check_cover
+from worker.attention.base import AttentionBackend, AttentionMetadata, FlatTokens, as_tables, check_cover
 from worker.input_batch import RowTables
 from worker.kv_cache import KVCache
 
@@ -78,10 +78,9 @@ class SdpaBackend(AttentionBackend):
         bs, window = cache.block_size, self.sliding_window
         rows = _Rows(starts, lengths, bs, window)
         table = rows.table(tables)
-        flat_rows = torch.repeat_interleave(torch.arange(len(lengths)), rows.lengths)
-        positions = rows.starts[flat_rows] + (torch.arange(flat_rows.shape[0]) - rows.first_token[flat_rows])
+        positions, row_of = rows.tokens.positions, rows.tokens.row_of
         # Every position computed now lies in a gathered block (first_block <= start // bs).
-        slots = table[flat_rows, positions // bs - rows.first_block[flat_rows]] * bs + positions % bs
+        slots = table[row_of, positions // bs - rows.first_block[row_of]] * bs + positions % bs
         blocks = rows.num_blocks.tolist()
         groups = [rows.group(members, table) for members in _group_rows(blocks, bs)]
         key_scratch, value_scratch = _scratch(cache, max(g.block_table.numel() for g in groups))
@@ -121,7 +120,8 @@ class _Rows:
         self.starts = torch.tensor(starts)
         self.lengths = torch.tensor(lengths)
         self.kv_lens = self.starts + self.lengths
-        self.first_token = torch.cumsum(self.lengths, 0) - self.lengths  # flat index of each row's first query
+        self.tokens = FlatTokens.of(self.starts, self.lengths)
+        self.first_token = self.tokens.first_tokens  # flat index of each row's first query
         self.first_block = torch.zeros(len(lengths), dtype=torch.long)
         if sliding_window is not None:
             # The earliest query (position start) sees positions > start - window.

@@ -45,6 +45,9 @@ class CpuDecoder:
         self.cos, self.sin = model.rotary.cos, model.rotary.sin
         self._tables: weakref.WeakKeyDictionary[KVCache, torch.Tensor] = weakref.WeakKeyDictionary()
         self._scratch: list[torch.Tensor] = []
+        # The scratch rows of h, qkv, attention, gate/up and silu * up, in decoder.c's order.
+        self.widths = [self.hidden, (self.heads + 2 * self.kv_heads) * self.head_dim, self.heads * self.head_dim,
+                       2 * self.inter, self.inter]
 
     @classmethod
     def for_model(cls, model: LlamaForCausalLM) -> CpuDecoder | None:
@@ -76,10 +79,8 @@ class CpuDecoder:
     def _buffers(self, num_rows: int) -> list[torch.Tensor]:
         """Scratch rows for every stage, kept across steps (a fresh large buffer pays its page
         faults on every step); grown to the most rows seen."""
-        widths = [self.hidden, (self.heads + 2 * self.kv_heads) * self.head_dim, self.heads * self.head_dim,
-                  2 * self.inter, self.inter]
         if not self._scratch or self._scratch[0].shape[0] < num_rows:
-            self._scratch = [torch.empty((num_rows, w), dtype=self.dtype) for w in widths]
+            self._scratch = [torch.empty((num_rows, w), dtype=self.dtype) for w in self.widths]
         return [b[:num_rows] for b in self._scratch]
 
     def _layer_table(self, cache: KVCache) -> torch.Tensor:

@@ -51,19 +51,6 @@ class Linear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def use_cpu_kernels(model: nn.Module) -> None:
-    """RMSNorm, the rotary embedding and silu(gate) * up through the C kernels (float32 or
-    bfloat16 on the CPU), when they can be built here: the same functions the whole-stack
-    decoder runs (``worker/model/cpu_decoder.py``), so a row's bits do not depend on which path
-    computed its step."""
-    kernels = cpu_kernels.load()
-    for module in model.modules():
-        if isinstance(module, RMSNorm | RotaryEmbedding):
-            module.kernel = kernels
-        elif hasattr(module, "silu_kernel"):
-            setattr(module, "silu_kernel", kernels)  # noqa: B010 (the MLP of llama.py, which imports this module)
-
-
 class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int) -> None:
         super().__init__()
@@ -78,7 +65,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernel: ctypes.CDLL | None = None  # the C kernels, on the CPU (use_cpu_kernels)
+        self.kernel: ctypes.CDLL | None = None  # the C kernels, on the CPU (LlamaForCausalLM.use_cpu_kernels)
 
     def _kernel_takes(self, x: torch.Tensor) -> bool:
         return self.kernel is not None and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1
@@ -132,7 +119,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, max_positions: int) -> None:
         super().__init__()
-        self.kernel: ctypes.CDLL | None = None  # the C kernels, on the CPU (use_cpu_kernels)
+        self.kernel: ctypes.CDLL | None = None  # the C kernels, on the CPU (LlamaForCausalLM.use_cpu_kernels)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), rope_inv_freq(cfg))
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)

@@ -55,7 +55,7 @@ class MLP(nn.Module):
         self.inter = inter
         self.gate_up_proj = Linear(h, 2 * inter, bias=bias)
         self.down_proj = Linear(inter, h, bias=bias)
-        self.silu_kernel: ctypes.CDLL | None = None  # the C kernels, on the CPU (use_cpu_kernels)
+        self.silu_kernel: ctypes.CDLL | None = None  # the C kernels, on the CPU (LlamaForCausalLM.use_cpu_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -108,6 +108,18 @@ class LlamaForCausalLM(nn.Module):
         # (worker/model/cpu_decoder.py); set after the weights are packed.
         self.cpu_decoder: Callable[[torch.Tensor, AttentionMetadata, DecodeRows],
                                    tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def use_cpu_kernels(self) -> None:
+        """RMSNorm, the rotary embedding and silu(gate) * up through the C kernels (float32 or
+        bfloat16 on the CPU), when they can be built here: the same functions the whole-stack
+        decoder runs (``worker/model/cpu_decoder.py``), so a row's bits do not depend on which path
+        computed its step."""
+        kernels = cpu_kernels.load()
+        self.rotary.kernel = kernels
+        self.model.norm.kernel = kernels
+        for layer in self.model.decoder_layers():
+            layer.input_layernorm.kernel = layer.post_attention_layernorm.kernel = kernels
+            layer.mlp.silu_kernel = kernels
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Logits of the positions in ``meta.logits_indices`` only (the ones that sample)."""

@@ -85,12 +85,7 @@ static inline __attribute__((always_inline)) void silu_mul_rows(const void *gate
         const int64_t g = (int64_t)r * 2 * inter + c;
         const __m512 gate = load16(gate_up, g, bf16), up = load16(gate_up, g + inter, bf16);
         __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
-        if (bf16) { /* rounded before the product, as torch's silu then mul_ round */
-            const __m512i bits = _mm512_castps_si512(silu);
-            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-            const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-            silu = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(rounded, 16), 16));
-        }
+        if (bf16) silu = round_to_bf16(silu); /* rounded before the product, as torch's silu then mul_ round */
         store16(out, (int64_t)r * inter + c, _mm512_mul_ps(silu, up), bf16);
     }
     const int done = chunks * 16;

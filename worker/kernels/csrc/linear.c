@@ -22,7 +22,7 @@
 #include <stdint.h>
 
 #ifdef __AVX512F__
-#include <immintrin.h>
+#include "simd.h"
 
 #define TILE_BLOCKS 4 /* 16-output blocks per tile: 64 outputs */
 #define MAX_ROWS 6    /* rows per tile: 6 x 4 accumulators + 4 weights + 1 broadcast <= 32 registers */
@@ -43,11 +43,8 @@ static inline __m512 load_bias(const void *bias, int o, int out, const int bf16)
 static inline void store(void *y, int o, int out, __m512 v, const int bf16) {
     if (o >= out) return;
     if (bf16) { /* round to nearest even, as torch does */
-        const __m512i bits = _mm512_castps_si512(v);
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
         _mm256_mask_storeu_epi16((uint16_t *)y + o, lanes_below(o, out),
-                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(v), 16)));
     } else {
         _mm512_mask_storeu_ps((float *)y + o, lanes_below(o, out), v);
     }

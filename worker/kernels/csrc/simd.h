@@ -14,11 +14,21 @@ static inline __m512 load16(const void *base, int64_t i, const int bf16) {
     return _mm512_loadu_ps((const float *)base + i);
 }
 
+/* v's bits rounded to bfloat16 (nearest even, as f32_to_bf16), still in the top halves. */
+static inline __m512i bf16_rounded_bits(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+}
+
+/* v rounded to bfloat16 and widened back to float32. */
+static inline __m512 round_to_bf16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(bf16_rounded_bits(v), 16), 16));
+}
+
 static inline void store16(void *base, int64_t i, __m512 v, const int bf16) {
-    if (bf16) { /* round to nearest even, as f32_to_bf16 */
-        const __m512i bits = _mm512_castps_si512(v);
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    if (bf16) {
+        const __m512i rounded = bf16_rounded_bits(v);
         _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
     } else {
         _mm512_storeu_ps((float *)base + i, v);
