@@ -5,6 +5,7 @@
     python scripts/profile_step.py --rows 64 --profile          # + torch.profiler's table
     python scripts/profile_step.py --dtype bfloat16 --paths fused per-operator   # the decoder stack's two paths
     python scripts/profile_step.py --count-ops                 # Python-level calls per decode step
+    python scripts/profile_step.py --dtype bfloat16 --prefill 128 512 2048   # first-chunk prefill, C kernel vs SDPA
 
 For each dtype a worker is loaded once; every round, each (dtype, rows) cell prefills ``rows``
 prompts of ``--context`` tokens (not timed) and then times ``--steps`` decode steps in plans of
@@ -12,7 +13,10 @@ prompts of ``--context`` tokens (not timed) and then times ``--steps`` decode st
 ``--rounds`` of the per-step time; cells are interleaved, so drift on a noisy machine hits
 every cell alike. ``--count-ops`` counts the Python-level operations of a decode step (every
 Python function call and every call into C: torch operators, ctypes, builtins, through
-``sys.setprofile``) over one more window per cell. ``--paths`` times the CPU's whole-stack decoder (``fused``: one C call per
+``sys.setprofile``) over one more window per cell. ``--prefill N ...`` times instead one prompt
+of N tokens prefilled in one step (a first chunk), attention through the worker's own backend
+(the C kernel on a CPU) and through the torch reference (gather + SDPA), interleaved.
+``--paths`` times the CPU's whole-stack decoder (``fused``: one C call per
 step, where it runs) against the per-operator forward, side by side. ``--profile`` prints the profiler's table of one more window per cell.
 """
 
@@ -31,16 +35,19 @@ import torch
 
 from protocol.config import WorkerConfig
 from protocol.messages import NewRequest, SamplingParams, StepPlan
+from worker.attention import SdpaBackend
 from worker.cpu_threads import configure_cpu_threads
 from worker.engine import Worker
 
 
 class StepTimer:
-    def __init__(self, model: str, dtype: str, biggest: int, context: int, steps: int, threads: int) -> None:
+    def __init__(self, model: str, dtype: str, biggest: int, context: int, steps: int, threads: int,
+                 longest_prefill: int = 0) -> None:
         self.bs, self.context, self.steps = 16, context, steps
         self.per_seq = -(-(context + steps + 64) // self.bs)
-        self.worker = Worker(WorkerConfig(model=model, dtype=dtype, num_kv_blocks=biggest * self.per_seq + 1,
-                                          block_size=self.bs, log_level="warning"))
+        blocks = max(biggest * self.per_seq, -(-longest_prefill // self.bs)) + 1
+        self.worker = Worker(WorkerConfig(model=model, dtype=dtype, num_kv_blocks=blocks, block_size=self.bs,
+                                          log_level="warning"))
         self.worker.runner.threads = configure_cpu_threads(self.worker.device, threads, self.worker.num_params)
         self.worker.warm_up()
         self.decoder = self.worker.runner.model.cpu_decoder
@@ -67,6 +74,26 @@ class StepTimer:
             for _ in runner.execute(plan):
                 pass
             done += n
+
+    def prefill_ms(self, tokens: int, reference: bool) -> float:
+        """One prompt of ``tokens`` tokens prefilled in one step; ``reference``: attention through
+        gather + SDPA instead of the worker's own backend."""
+        runner = self.worker.runner
+        own = runner.attention
+        if reference:
+            runner.attention = SdpaBackend(self.worker.device, runner.model.config.sliding_window)
+        rid = next(self.rids)
+        prompt = [(7 * rid + 13 * j) % 30_000 + 100 for j in range(tokens)]
+        plan = StepPlan(next(self.plan_ids), [NewRequest(rid, prompt, tokens, SamplingParams(max_tokens=1))], [rid],
+                        [tokens], [list(range(1, 2 + tokens // self.bs))])
+        start = time.perf_counter()
+        try:
+            for _ in runner.execute(plan):
+                pass
+            return (time.perf_counter() - start) * 1000
+        finally:
+            runner.forget(rid)
+            runner.attention = own
 
     def count_ops(self, rows: int, window: int, path: str) -> float:
         """Python-level calls and C calls per decode step, over one window of ``rows`` rows."""
@@ -116,16 +143,32 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="0: the worker's default")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--prefill", type=int, nargs="+", default=[],
+                   help="time first-chunk prefills of these prompt lengths instead (own attention vs SDPA)")
     p.add_argument("--count-ops", action="store_true", help="Python-level calls per decode step instead of times")
     p.add_argument("--paths", nargs="+", default=["fused"], choices=["fused", "per-operator"],
                    help="decode steps through the whole-stack C decoder (where it runs) or operator by operator")
     args = p.parse_args()
 
-    timers = {d: StepTimer(args.model, d, max(args.rows), args.context, args.steps, args.threads) for d in args.dtype}
+    timers = {d: StepTimer(args.model, d, max(args.rows), args.context, args.steps, args.threads,
+                           max(args.prefill, default=0)) for d in args.dtype}
     print(f"{torch.get_num_threads()} torch thread(s), context {args.context}, window {args.window}", file=sys.stderr)
     for d, timer in timers.items():
         if timer.decoder is None and "fused" in args.paths:
             print(f"{d}: no whole-stack decoder on this machine; 'fused' runs operator by operator", file=sys.stderr)
+    if args.prefill:
+        prefill: dict[tuple[str, int, bool], list[float]] = {}
+        for _ in range(args.rounds):
+            for tokens in args.prefill:
+                for d, timer in timers.items():
+                    for reference in (False, True):
+                        prefill.setdefault((d, tokens, reference), []).append(timer.prefill_ms(tokens, reference))
+        print(f"{'dtype':<10} {'tokens':>6} {'own backend':>12} {'gather+SDPA':>12}   (ms, median of {args.rounds})")
+        for d, timer in timers.items():
+            for tokens in args.prefill:
+                own, ref = (statistics.median(prefill[(d, tokens, r)]) for r in (False, True))
+                print(f"{d:<10} {tokens:>6} {own:>12.0f} {ref:>12.0f}   ({timer.worker.runner.attention.name})")
+        return
     if args.count_ops:
         print(f"{'dtype':<10} {'path':<13} {'rows':>5} {'Python-level calls per decode step':>36}")
         for d, timer in timers.items():
