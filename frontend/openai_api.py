@@ -291,5 +291,6 @@ async def list_models(request: Request) -> Response:
     data = []
     if model is not None:
         data.append({"id": state.model_name, "object": "model", "created": state.started,
-                     "owned_by": "sluice", "max_model_len": model.max_model_len, "dtype": model.dtype})
+                     "owned_by": "sluice", "max_model_len": model.max_model_len, "dtype": model.dtype,
+                     "quantization": model.quantization or None})
     return Response(_json.encode({"object": "list", "data": data}), media_type="application/json")

@@ -257,6 +257,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # The weights' and KV cache's dtype the worker computes in ("float32", "bfloat16", ...): a
     # restarted worker must come back in it, or its recomputed streams change precision.
     dtype: str = ""
+    # The GGUF types of the weights kept quantized ("Q4_1, Q8_0"), "" where every weight is in
+    # ``dtype``; activations and the KV cache are in ``dtype`` either way.
+    quantization: str = ""
 
 
 class EngineReady(msgspec.Struct, tag=True, array_like=True):

@@ -4,6 +4,7 @@ client, same run.
     python scripts/bench_smollm2.py                                # Sluice alone, 1 16 64 streams
     python scripts/bench_smollm2.py --llama-server ~/llama.cpp/build/bin/llama-server
     python scripts/bench_smollm2.py --dtype bfloat16 --llama-server ... --rounds 3
+    python scripts/bench_smollm2.py --dtype q4_1 --llama-server ... --rounds 3      # the shipped file, quantized
     python scripts/bench_smollm2.py --concurrency 1 --prompt-tokens 7844 --output-tokens 4   # a long prompt
 
 Each cell sends ``c`` streaming completions at once (``--prompt-tokens`` token ids each, exactly
@@ -42,7 +43,8 @@ import itertools
 from bench_decode import open_completion
 from bench_serve import _free_port, _pct
 
-GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "q4_1": "Q4_1"}
+AS_SHIPPED = "q4_1"  # the file's own type: Sluice serves it quantized (--dtype auto), llama.cpp reads it as is
 
 
 def _prompts(n: int, length: int, salt: int) -> list[list[int]]:
@@ -134,6 +136,20 @@ class Server:
                 return int(entry.name)
         raise RuntimeError(f"{self.name}: no child process matching {self.pid_pattern!r}")
 
+    def process_tree(self) -> list[int]:
+        """The server's process and every descendant (sluice serve: frontend, scheduler, worker)."""
+        assert self.proc is not None
+        parents: dict[int, int] = {}
+        for entry in Path("/proc").iterdir():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+        tree = [self.proc.pid]
+        for pid in tree:
+            tree.extend(child for child, parent in parents.items() if parent == pid)
+        return tree
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -146,6 +162,8 @@ class Server:
 def _llama_gguf(server: Path, dtype: str, out_dir: Path) -> Path:
     from worker.model.loader import smollm2_path
 
+    if dtype == AS_SHIPPED:
+        return smollm2_path()
     target = out_dir / f"smollm2-{GGUF_TYPES[dtype].lower()}.gguf"
     if not target.exists():
         quantize = server.parent / "llama-quantize"
@@ -161,14 +179,16 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=sorted(GGUF_TYPES),
-                   help="weights' dtype on both sides (Sluice's --dtype; llama.cpp's converted GGUF)")
+                   help="weights' dtype on both sides (Sluice's --dtype; llama.cpp's converted GGUF); q4_1: the "
+                        "shipped file as it is (Sluice: --dtype auto, which serves it quantized)")
     p.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
     p.add_argument("--sluice-args", default="", help="extra flags for sluice serve, e.g. '--worker-threads 1'")
     args = p.parse_args()
 
     cores = len(os.sched_getaffinity(0))
     most = max(args.concurrency)
-    sluice = Server("sluice", [sys.executable, "-m", "frontend", "serve", "--model", "smollm2", "--dtype", args.dtype,
+    sluice_dtype = "auto" if args.dtype == AS_SHIPPED else args.dtype
+    sluice = Server("sluice", [sys.executable, "-m", "frontend", "serve", "--model", "smollm2", "--dtype", sluice_dtype,
                                "--port", str(port := _free_port()), *args.sluice_args.split()],
                     f"http://127.0.0.1:{port}", pid_pattern="worker --config")
     gguf = _llama_gguf(args.llama_server, args.dtype, Path(tempfile.gettempdir())) if args.llama_server else None
@@ -208,6 +228,7 @@ def main() -> None:
                     cells.setdefault((name, c), []).append(cell)
                     print(f"round {r + 1}, {name}, {c} streams: {cell.tok_s:,.1f} tok/s", file=sys.stderr)
         memory["sluice"] = _rss_mib(sluice.memory_pid())
+        memory["sluice, all processes"] = sum(_rss_mib(pid) for pid in sluice.process_tree())
     finally:
         sluice.stop()
 
@@ -229,7 +250,7 @@ def main() -> None:
                   f"{_pct(ttft, 0.99) * 1e3:>6.0f}ms | {_pct(itl, 0.5) * 1e3:>5.1f}ms | {_pct(itl, 0.99) * 1e3:>5.1f}ms | "
                   f"{ratio}")
     print("  peak resident memory: " + ", ".join(f"{name} {mib:,.0f} MiB" for name, mib in sorted(memory.items()))
-          + f" (Sluice: its worker process; llama.cpp: at {most} streams)")
+          + f" (Sluice: its worker process, and the sum of its processes' peaks; llama.cpp: at {most} streams)")
     print("  ratio: Sluice's tok/s over llama.cpp's at the same concurrency")
 
 

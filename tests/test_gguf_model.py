@@ -17,6 +17,9 @@ from test_gguf import _sentencepiece_file
 from protocol.config import WorkerConfig
 from worker.engine import Worker
 from worker.gguf.file import GGUFFile
+from worker.kernels import cpu as cpu_kernels
+from worker.model.layers import Linear
+from worker.model.llama import _unfused
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 4, 4, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -98,3 +101,25 @@ def test_parameters_equal_transformers_loading_the_same_file(model_file: Path) -
     info = worker.info
     assert (info.bos_token_id, info.eos_token_ids, info.add_bos_token) == (1, [2], True)
     assert info.chat_template is None and info.vocab_size == len(GGUFFile(model_file).metadata["tokenizer.ggml.tokens"])
+
+
+@pytest.mark.skipif(not cpu_kernels.has_quantized_linear(cpu_kernels.load()), reason="no AVX-512 VNNI kernel here")
+def test_quantized_linears_stay_quantized_with_the_files_exact_weights(model_file: Path) -> None:
+    """``--dtype auto``: a linear whose parts are all block types the kernel reads is kept
+    quantized (q/k rows un-permuted, q, k and v stacked as the float path stacks them), and reads
+    back exactly as transformers dequantizes the file; one with a float part is dequantized."""
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(str(model_file.parent), gguf_file=model_file.name,
+                                                  dtype=torch.float32).state_dict()
+    worker = Worker(WorkerConfig(model=str(model_file), num_kv_blocks=8, dtype="auto"))
+    model = worker.runner.model
+    kept = {name for name, m in model.named_modules() if isinstance(m, Linear) and m.quant_bits}
+    dense = {name for name, m in model.named_modules() if isinstance(m, Linear) and not m.quant_bits}
+    assert "lm_head" in kept and kept and dense  # the file mixes both kinds
+    assert worker.info.quantization and set(worker.info.quantization.split(", ")) <= {t.name for t in TYPES[:5]}
+    ours = model.checkpoint_state()
+    for name in kept:
+        parts = _unfused(f"{name}.weight", model.config) or [(f"{name}.weight", 0)]
+        for part, _ in parts:
+            assert torch.equal(ours[part], theirs[part]), part

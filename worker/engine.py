@@ -4,6 +4,7 @@ drive ``Worker(config).runner`` in-process, exactly as the process loop does."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
@@ -16,6 +17,7 @@ from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
 from worker.attention import SdpaBackend
 from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.gpu_memory import cuda_kv_blocks
+from worker.kernels import cpu as cpu_kernels
 from worker.kv_cache import KVCache, bytes_per_block, num_blocks_for, sizing_reason
 from worker.model import cpu_matmul
 from worker.model.config import LlamaConfig
@@ -56,12 +58,13 @@ class Worker:
         cfg = gguf.config if gguf is not None else LlamaConfig.from_file(config_file)
         self.max_model_len = resolve_max_model_len(cfg, config.max_model_len, config_file)
         dtype, why = resolve_dtype(config.dtype, self.device, cfg)
-        log.info("dtype: %s (%s)", str(dtype).removeprefix("torch."), why)
-        model = load_model(source, cfg, dtype, self.device, max_positions=self.max_model_len,
-                           weights=gguf.weights if gguf is not None else None)
-        unique = {p.data_ptr(): p for p in model.parameters()}.values()  # tied weights counted once
-        self.num_params = sum(p.numel() for p in unique)
-        weight_bytes = sum(p.numel() * p.element_size() for p in unique)
+        keep_quantized = gguf is not None and self._keeps_quantized(gguf, config.dtype)
+        log.info("dtype: %s (%s)%s", str(dtype).removeprefix("torch."), why,
+                 "; quantized weights stay quantized" if keep_quantized else "")
+        reader = functools.partial(gguf.weights, keep_quantized=keep_quantized) if gguf is not None else None
+        model = load_model(source, cfg, dtype, self.device, max_positions=self.max_model_len, weights=reader)
+        self.num_params, weight_bytes = model.size()
+        quantization = model.quantized_formats()
         if self.device.type == "cpu":
             model.use_cpu_kernels()
             log.info("linear layers: %s", cpu_matmul.prepare(model, dtype))
@@ -98,7 +101,8 @@ class Worker:
         else:
             self.info = build_model_info(source, cfg, name=name, max_model_len=self.max_model_len,
                                          num_kv_blocks=num_blocks, block_size=config.block_size)
-        self.info = msgspec.structs.replace(self.info, dtype=str(dtype).removeprefix("torch."))
+        self.info = msgspec.structs.replace(self.info, dtype=str(dtype).removeprefix("torch."),
+                                            quantization=quantization)
         defaults, origin = sampling_defaults(config.model, source, config.generation_config)
         if defaults:
             self.info = msgspec.structs.replace(self.info, sampling_defaults=defaults, sampling_defaults_from=origin)
@@ -108,6 +112,21 @@ class Worker:
         grammars = GrammarEngine(self.info.tokenizer_json, self.info.vocab_size, self.info.eos_token_ids)
         self.runner = ModelRunner(model, cache, self.device, self.max_model_len, self.info.eos_token_ids,
                                   config.max_num_seqs, grammars=grammars, jump_forward=config.jump_forward)
+
+    def _keeps_quantized(self, gguf: GGUFCheckpoint, dtype_flag: str) -> bool:
+        """A quantized GGUF file is served quantized, as llama.cpp serves it, under ``--dtype auto``
+        on a CPU whose quantized kernel runs (AVX-512 VNNI); a named ``--dtype`` dequantizes it."""
+        types = gguf.quantized_types()
+        if not types or dtype_flag != "auto":
+            return False
+        if self.device.type != "cpu":
+            log.info("%s weights are dequantized at load: the quantized kernels are the CPU's", ", ".join(types))
+            return False
+        if not cpu_kernels.has_quantized_linear(cpu_kernels.load()):
+            log.info("%s weights are dequantized at load: the quantized kernel needs AVX-512 VNNI, which this "
+                     "CPU (or build) lacks", ", ".join(types))
+            return False
+        return True
 
     def warm_up(self) -> None:
         """A two-step window of a greedy row and a sampled one (temperature, top-k, top-p,

@@ -13,6 +13,7 @@ Tokenizer: ``gguf.tokenizer`` builds it from the metadata, as ``transformers`` d
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,12 @@ import torch
 from tokenizers import Tokenizer
 
 from worker.gguf.file import GGUFFile, GGUFFormatError
-from worker.gguf.quants import UnsupportedTensorType, dequantize
+from worker.gguf.quants import CODE_BITS, UnsupportedTensorType, block_codes, dequantize
 from worker.gguf.tokenizer import UnsupportedTokenizer, build_tokenizer
 from worker.model.config import LlamaConfig, ModelLoadError
+from worker.model.quantized import QuantizedWeight
+
+log = logging.getLogger("sluice.worker")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -109,26 +113,49 @@ class GGUFCheckpoint:
                 return f"{_GLOBAL_NAMES[base]}.{kind}"
         raise ModelLoadError(f"{self.path}: unexpected tensor {name} for a llama model")
 
-    def weights(self, expected: dict[str, torch.Size], dtype: torch.dtype,
-                device: torch.device) -> dict[str, torch.Tensor]:
-        """Every tensor under its model name, dequantized and cast to ``dtype`` on ``device``."""
+    def quantized_types(self) -> list[str]:
+        """The quantized tensor types the file's matrices use, most weights first ([] for a float file)."""
+        counts: dict[str, int] = {}
+        for t in self.tensors.values():
+            if len(t.shape) == 2 and t.qtype.name not in ("F32", "F16", "BF16"):
+                counts[t.qtype.name] = counts.get(t.qtype.name, 0) + t.numel
+        return sorted(counts, key=lambda name: -counts[name])
+
+    def weights(self, expected: dict[str, torch.Size], dtype: torch.dtype, device: torch.device,
+                keep_quantized: bool = False) -> dict[str, torch.Tensor | QuantizedWeight]:
+        """Every tensor under its model name, dequantized and cast to ``dtype`` on ``device``; with
+        ``keep_quantized``, matrices in a type ``block_codes`` reads stay quantized instead
+        (``QuantizedWeight``: the model keeps the linear ones so and dequantizes the rest); the
+        matrices of any other type are dequantized, said once in the log per type."""
         cfg = self.config
-        state: dict[str, torch.Tensor] = {}
+        state: dict[str, torch.Tensor | QuantizedWeight] = {}
+        dequantized: dict[str, int] = {}
         for name, t in self.tensors.items():
             target = self.hf_name(name)
             want = tuple(expected.get(target, ()))
             if target not in expected or t.shape != want:
                 raise ModelLoadError(f"{self.path}: tensor {name} has shape {t.shape}, the metadata implies "
                                      f"{want or 'no such tensor'}")
+            heads = cfg.num_heads if name.endswith("attn_q.weight") else \
+                cfg.num_kv_heads if name.endswith("attn_k.weight") else None
+            codes = block_codes(t.data, t.qtype, t.shape) if keep_quantized else None
+            if codes is not None:
+                if heads is not None:
+                    codes = codes.rows(_unpermute(torch.arange(t.shape[0]).unsqueeze(1), heads).squeeze(1))
+                state[target] = codes
+                continue
+            if keep_quantized and len(t.shape) == 2 and t.qtype.name not in ("F32", "F16", "BF16"):
+                dequantized[t.qtype.name] = dequantized.get(t.qtype.name, 0) + 1
             try:
                 tensor = dequantize(t.data, t.qtype, t.shape)
             except UnsupportedTensorType as e:
                 raise ModelLoadError(f"{self.path}: tensor {name}: {e}") from None
-            if name.endswith("attn_q.weight"):
-                tensor = _unpermute(tensor, cfg.num_heads)
-            elif name.endswith("attn_k.weight"):
-                tensor = _unpermute(tensor, cfg.num_kv_heads)
+            if heads is not None:
+                tensor = _unpermute(tensor, heads)
             state[target] = tensor.to(device=device, dtype=dtype)
+        for qtype, count in dequantized.items():
+            log.info("%d %s matrices are served dequantized to %s: the quantized kernel reads %s", count, qtype,
+                     str(dtype).removeprefix("torch."), ", ".join(t.name for t in CODE_BITS))
         return state
 
     # ------------------------------------------------------------------ tokenizer

@@ -31,6 +31,10 @@ Q6_K     210    128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8 scales
 =======  =====  ==========================================================================
 
 F32, F16 and BF16 tensors are read as they are. Any other type is refused by name.
+
+``block_codes`` reads the formats whose blocks are, per 32 inputs, ``scale * code + min`` with
+unsigned codes (all of the above but Q6_K, whose scales cover 16 inputs) into that form, for the
+quantized linear kernel; its weights are bit for bit ``dequantize``'s.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
+
+from worker.model.quantized import QuantizedWeight
 
 BLOCK = 32
 SUPER_BLOCK = 256
@@ -87,6 +93,49 @@ def dequantize(data: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> torch.
     if with_offset:
         return out.mul_(d).add_(_f16(blocks, 2)).reshape(shape)
     return out.sub_(16.0 if five_bits else 8.0).mul_(d).reshape(shape)
+
+
+# The types ``block_codes`` reads, with the bits their codes need (4, or 5 to 8: stored as bytes).
+CODE_BITS = {QType.Q4_0: 4, QType.Q4_1: 4, QType.Q4_K: 4, QType.Q5_0: 8, QType.Q5_1: 8, QType.Q5_K: 8, QType.Q8_0: 8}
+
+
+def block_codes(data: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> QuantizedWeight | None:
+    """A 2-D tensor of one of ``CODE_BITS``' types as codes, scales and mins per 32 inputs; None
+    for any other type (or shape)."""
+    if qtype not in CODE_BITS or len(shape) != 2 or shape[1] % BLOCK:
+        return None
+    rows, cols = shape
+    raw = _torch_bytes(data)
+    if qtype in _K_BYTES:
+        blocks = raw.reshape(-1, _K_BYTES[qtype])
+        n = blocks.shape[0]
+        sc, mins = _scales_and_mins(blocks[:, 4:16])
+        scales = _f16(blocks, 0) * sc.float()          # [N, 8]: exact (an fp16 times a 6-bit integer)
+        offsets = -(_f16(blocks, 2) * mins.float())
+        packed = (blocks[:, 48:] if qtype == QType.Q5_K else blocks[:, 16:]).reshape(n, 4, 1, BLOCK)
+        codes = torch.cat([packed & 0x0F, packed >> 4], dim=2).reshape(n, 8, BLOCK)
+        if qtype == QType.Q5_K:
+            fifth = blocks[:, 16:48].reshape(n, 1, BLOCK) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+            codes |= (fifth & 1) << 4
+    else:
+        blocks = raw.reshape(-1, _BLOCK_BYTES[qtype])
+        scales = _f16(blocks, 0)
+        if qtype == QType.Q8_0:
+            codes = (blocks[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+            offsets = scales * -128.0
+        else:
+            with_offset = qtype in (QType.Q4_1, QType.Q5_1)
+            five_bits = qtype in (QType.Q5_0, QType.Q5_1)
+            at = 4 if with_offset else 2
+            packed = blocks[:, at + 4 if five_bits else at :]
+            codes = torch.cat([packed & 0x0F, packed >> 4], dim=1)
+            if five_bits:
+                high = blocks[:, at : at + 4].contiguous().view(torch.int32)
+                codes |= (((high >> torch.arange(BLOCK, dtype=torch.int32)) & 1) << 4).to(torch.uint8)
+            offsets = _f16(blocks, 2) if with_offset else scales * (-16.0 if five_bits else -8.0)
+    per_row = cols // BLOCK
+    return QuantizedWeight(codes.reshape(rows, cols).contiguous(), scales.reshape(rows, per_row).contiguous(),
+                           offsets.reshape(rows, per_row).contiguous(), CODE_BITS[qtype], (qtype.name,))
 
 
 def _dequantize_k(blocks: torch.Tensor, qtype: QType) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The worker's C kernels for the CPU, built, loaded and called: attention over the paged cache,
 decode rows and prefill chunks alike (``csrc/paged_attention.c``), RMSNorm with the residual add before it (``csrc/rms_norm.c``),
 the rotary embedding and silu(gate) * up (``csrc/decoder.c``), each in float32 and bfloat16;
-linear layers on CPUs with AVX-512, float32 and (with AVX512-BF16) bfloat16 (``csrc/linear.c``);
+linear layers on CPUs with AVX-512, float32 and (with AVX512-BF16) bfloat16 (``csrc/linear.c``),
+and with their weights kept in GGUF's quantized blocks (AVX-512 VNNI: ``csrc/linear_q.c``);
 and a decode step's whole decoder stack in one call, built from those same pieces
 (``csrc/decoder.c``, driven by ``worker/model/cpu_decoder.py``).
 
@@ -34,7 +35,7 @@ from worker.model.tiny import default_cache_dir
 log = logging.getLogger("sluice.worker")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.c", "rms_norm.c", "linear.c", "decoder.c")]
+SOURCES = [CSRC / name for name in ("paged_attention.c", "rms_norm.c", "linear.c", "linear_q.c", "decoder.c")]
 HEADERS = [CSRC / name for name in ("bf16.h", "kernels.h", "simd.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-ffp-contract=off"]
@@ -128,10 +129,12 @@ def load() -> ctypes.CDLL | None:
         entry.argtypes = [p, p, i32, i32, i32]
         entry.restype = None
     for entry in (lib.decode_layers_f32, lib.decode_layers_bf16):
-        entry.argtypes = [p, p, p, p, p, p, p, p, i32, p, p, p, p, p, i32, p, p, i32, i32, i32, i32, i32, i32, i32, f32,
+        entry.argtypes = [p, p, p, p, p, p, p, p, p, i32, p, p, p, p, p, i32, p, p, i32, i32, i32, i32, i32, i32, i32, f32,
                           f32, i32]
         entry.restype = None
-    for available in (lib.linear_f32_available, lib.linear_bf16_available):
+    lib.linear_q.argtypes = [p, i64, p, p, p, i32, i32, i32, i32, p, i32, i32]
+    lib.linear_q.restype = None
+    for available in (lib.linear_f32_available, lib.linear_bf16_available, lib.linear_q_available):
         available.argtypes = []
         available.restype = i32
     _loaded = lib
@@ -271,3 +274,70 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, key_slots: torch.Tensor, value_
           key_slots.shape[1], head_dim, block_size, scale, torch.get_num_threads())
     return out
 
+
+
+# ------------------------------------------------------------------ quantized weights (csrc/linear_q.c)
+
+QBLOCK = 32  # inputs per quantized block
+
+
+def has_quantized_linear(lib: ctypes.CDLL | None) -> bool:
+    """The quantized linear kernel was compiled for this CPU (AVX-512 with VNNI)."""
+    return lib is not None and bool(lib.linear_q_available())
+
+
+def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [out, in] uint8 (< 2**bits), scales and mins [out, in / 32] float32 -> the kernel's
+    records (linear_q.c), as one uint8 tensor: per 16 outputs (the last ones padded with zeros)
+    and 32 inputs, the codes as 4-input groups of the 16 outputs (4-bit: groups g and g + 4 in the
+    low and high nibbles of one vector), then the 16 scales and the 16 mins."""
+    out, in_features = codes.shape
+    blocks, pad = in_features // QBLOCK, -out % 16
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad)).reshape(-1, 16, blocks, 8, 4)
+    groups = codes.permute(0, 2, 3, 1, 4)  # [out blocks, in blocks, group, output, input]
+    if bits == 4:
+        groups = groups[:, :, :4] | (groups[:, :, 4:] << 4)
+    code_bytes = groups.reshape(groups.shape[0], blocks, -1)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:
+        t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad)).reshape(-1, 16, blocks).transpose(1, 2)
+        return t.contiguous().view(torch.uint8)  # [out blocks, in blocks, 64]
+
+    return torch.cat([code_bytes, per_block(scales), per_block(mins)], dim=2).contiguous()
+
+
+def unpack_quantized(packed: torch.Tensor, out_features: int, bits: int,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 weight [out, in] (or its ``rows``) from ``pack_quantized``'s records: what the
+    kernel multiplies by, and how a tied embedding looks its rows up in the output projection."""
+    code_bytes = packed.shape[2] - 128
+    selected = torch.arange(out_features) if rows is None else rows
+    records = packed[selected // 16]  # [R, in blocks, bytes]
+    groups = records[:, :, :code_bytes].reshape(len(selected), -1, code_bytes // 64, 16, 4)
+    lane = (selected % 16).view(-1, 1, 1, 1, 1).expand(-1, groups.shape[1], groups.shape[2], 1, 4)
+    codes = groups.gather(3, lane).squeeze(3)  # [R, in blocks, groups, 4]
+    if bits == 4:
+        codes = torch.cat([codes & 0x0F, codes >> 4], dim=2)
+    floats = records[:, :, code_bytes:].contiguous().view(torch.float32)  # [R, in blocks, 32]
+    index = (selected % 16).view(-1, 1, 1).expand(-1, floats.shape[1], 1)
+    scales, mins = floats[:, :, :16].gather(2, index), floats[:, :, 16:].gather(2, index)
+    weight = codes.reshape(len(selected), -1, QBLOCK).float().mul_(scales).add_(mins)
+    return weight.reshape(len(selected), -1)
+
+
+def linear_q(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+             bits: int) -> torch.Tensor:
+    """x [T, in] float32 or bfloat16 (rows may be strided, values contiguous) times a weight packed
+    by ``pack_quantized`` (plus ``bias``, x's dtype) -> [T, out] in x's dtype."""
+    rows, in_features = x.shape
+    y = torch.empty((rows, out_features), dtype=x.dtype)
+    scratch = torch.empty(quantized_scratch_bytes(rows, in_features), dtype=torch.uint8)
+    lib.linear_q(_ptr(x), x.stride(0), _ptr(packed), None if bias is None else _ptr(bias), _ptr(y), rows,
+                 out_features, in_features, bits, _ptr(scratch), int(x.dtype == torch.bfloat16),
+                 torch.get_num_threads())
+    return y
+
+
+def quantized_scratch_bytes(rows: int, in_features: int) -> int:
+    """The int8 activations and their two floats per 32 inputs."""
+    return rows * (in_features + 8 * (in_features // QBLOCK))

@@ -28,7 +28,7 @@ from worker.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("sluice.worker")
 
-LAYER_FIELDS = 12  # the addresses decoder.c reads per layer, in its enum's order
+LAYER_FIELDS = 16  # the addresses (and quantized linears' code bits) decoder.c reads per layer, in its enum's order
 
 
 class CpuDecoder:
@@ -45,6 +45,8 @@ class CpuDecoder:
         self.cos, self.sin = model.rotary.cos, model.rotary.sin
         self._tables: weakref.WeakKeyDictionary[KVCache, torch.Tensor] = weakref.WeakKeyDictionary()
         self._scratch: list[torch.Tensor] = []
+        self._xq: torch.Tensor | None = None
+        self.quantized = any(m.quant_bits for m in model.modules() if isinstance(m, Linear))
         # The scratch rows of h, qkv, attention, gate/up and silu * up, in decoder.c's order.
         self.widths = [self.hidden, (self.heads + 2 * self.kv_heads) * self.head_dim, self.heads * self.head_dim,
                        2 * self.inter, self.inter]
@@ -70,7 +72,7 @@ class CpuDecoder:
         h, qkv, attn, gate_up, act = self._buffers(num_rows)
         ptr = cpu_kernels._ptr
         self.entry(ptr(x), ptr(residual), ptr(h), ptr(qkv), ptr(attn), ptr(gate_up), ptr(act),
-                   ptr(self._layer_table(meta.cache)), len(self.model.model.layers), ptr(meta.slot_mapping),
+                   ptr(self._quantized_scratch(num_rows)), ptr(self._layer_table(meta.cache)), len(self.model.model.layers), ptr(meta.slot_mapping),
                    ptr(meta.positions), ptr(self.cos), ptr(self.sin), ptr(rows.block_table), rows.block_table.shape[1],
                    ptr(rows.context_lens), ptr(rows.first_positions), num_rows, self.hidden, self.heads, self.kv_heads,
                    self.head_dim, self.inter, meta.cache.block_size, self.eps, self.scale, torch.get_num_threads())
@@ -82,6 +84,14 @@ class CpuDecoder:
         if not self._scratch or self._scratch[0].shape[0] < num_rows:
             self._scratch = [torch.empty((num_rows, w), dtype=self.dtype) for w in self.widths]
         return [b[:num_rows] for b in self._scratch]
+
+    def _quantized_scratch(self, num_rows: int) -> torch.Tensor:
+        """The quantized linears' int8 activations for the widest input (a byte where none is quantized)."""
+        widest = max(self.hidden, self.heads * self.head_dim, self.inter)  # the linears' inputs
+        need = cpu_kernels.quantized_scratch_bytes(num_rows, widest) if self.quantized else 1
+        if self._xq is None or self._xq.numel() < need:
+            self._xq = torch.empty(need, dtype=torch.uint8)
+        return self._xq
 
     def _layer_table(self, cache: KVCache) -> torch.Tensor:
         """Every layer's tensor addresses ([layers, LAYER_FIELDS] int64); built once per cache.
@@ -104,8 +114,8 @@ def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _linear(layer: Linear) -> tuple[int, int]:
-    return _address(layer.packed), _address(layer.bias)
+def _linear(layer: Linear) -> tuple[int, int, int]:
+    return _address(layer.packed), _address(layer.bias), layer.quant_bits
 
 
 def _unsupported(model: LlamaForCausalLM) -> str | None:

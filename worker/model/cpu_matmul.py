@@ -55,6 +55,13 @@ def pack_layer(layer: Linear, own_kernel: bool = True) -> None:
     packed bfloat16 or MKL's column-major float32. A packed layer's plain weight is released (a
     tied embedding keeps its own reference, so the lookup still reads it)."""
     kernels = cpu_kernels.load()
+    if layer.quantized is not None:  # kept quantized: only Sluice's kernel reads it
+        q = layer.quantized
+        assert cpu_kernels.has_quantized_linear(kernels), "weights are kept quantized only where the kernel runs"
+        layer.packed, layer.kernels, layer.quant_bits = cpu_kernels.pack_quantized(q.codes, q.scales, q.mins, q.bits), \
+            kernels, q.bits
+        layer.quantized = None
+        return
     weight = layer.weight.detach()
     even = weight.shape[1] % 2 == 0 or weight.dtype != torch.bfloat16
     if own_kernel and cpu_kernels.has_linear(kernels, weight.dtype) and even:
@@ -95,9 +102,17 @@ def choose_dtype(bf16_instructions: bool | None = None) -> DtypeChoice:
 
 def prepare(model: nn.Module, dtype: torch.dtype) -> str:
     """Put a CPU model's linear layers on their fast path for ``dtype``; returns which."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    kept = [m.quantized for m in linears if m.quantized is not None]
+    for layer in linears:
+        if layer.quantized is not None or dtype == torch.float32 or (dtype == torch.bfloat16 and can_pack()):
+            pack_layer(layer)
+    if kept:
+        formats = ", ".join(dict.fromkeys(f for q in kept for f in q.formats))
+        dense = len(linears) - len(kept)
+        rest = f"; {dense} others: {path(dtype)}" if dense else ""
+        return (f"{len(kept)} kept quantized ({formats}) through Sluice's AVX-512 VNNI kernel, activations "
+                f"{str(dtype).removeprefix('torch.')}{rest}")
     if dtype == torch.float32 or (dtype == torch.bfloat16 and can_pack()):
-        for module in model.modules():
-            if isinstance(module, Linear):
-                pack_layer(module)
         return path(dtype)
     return f"{str(dtype).removeprefix('torch.')} linears through F.linear"

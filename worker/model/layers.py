@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from torch import nn
 
 from worker.kernels import cpu as cpu_kernels
 from worker.model.config import LlamaConfig
+from worker.model.quantized import QuantizedWeight
 
 
 class Linear(nn.Module):
@@ -32,14 +34,30 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self.kernels: ctypes.CDLL | None = None
+        # A weight kept quantized (a GGUF file's blocks): held here until packed for the quantized
+        # kernel (cpu_matmul.pack_layer), then ``quant_bits`` says how the packed codes are stored.
+        self.quantized: QuantizedWeight | None = None
+        self.quant_bits = 0
 
     def dense_weight(self) -> torch.Tensor:
-        """The weight [out, in] as a checkpoint holds it, unpacked if need be."""
+        """The weight [out, in] as a checkpoint holds it, unpacked if need be (a quantized one
+        dequantized to float32)."""
+        if self.quantized is not None:
+            return self.quantized.dequantize()
         if self.packed is None:
             return self.weight.detach()
+        if self.quant_bits:
+            return cpu_kernels.unpack_quantized(self.packed, self.out_features, self.quant_bits)
         if self.kernels is None:
             raise RuntimeError("a weight packed for oneDNN cannot be read back; load the model without packing")
         return cpu_kernels.unpack_linear(self.packed, self.out_features)
+
+    def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight (float32), read from its quantized form (a tied embedding's lookup)."""
+        if self.quantized is not None:
+            return self.quantized.rows(rows).dequantize()
+        assert self.packed is not None and self.quant_bits
+        return cpu_kernels.unpack_quantized(self.packed, self.out_features, self.quant_bits, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -47,6 +65,8 @@ class Linear(nn.Module):
         if self.kernels is not None:
             if x.stride(-1) != 1:
                 x = x.contiguous()
+            if self.quant_bits:
+                return cpu_kernels.linear_q(self.kernels, x, self.packed, self.bias, self.out_features, self.quant_bits)
             return cpu_kernels.linear(self.kernels, x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
@@ -55,8 +75,13 @@ class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
+        # Tied to an output projection kept quantized: its rows, dequantized as they are looked up
+        # (no second, dense copy of the vocabulary). A bound method, not a submodule.
+        self.tied_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tied_rows is not None:
+            return self.tied_rows(ids.reshape(-1)).to(self.weight.dtype).reshape(*ids.shape, -1)
         return F.embedding(ids, self.weight)
 
 

@@ -24,6 +24,7 @@ from worker.attention.base import AttentionMetadata, DecodeRows
 from worker.kernels import cpu as cpu_kernels
 from worker.model.config import LlamaConfig
 from worker.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, StepRope
+from worker.model.quantized import QuantizedWeight
 
 
 class Attention(nn.Module):
@@ -150,13 +151,52 @@ class LlamaForCausalLM(nn.Module):
                 shapes |= {part: torch.Size((rows, *p.shape[1:])) for part, rows in parts}
         return shapes
 
-    def load_checkpoint(self, state: dict[str, torch.Tensor]) -> None:
-        """Take a checkpoint's tensors (``checkpoint_shapes``' names, all present) as parameters."""
+    def load_checkpoint(self, state: dict[str, torch.Tensor | QuantizedWeight], dtype: torch.dtype) -> None:
+        """Take a checkpoint's tensors (``checkpoint_shapes``' names, all present) as parameters.
+
+        A linear weight whose parts are all ``QuantizedWeight``s stays quantized (``Linear.
+        quantized``; its parameter an empty ``dtype`` tensor), and an embedding tied to such an
+        output projection looks its rows up there. Any other quantized tensor is dequantized to
+        ``dtype``."""
+        linears = {f"{name}.weight": m for name, m in self.named_modules() if isinstance(m, Linear)}
         fused: dict[str, torch.Tensor] = {}
+        kept: dict[str, nn.Module] = {}  # parameters held elsewhere: name -> module
+        embed = state.get("model.embed_tokens.weight")
+        if isinstance(embed, QuantizedWeight) and state.get("lm_head.weight") is embed:
+            self.model.embed_tokens.tied_rows = self.lm_head.weight_rows
+            kept["model.embed_tokens.weight"] = self.model.embed_tokens
         for name, _ in self.named_parameters():
+            if name in kept:
+                continue
             parts = _unfused(name, self.config)
-            fused[name] = state[name] if parts is None else torch.cat([state[part] for part, _ in parts])
-        self.load_state_dict(fused, strict=True, assign=True)
+            values = [state[name]] if parts is None else [state[part] for part, _ in parts]
+            if name in linears and all(isinstance(v, QuantizedWeight) for v in values):
+                linears[name].quantized = QuantizedWeight.cat(cast(list[QuantizedWeight], values))
+                kept[name] = linears[name]
+                continue
+            dense = [v.dequantize().to(dtype) if isinstance(v, QuantizedWeight) else v for v in values]
+            fused[name] = dense[0] if parts is None else torch.cat(dense)
+        for module in kept.values():
+            module.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        result = self.load_state_dict(fused, strict=False, assign=True)
+        assert set(result.missing_keys) == set(kept) and not result.unexpected_keys, result
+
+    def size(self) -> tuple[int, int]:
+        """(parameters, bytes) of the weights as loaded, tied ones counted once; a weight kept
+        quantized counts its codes and its scale and min per 32 inputs."""
+        unique = {p.data_ptr(): p for p in self.parameters() if p.numel()}.values()
+        params, nbytes = sum(p.numel() for p in unique), sum(p.numel() * p.element_size() for p in unique)
+        for m in self.modules():
+            if isinstance(m, Linear) and m.quantized is not None:
+                q = m.quantized
+                params += q.codes.numel()
+                nbytes += q.codes.numel() * q.bits // 8 + 4 * (q.scales.numel() + q.mins.numel())
+        return params, nbytes
+
+    def quantized_formats(self) -> str:
+        """The GGUF types of the weights kept quantized ("Q4_1, Q8_0"), "" if none."""
+        kept = [m.quantized for m in self.modules() if isinstance(m, Linear) and m.quantized is not None]
+        return ", ".join(dict.fromkeys(f for q in kept for f in q.formats))
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """The parameters under a checkpoint's names (views of the fused tensors; packed linear
@@ -166,6 +206,8 @@ class LlamaForCausalLM(nn.Module):
         for name, p in self.named_parameters():
             module, _, leaf = name.rpartition(".")
             value = linears[module].dense_weight() if leaf == "weight" and module in linears else p.detach()
+            if name == "model.embed_tokens.weight" and self.model.embed_tokens.tied_rows is not None:
+                value = self.lm_head.dense_weight()
             parts = _unfused(name, self.config)
             if parts is None:
                 state[name] = value

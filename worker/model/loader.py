@@ -20,6 +20,7 @@ from protocol.models import unknown_model
 from worker.model import cpu_matmul
 from worker.model.config import LlamaConfig, ModelLoadError
 from worker.model.llama import LlamaForCausalLM
+from worker.model.quantized import QuantizedWeight
 from worker.model.tiny import materialize_tiny
 
 log = logging.getLogger("sluice.worker")
@@ -183,7 +184,8 @@ def _read_weights(files: list[Path], expected: dict[str, torch.Size], dtype: tor
     return state
 
 
-WeightReader = Callable[[dict[str, torch.Size], torch.dtype, torch.device], dict[str, torch.Tensor]]
+WeightReader = Callable[[dict[str, torch.Size], torch.dtype, torch.device],
+                        dict[str, torch.Tensor | QuantizedWeight]]
 
 
 def load_model(model_dir: Path, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device,
@@ -193,8 +195,9 @@ def load_model(model_dir: Path, cfg: LlamaConfig, dtype: torch.dtype, device: to
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
     expected = model.checkpoint_shapes()
+    state: dict[str, torch.Tensor | QuantizedWeight]
     if weights is None:
-        state = _read_weights(weight_files(model_dir), expected, dtype, device)
+        state = dict(_read_weights(weight_files(model_dir), expected, dtype, device))
     else:
         state = weights(expected, dtype, device)
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
@@ -203,7 +206,7 @@ def load_model(model_dir: Path, cfg: LlamaConfig, dtype: torch.dtype, device: to
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelLoadError(f"{model_dir}: weights missing: {', '.join(missing[:3])}{more}")
-    model.load_checkpoint(state)
+    model.load_checkpoint(state, dtype)
     del state  # the fused weights are copies: let the separate ones go before another copy
     model.rotary.to(device)  # computed tables, not weights
     return model.eval()

@@ -140,17 +140,23 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int num_rows, int int
 
 /* ------------------------------------------------------------------ the stack */
 
-/* Per layer, the addresses of its tensors, in this order (int64 each; 0 for an absent bias). */
+/* Per layer, the addresses of its tensors, in this order (int64 each; 0 for an absent bias); each
+ * linear's _BITS: 0 where its weight is packed for linear.c, 4 or 8 where it is kept quantized
+ * (linear_q.c's records, codes of that many bits). */
 enum {
-    INPUT_NORM, QKV, QKV_BIAS, O, O_BIAS, POST_NORM, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, KEY_CACHE, VALUE_CACHE,
-    LAYER_FIELDS
+    INPUT_NORM, QKV, QKV_BIAS, QKV_BITS, O, O_BIAS, O_BITS, POST_NORM, GATE_UP, GATE_UP_BIAS, GATE_UP_BITS, DOWN,
+    DOWN_BIAS, DOWN_BITS, KEY_CACHE, VALUE_CACHE, LAYER_FIELDS
 };
 
 #define P(l, f) ((const void *)(intptr_t)layers[(int64_t)(l) * LAYER_FIELDS + (f)])
+#define BITS(l, f) (layers[(int64_t)(l) * LAYER_FIELDS + (f)])
 
 static inline __attribute__((always_inline)) void linear_any(const void *x, const void *packed, const void *bias,
-                                                             void *y, int rows, int out, int in, const int bf16) {
-    if (bf16)
+                                                             int64_t bits, void *scratch, void *y, int rows, int out,
+                                                             int in, const int bf16) {
+    if (bits)
+        linear_q_rows(x, in, packed, bias, y, rows, out, in, (int)bits, scratch, bf16);
+    else if (bf16)
         linear_tiles_bf16(x, in, packed, bias, y, rows, out, in);
     else
         linear_tiles_f32(x, in, packed, bias, y, rows, out, in);
@@ -165,7 +171,8 @@ static inline __attribute__((always_inline)) void norm_any(const void *x, void *
 }
 
 static inline __attribute__((always_inline)) void decode_layers(
-        void *x, void *residual, void *h, void *qkv, void *attn, void *gate_up, void *act, const int64_t *layers,
+        void *x, void *residual, void *h, void *qkv, void *attn, void *gate_up, void *act, void *scratch,
+        const int64_t *layers,
         int num_layers, const int64_t *slots, const int64_t *positions, const float *cos, const float *sin,
         const int32_t *block_table, int max_blocks, const int32_t *context_lens, const int32_t *first_positions,
         int rows, int hidden, int num_heads, int kv_heads, int head_dim, int inter, int block_size, float eps,
@@ -181,7 +188,7 @@ static inline __attribute__((always_inline)) void decode_layers(
         } else {
             norm_any(x, residual, P(l, INPUT_NORM), h, rows, hidden, eps, bf16);
         }
-        linear_any(h, P(l, QKV), P(l, QKV_BIAS), qkv, rows, qkv_size, hidden, bf16);
+        linear_any(h, P(l, QKV), P(l, QKV_BIAS), BITS(l, QKV_BITS), scratch, qkv, rows, qkv_size, hidden, bf16);
         rope_rows(qkv, qkv_size, rows, num_heads + kv_heads, head_dim, positions, cos, sin, bf16);
 #pragma omp for schedule(static)
         for (int r = 0; r < rows; r++) { /* the new key and value into the row's cache slot */
@@ -199,36 +206,37 @@ static inline __attribute__((always_inline)) void decode_layers(
             paged_decode_rows_f32(qkv, qkv_size, P(l, KEY_CACHE), P(l, VALUE_CACHE), block_table, max_blocks,
                                   context_lens, first_positions, attn, rows, num_heads, kv_heads, head_dim,
                                   block_size, scale);
-        linear_any(attn, P(l, O), P(l, O_BIAS), x, rows, hidden, q_size, bf16);
+        linear_any(attn, P(l, O), P(l, O_BIAS), BITS(l, O_BITS), scratch, x, rows, hidden, q_size, bf16);
         norm_any(x, residual, P(l, POST_NORM), h, rows, hidden, eps, bf16);
-        linear_any(h, P(l, GATE_UP), P(l, GATE_UP_BIAS), gate_up, rows, 2 * inter, hidden, bf16);
+        linear_any(h, P(l, GATE_UP), P(l, GATE_UP_BIAS), BITS(l, GATE_UP_BITS), scratch, gate_up, rows, 2 * inter, hidden, bf16);
         silu_mul_rows(gate_up, act, rows, inter, bf16);
-        linear_any(act, P(l, DOWN), P(l, DOWN_BIAS), x, rows, hidden, inter, bf16);
+        linear_any(act, P(l, DOWN), P(l, DOWN_BIAS), BITS(l, DOWN_BITS), scratch, x, rows, hidden, inter, bf16);
     }
 }
 
 /* x [rows, hidden]: the embeddings in, the last layer's output out (not yet added to the residual
  * stream, which is left in residual [rows, hidden]); h, qkv, attn, gate_up, act: scratch rows of
- * hidden, q + 2 kv, q, 2 inter and inter values. slots, positions [rows]; the attention metadata
+ * hidden, q + 2 kv, q, 2 inter and inter values; scratch: the quantized linears' int8 activations
+ * (linear_q_rows' size for the widest input; unused without them). slots, positions [rows]; the attention metadata
  * as paged_decode takes it. All float32, or all bfloat16 (the tables stay float32). */
 void decode_layers_f32(float *x, float *residual, float *h, float *qkv, float *attn, float *gate_up, float *act,
-                       const int64_t *layers, int num_layers, const int64_t *slots, const int64_t *positions,
+                       void *scratch, const int64_t *layers, int num_layers, const int64_t *slots, const int64_t *positions,
                        const float *cos, const float *sin, const int32_t *block_table, int max_blocks,
                        const int32_t *context_lens, const int32_t *first_positions, int rows, int hidden,
                        int num_heads, int kv_heads, int head_dim, int inter, int block_size, float eps, float scale,
                        int num_threads) {
-    decode_layers(x, residual, h, qkv, attn, gate_up, act, layers, num_layers, slots, positions, cos, sin,
+    decode_layers(x, residual, h, qkv, attn, gate_up, act, scratch, layers, num_layers, slots, positions, cos, sin,
                   block_table, max_blocks, context_lens, first_positions, rows, hidden, num_heads, kv_heads,
                   head_dim, inter, block_size, eps, scale, num_threads, 0);
 }
 
 void decode_layers_bf16(uint16_t *x, uint16_t *residual, uint16_t *h, uint16_t *qkv, uint16_t *attn,
-                        uint16_t *gate_up, uint16_t *act, const int64_t *layers, int num_layers, const int64_t *slots,
+                        uint16_t *gate_up, uint16_t *act, void *scratch, const int64_t *layers, int num_layers, const int64_t *slots,
                         const int64_t *positions, const float *cos, const float *sin, const int32_t *block_table,
                         int max_blocks, const int32_t *context_lens, const int32_t *first_positions, int rows,
                         int hidden, int num_heads, int kv_heads, int head_dim, int inter, int block_size, float eps,
                         float scale, int num_threads) {
-    decode_layers(x, residual, h, qkv, attn, gate_up, act, layers, num_layers, slots, positions, cos, sin,
+    decode_layers(x, residual, h, qkv, attn, gate_up, act, scratch, layers, num_layers, slots, positions, cos, sin,
                   block_table, max_blocks, context_lens, first_positions, rows, hidden, num_heads, kv_heads,
                   head_dim, inter, block_size, eps, scale, num_threads, 1);
 }
