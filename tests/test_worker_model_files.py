@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -154,13 +155,14 @@ def test_kv_cache_size_from_flags() -> None:
     assert per_block == 2 * 4 * 16 * 2 * 32 * 4
     assert num_blocks_for(WorkerConfig(num_kv_blocks=7, kv_cache_memory="1MiB"), per_block) == 7
     assert num_blocks_for(WorkerConfig(kv_cache_memory="1MiB"), per_block) == (1 << 20) // per_block
-    # auto on the CPU: twice the weights, at least 256 MiB and one longest sequence, at most a quarter of RAM
-    floor = (256 << 20) // per_block
-    assert num_blocks_for(WorkerConfig(), per_block, weight_bytes=floor * per_block) == 2 * floor
-    assert num_blocks_for(WorkerConfig(), per_block, weight_bytes=per_block) == floor
-    assert num_blocks_for(WorkerConfig(), per_block, max_model_len=16 * 3 * floor) == 3 * floor
+    # auto on the CPU: one longest sequence or min(max_num_seqs, 64) streams of 512 tokens, at most a
+    # quarter of RAM
+    per_token = per_block // 16
+    assert num_blocks_for(WorkerConfig(), per_block, max_model_len=100) == 64 * 512 * per_token // per_block
+    assert num_blocks_for(WorkerConfig(max_num_seqs=4), per_block, max_model_len=100) == 4 * 512 // 16
+    assert num_blocks_for(WorkerConfig(max_num_seqs=4), per_block, max_model_len=40_000) == 40_000 // 16
     quarter = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
-    assert num_blocks_for(WorkerConfig(), per_block, weight_bytes=quarter) == quarter // per_block
+    assert num_blocks_for(WorkerConfig(), per_block, max_model_len=quarter) == quarter // per_block
     with pytest.raises(ConfigError, match="hold no KV block"):
         num_blocks_for(WorkerConfig(kv_cache_memory="1KiB"), per_block)
 
@@ -244,3 +246,18 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, own_kernel: bool) ->
                 torch.testing.assert_close(got, plain, **tol)
                 if kernel_runs:
                     assert all(torch.equal(layer(x[r : r + 1])[0], got[r]) for r in range(rows))
+
+
+def test_cpu_cache_commits_memory_as_it_is_written() -> None:
+    """The CPU cache reads as zeros everywhere but holds only the pages written so far."""
+    def rss_mib() -> float:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+    before = rss_mib()
+    cache = KVCache(8, 4096, 16, 4, 64, torch.bfloat16, torch.device("cpu"))  # 512 MiB
+    assert cache.nbytes == 512 << 20 and rss_mib() - before < 64
+    assert all(not layer[-1].any() for layer in cache.layers)  # zeros, read without committing much
+    cache.keys[3][:2048].fill_(1.0)  # half of one of the 16 tensors: 16 MiB
+    grown = rss_mib() - before
+    assert 12 < grown < 64, grown
+    assert cache.keys[3].sum().item() == 2048 * 16 * 4 * 64 and not cache.values[3].any()

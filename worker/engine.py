@@ -69,8 +69,10 @@ class Worker:
             model.use_cpu_kernels()
             log.info("linear layers: %s", cpu_matmul.prepare(model, dtype))
             model.cpu_decoder = CpuDecoder.for_model(model)
-        log.info("loaded %s (%s, %.1fM parameters) on %s as %s in %.1f s", source, cfg.architecture,
-                 self.num_params / 1e6, self.device, str(dtype).removeprefix("torch."), time.perf_counter() - began)
+        log.info("loaded %s (%s, %.1fM parameters, %.0f MiB of weights) on %s as %s in %.1f s", source,
+                 cfg.architecture, self.num_params / 1e6, weight_bytes / 2**20, self.device,
+                 str(dtype).removeprefix("torch.") + (f", {quantization} kept quantized" if quantization else ""),
+                 time.perf_counter() - began)
         per_block = bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
         def make_cache(num_blocks: int) -> KVCache:
             return KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
@@ -89,8 +91,8 @@ class Worker:
                                                 run_plan, config.max_num_batched_tokens, config.max_num_seqs,
                                                 self.max_model_len, config.block_size)
         else:
-            num_blocks = num_blocks_for(config, per_block, weight_bytes, self.max_model_len)
-            sizing = sizing_reason(config, weight_bytes)
+            num_blocks = num_blocks_for(config, per_block, self.max_model_len)
+            sizing = sizing_reason(config)
         cache = make_cache(num_blocks)
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", num_blocks, config.block_size,
                  num_blocks * config.block_size, cache.nbytes / 2**20, sizing)

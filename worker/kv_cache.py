@@ -6,12 +6,17 @@ block belongs to which request is the scheduler's business; the worker only foll
 
 Blocks are zero-initialised: attention gathers padded context positions from slot 0 and masks
 them, and a masked NaN would still poison the softmax-weighted sum, so the cache must never hold
-garbage that was not written by a forward pass.
+garbage that was not written by a forward pass. On the CPU the zeros are the kernel's: the cache
+is one anonymous memory map, whose pages are committed as attention first writes them, so a
+server holds the memory its streams use, not the memory it could use (a 720 MiB cache serving
+one short stream adds a few MiB to the process).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import os
 import re
 
@@ -21,8 +26,11 @@ from protocol.config import ConfigError, WorkerConfig
 
 log = logging.getLogger("sluice.worker")
 
-CPU_WEIGHTS_MULTIPLE = 2  # auto on the CPU: twice the weights' bytes (SmolLM2 float32: 1 GiB, 23k tokens)
-CPU_MIN_BYTES = 256 << 20  # small models: the weights say little about how many streams are served
+# auto on the CPU: room for one longest sequence, or for CPU_STREAMS streams of CPU_TOKENS_PER_STREAM
+# tokens (as llama.cpp's server is run with a slot per stream and 512 tokens of context each):
+# a CPU decodes tens of streams at once, not thousands.
+CPU_STREAMS = 64
+CPU_TOKENS_PER_STREAM = 512
 CPU_MAX_SHARE = 0.25  # of physical memory: the host also holds weights, the swap space, the OS
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
@@ -33,12 +41,19 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, pin_memory: bool = False) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-
-        def make() -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-
-        self.keys = [make() for _ in range(num_layers)]
-        self.values = [make() for _ in range(num_layers)]
+        self._map: mmap.mmap | None = None
+        if device.type == "cpu" and not pin_memory:
+            # One anonymous map for every layer: zero pages, committed as they are first written.
+            per_tensor = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            self._map = mmap.mmap(-1, max(1, 2 * num_layers * per_tensor))
+            flat = torch.frombuffer(self._map, dtype=torch.uint8)
+            tensors = [flat[i * per_tensor : (i + 1) * per_tensor].view(dtype).view(shape)
+                       for i in range(2 * num_layers)]
+        else:
+            tensors = [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+                       for _ in range(2 * num_layers)]
+        self.keys = tensors[:num_layers]
+        self.values = tensors[num_layers:]
         self.num_blocks = num_blocks
         self.block_size = block_size
         # Flat [num_blocks * block_size, kv_heads, head_dim] views sharing the same storage.
@@ -126,37 +141,40 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def memory_budget(kv_cache_memory: str, weight_bytes: int = 0, min_bytes: int = 0) -> int:
-    """Bytes for the KV cache: the flag's figure; or, for "auto" on the CPU, twice the weights'
-    bytes, at least 256 MiB and ``min_bytes`` (one longest sequence), at most a quarter of
-    physical memory. (On CUDA, "auto" is measured by a profiling run: ``worker.gpu_memory``.)
+def memory_budget(kv_cache_memory: str, per_token: int, max_model_len: int, max_num_seqs: int) -> int:
+    """Bytes for the KV cache: the flag's figure; or, for "auto" on the CPU, what the server is
+    asked to serve: one longest sequence (``max_model_len`` tokens) or ``max_num_seqs`` streams
+    (at most 64) of 512 tokens each, whichever is more, at most a quarter of physical memory.
+    (On CUDA, "auto" is measured by a profiling run: ``worker.gpu_memory``.)
 
-    Why twice the weights on the CPU: a CPU decodes tens of streams at once, not thousands, and
-    a decode step reads every weight once and each stream's context once; a cache much larger
-    than the weights holds more context than the CPU attends over at a useful speed, and is
-    memory taken from the machine (the old fixed 2 GiB made a 135M-parameter server hold 3 GB)."""
+    Why not more on the CPU: a CPU decodes tens of streams at once, not thousands, and a decode
+    step reads each stream's context once; and since the cache's pages are committed only as
+    they are written, what it holds beyond what is used costs address space, not memory."""
     if kv_cache_memory != "auto":
         return parse_bytes(kv_cache_memory)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(max(CPU_WEIGHTS_MULTIPLE * weight_bytes, CPU_MIN_BYTES, min_bytes), int(total * CPU_MAX_SHARE))
+    tokens = max(max_model_len, min(max_num_seqs, CPU_STREAMS) * CPU_TOKENS_PER_STREAM)
+    return min(tokens * per_token, int(total * CPU_MAX_SHARE))
 
 
-def sizing_reason(config: WorkerConfig, weight_bytes: int) -> str:
+def sizing_reason(config: WorkerConfig) -> str:
     """Which rule sized the cache, for the start-up log line."""
     if config.num_kv_blocks is not None:
         return "--num-kv-blocks"
     if config.kv_cache_memory != "auto":
         return "--kv-cache-memory"
-    return (f"auto: twice the weights' {weight_bytes / 2**20:.0f} MiB, at least 256 MiB and one longest sequence, "
-            "at most a quarter of RAM")
+    streams = min(config.max_num_seqs, CPU_STREAMS)
+    return (f"auto: one longest sequence or {streams} streams of {CPU_TOKENS_PER_STREAM} tokens, at most a quarter "
+            "of RAM; pages committed as they are used")
 
 
-def num_blocks_for(config: WorkerConfig, per_block: int, weight_bytes: int = 0, max_model_len: int = 0) -> int:
+def num_blocks_for(config: WorkerConfig, per_block: int, max_model_len: int = 0) -> int:
     """``--num-kv-blocks`` if given, else as many blocks as the memory budget holds."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    longest = -(-max_model_len // config.block_size) * per_block
-    budget = memory_budget(config.kv_cache_memory, weight_bytes, longest)
+    per_token = per_block / config.block_size
+    budget = memory_budget(config.kv_cache_memory, math.ceil(per_token), -(-max_model_len // config.block_size)
+                           * config.block_size, config.max_num_seqs)
     blocks = budget // per_block
     if blocks < 1:
         raise ConfigError(f"--kv-cache-memory: {max(budget, 0)} bytes hold no KV block "
