@@ -6,6 +6,7 @@ Without a configured token every admin route answers 403 and says how to enable 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -28,6 +29,7 @@ from protocol.messages import (
     SetPriority,
     StatsQuery,
 )
+from protocol.process_memory import resident_mib
 
 
 def require_admin(request: Request) -> AppState:
@@ -55,6 +57,10 @@ async def stats(request: Request) -> Response:
     data = (await _ask(state, StatsQuery())).data
     if isinstance(data, dict):
         data |= state.metrics.frontend_stats()
+        engine = data.get("process_memory")
+        memory: dict[str, Any] = {"frontend": resident_mib(), **(engine if isinstance(engine, dict) else {})}
+        memory["total_rss_mib"] = round(sum(m["rss_mib"] for m in memory.values()), 1)
+        data["process_memory"] = memory
     return Response(msgspec.json.encode(data), media_type="application/json")
 
 

@@ -84,14 +84,16 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                             "in, random weights), a .gguf file or a Hugging Face-format model directory")
         p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
         p.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda and on CPUs with AVX512-BF16 or AMX, "
-                       "else float32: from the hardware, never a timing), float32, bfloat16, float16")
+                       "else float32: from the hardware, never a timing; a quantized GGUF file stays quantized on "
+                       "CPUs with AVX-512 VNNI), float32, bfloat16, float16 (dequantizing a quantized file)")
         p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         p.add_argument("--num-kv-blocks", type=int, default=None,
                        help="KV blocks in the cache (default: sized from --kv-cache-memory)" + SAYS_DEFAULT)
         p.add_argument("--kv-cache-memory", default="auto",
                        help="KV cache size, e.g. 2GiB (default: auto: on CUDA what --gpu-memory-utilization leaves "
-                            "after the weights and a profiled largest step; on a CPU twice the weights' bytes, at "
-                            "least 256 MiB, at most a quarter of RAM)" + SAYS_DEFAULT)
+                            "after the weights and a profiled largest step; on a CPU one longest sequence or "
+                            "--max-num-seqs (at most 64) streams of 512 tokens, at most a quarter of RAM, "
+                            "committed as used)" + SAYS_DEFAULT)
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="CUDA: the share of the device the worker may use, weights, activations and KV cache "
                             "together (the cache gets the rest after a profiling run)")

@@ -391,6 +391,7 @@ class WorkerReady(msgspec.Struct, tag=True, array_like=True):
 
 class WorkerHeartbeat(msgspec.Struct, tag=True, array_like=True):
     rank: int
+    memory: dict[str, float] = {}  # the worker's resident memory (``protocol.process_memory``)
 
 
 class WorkerFailed(msgspec.Struct, tag=True, array_like=True):

@@ -65,6 +65,7 @@ from protocol.messages import (
     WorkerStopping,
     new_epoch,
 )
+from protocol.process_memory import resident_mib
 from protocol.supervision import supervised
 from protocol.transport import Endpoints, make_socket, scheduler_frontend_codec, scheduler_worker_codec
 from scheduler.frontends import FRONTEND_TIMEOUT_S, Frontends
@@ -104,6 +105,7 @@ class SchedulerProcess:
         self.core: Scheduler | None = None
         self.model: ModelInfo | None = None
         self.workers = Workers(config.tensor_parallel_size, config.max_worker_restarts, config.worker_restart_wait)
+        self.worker_memory: dict[int, dict[str, float]] = {}  # rank -> its last heartbeat's figures
         self.frontends = Frontends(self.to_frontend, self.frontend_codec)
         self.internal_errors = 0
         self.malformed_frames = 0
@@ -418,9 +420,11 @@ class SchedulerProcess:
         if core is None:
             self.frontends.reply(QueryReply(msg.query_id, False))
             return
+        memory = {"scheduler": resident_mib()} | {f"worker {rank}": m for rank, m in sorted(self.worker_memory.items())}
         stats = core.stats() | self._counters() | {
             "workers_alive": self.workers.alive(), "frontends": len(self.frontends),
-            "plan_in_flight": self.plans_in_flight[0] if self.plans_in_flight else None}
+            "plan_in_flight": self.plans_in_flight[0] if self.plans_in_flight else None,
+            "process_memory": memory}
         self.frontends.reply(QueryReply(msg.query_id, True, stats))
 
     def on_requests_query(self, msg: RequestsQuery) -> None:
@@ -498,6 +502,8 @@ class SchedulerProcess:
 
     def on_heartbeat(self, msg: WorkerHeartbeat) -> None:
         self.workers.heard(msg.rank)
+        if msg.memory:
+            self.worker_memory[msg.rank] = msg.memory
         if self.workers.should_ask_to_announce(msg.rank):
             data = self.worker_codec.encode(Announce())
             for _ in range(self.config.tensor_parallel_size):

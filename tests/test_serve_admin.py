@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -217,3 +219,25 @@ def test_dashboard_shows_a_request_and_its_abort_button_ends_it(server: SluiceSe
         finally:
             browser.close()
     assert (tmp_path / "dashboard.png").stat().st_size > 0
+
+
+def test_stats_report_each_process_resident_memory(server: SluiceServer) -> None:
+    """Each component measures itself: the frontend, the scheduler (with its stats) and the worker
+    (in its heartbeat); the frontend and scheduler never import torch, so they stay small."""
+    deadline = time.monotonic() + 30
+    while True:
+        memory = httpx.get(f"{server.url}/admin/stats", headers=AUTH).json()["process_memory"]
+        if "worker 0" in memory or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert set(memory) == {"frontend", "scheduler", "worker 0", "total_rss_mib"}, memory
+    parts = [memory[name] for name in ("frontend", "scheduler", "worker 0")]
+    assert all(0 < m["rss_mib"] <= m["peak_rss_mib"] for m in parts)
+    assert memory["total_rss_mib"] == pytest.approx(sum(m["rss_mib"] for m in parts), abs=0.2)
+    assert memory["worker 0"]["rss_mib"] > max(memory["frontend"]["rss_mib"], memory["scheduler"]["rss_mib"])
+
+
+def test_frontend_and_scheduler_do_not_import_torch() -> None:
+    code = ("import sys, frontend.serve, frontend.app, scheduler.process; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -222,18 +222,23 @@ def test_a_worker_restarted_on_a_busy_machine_keeps_its_engines_dtype(
         assert f"dtype: {want} (auto: " in server.log()
 
 
-def test_a_bfloat16_stream_recomputed_after_a_restart_continues_with_the_undisturbed_text(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("flags", [("--dtype", "bfloat16"), ("--model", "smollm2", "--dtype", "auto")],
+                         ids=["bfloat16", "smollm2-quantized"])
+def test_a_half_precision_stream_recomputed_after_a_restart_continues_with_the_undisturbed_text(
+        tmp_path_factory: pytest.TempPathFactory, flags: tuple[str, ...]) -> None:
     # The recompute prefills the prompt and the tokens so far in one chunk. When prefill chunks
     # went through a masked SDPA that rounds differently from the decode kernel, greedy text in
     # bfloat16 parted from the undisturbed run after the restart. Every kernel now computes a
-    # token's row the same way whatever the step's shape, so it continues exactly.
+    # token's row the same way whatever the step's shape, so it continues exactly: in bfloat16,
+    # and with the weights kept quantized (each row's activations quantized on their own).
     from worker.kernels import cpu as cpu_kernels
 
     if not cpu_kernels.has_linear(cpu_kernels.load(), torch.bfloat16):
         pytest.skip("no bfloat16 linear kernel here (AVX512-BF16): bfloat16 products depend on the batch")
-    with running_server("--dtype", "bfloat16", "--admin-token", "t", "--max-num-batched-tokens", "64",
-                        log_dir=tmp_path_factory.mktemp("bf16crash")) as server:
+    if "smollm2" in flags and not cpu_kernels.has_quantized_linear(cpu_kernels.load()):
+        pytest.skip("no quantized kernel here (AVX-512 VNNI)")
+    with running_server(*flags, "--admin-token", "t", "--max-num-batched-tokens", "64",
+                        log_dir=tmp_path_factory.mktemp("halfcrash")) as server:
         url = server.url
         want_decode = complete(url, SHORT, 1200)
         want_prefill = complete(url, LONG_PROMPT, 16)

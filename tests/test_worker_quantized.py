@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from test_gguf import _blocks
 
-from worker.gguf.quants import CODE_BITS, block_codes
+from worker.gguf.quants import KEPT_LAYOUT, block_codes
 from worker.kernels import cpu as cpu_kernels
 from worker.model.quantized import QuantizedWeight
 
@@ -22,37 +22,43 @@ LIB = cpu_kernels.load()
 needs_kernel = pytest.mark.skipif(not cpu_kernels.has_quantized_linear(LIB), reason="no AVX-512 VNNI kernel here")
 
 
-@pytest.mark.parametrize("qtype", list(CODE_BITS))
+@pytest.mark.parametrize("qtype", list(KEPT_LAYOUT))
 def test_block_codes_are_the_files_weights_exactly(qtype: Q) -> None:
     rng = np.random.default_rng(int(qtype))
     data = _blocks(qtype, rows=24, cols=512, rng=rng)
     q = block_codes(data, qtype, (24, 512))
-    assert q is not None and q.formats == (qtype.name,)
-    assert int(q.codes.max()) < 2 ** {4: 4, 8: 8}[q.bits]
+    assert q is not None and q.formats == (qtype.name,) and q.layout == KEPT_LAYOUT[qtype]
+    assert int(q.codes.max()) < (16 if q.layout == 4 else 256)
     np.testing.assert_array_equal(q.dequantize().numpy(), quants.dequantize(data, qtype))
 
 
-def test_types_without_the_form_are_not_read() -> None:
-    rng = np.random.default_rng(3)
-    assert block_codes(_blocks(Q.Q6_K, rows=4, cols=256, rng=rng), Q.Q6_K, (4, 256)) is None
+def test_float_types_are_not_read_as_codes() -> None:
     assert block_codes(np.zeros((4, 32), np.float32), Q.F32, (4, 32)) is None
 
 
-def _weight(out: int, in_features: int, bits: int, seed: int) -> QuantizedWeight:
+def _weight(out: int, in_features: int, layout: int, seed: int) -> QuantizedWeight:
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 2**bits, (out, in_features), dtype=torch.uint8, generator=g)
-    scales = torch.rand(out, in_features // 32, generator=g) * 0.02
-    mins = -torch.rand(out, in_features // 32, generator=g) * 0.1 * (2**bits) * 0.01
-    return QuantizedWeight(codes, scales, mins, bits, ("test",))
+    group = 16 if layout == 16 else 32
+    codes = torch.randint(0, 16 if layout == 4 else 256, (out, in_features), dtype=torch.uint8, generator=g)
+    scales = torch.rand(out, in_features // group, generator=g) * (0.02 if layout == 4 else 0.002)
+    mins = -torch.rand(out, in_features // group, generator=g) * 0.1
+    return QuantizedWeight(codes, scales, mins, layout, ("test",))
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_packing_reads_back_the_weight_and_any_of_its_rows(bits: int) -> None:
-    w = _weight(70, 96, bits, seed=bits)  # 70: the last 16-output block padded
-    packed = cpu_kernels.pack_quantized(w.codes, w.scales, w.mins, bits)
-    assert torch.equal(cpu_kernels.unpack_quantized(packed, 70, bits), w.dequantize())
+@pytest.mark.parametrize("layout", [4, 8, 16])
+def test_packing_reads_back_the_weight_and_any_of_its_rows(layout: int) -> None:
+    w = _weight(70, 96, layout, seed=layout)  # 70: the last 16-output block padded
+    packed = cpu_kernels.pack_quantized(w)
+    assert torch.equal(cpu_kernels.unpack_quantized(packed, 70, layout), w.dequantize())
     rows = torch.tensor([69, 0, 17, 17, 33])
-    assert torch.equal(cpu_kernels.unpack_quantized(packed, 70, bits, rows), w.dequantize()[rows])
+    assert torch.equal(cpu_kernels.unpack_quantized(packed, 70, layout, rows), w.dequantize()[rows])
+
+
+def test_parts_in_different_layouts_stack_into_the_widest_exactly() -> None:
+    parts = [_weight(32, 64, 4, seed=1), _weight(16, 64, 16, seed=2), _weight(16, 64, 8, seed=3)]
+    stacked = QuantizedWeight.cat(parts)
+    assert stacked.layout == 16 and stacked.formats == ("test",)
+    assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
 
 
 def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
@@ -66,16 +72,16 @@ def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("layout", [4, 8, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_both_references_and_is_batch_invariant(bits: int, dtype: torch.dtype) -> None:
+def test_kernel_matches_both_references_and_is_batch_invariant(layout: int, dtype: torch.dtype) -> None:
     assert LIB is not None
     out, in_features = 200, 576
-    w = _weight(out, in_features, bits, seed=7 + bits)
-    packed = cpu_kernels.pack_quantized(w.codes, w.scales, w.mins, bits)
+    w = _weight(out, in_features, layout, seed=7 + layout)
+    packed = cpu_kernels.pack_quantized(w)
     bias = torch.randn(out).to(dtype)
     x = torch.randn(13, in_features).to(dtype)
-    y = cpu_kernels.linear_q(LIB, x, packed, bias, out, bits)
+    y = cpu_kernels.linear_q(LIB, x, packed, bias, out, layout)
     assert y.dtype == dtype and y.shape == (13, out)
     # Same arithmetic in float64: only float32 rounding (and bfloat16's at the store) apart.
     exact = _quantized_activations(x) @ w.dequantize().double().t() + bias.double()
@@ -87,6 +93,6 @@ def test_kernel_matches_both_references_and_is_batch_invariant(bits: int, dtype:
     assert (y.double() - plain).abs().max().item() <= 0.02 * scale
     # Each row alone gets the bits it got in the batch of 13 (and in a batch of 8 + 5).
     for r in (0, 7, 12):
-        alone = cpu_kernels.linear_q(LIB, x[r : r + 1], packed, bias, out, bits)
+        alone = cpu_kernels.linear_q(LIB, x[r : r + 1], packed, bias, out, layout)
         assert torch.equal(alone[0], y[r])
-    assert torch.equal(cpu_kernels.linear_q(LIB, x[5:], packed, bias, out, bits), y[5:])
+    assert torch.equal(cpu_kernels.linear_q(LIB, x[5:], packed, bias, out, layout), y[5:])

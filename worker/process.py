@@ -38,6 +38,7 @@ from protocol.messages import (
     WorkerReady,
     WorkerStopping,
 )
+from protocol.process_memory import resident_mib
 from protocol.supervision import startup_failure_level, supervised
 from protocol.transport import Endpoints, make_socket, scheduler_worker_codec, worker_codec
 from worker.cpu_threads import configure_cpu_threads
@@ -55,10 +56,10 @@ log = logging.getLogger("sluice.worker")
 def _heartbeat(ctx: zmq.Context[Any], address: str, rank: int, stop: threading.Event,
                curve: CurveKeys | None) -> None:
     sock = make_socket(ctx, zmq.PUSH, address, bind=False, curve=curve)
-    encoded = scheduler_worker_codec().encode(WorkerHeartbeat(rank))
+    codec = scheduler_worker_codec()
     try:
         while not stop.wait(HEARTBEAT_S):
-            sock.send(encoded)
+            sock.send(codec.encode(WorkerHeartbeat(rank, resident_mib())))
     finally:
         sock.close(linger=0)
 

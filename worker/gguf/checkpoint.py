@@ -22,7 +22,7 @@ import torch
 from tokenizers import Tokenizer
 
 from worker.gguf.file import GGUFFile, GGUFFormatError
-from worker.gguf.quants import CODE_BITS, UnsupportedTensorType, block_codes, dequantize
+from worker.gguf.quants import KEPT_LAYOUT, UnsupportedTensorType, block_codes, dequantize
 from worker.gguf.tokenizer import UnsupportedTokenizer, build_tokenizer
 from worker.model.config import LlamaConfig, ModelLoadError
 from worker.model.quantized import QuantizedWeight
@@ -155,7 +155,7 @@ class GGUFCheckpoint:
             state[target] = tensor.to(device=device, dtype=dtype)
         for qtype, count in dequantized.items():
             log.info("%d %s matrices are served dequantized to %s: the quantized kernel reads %s", count, qtype,
-                     str(dtype).removeprefix("torch."), ", ".join(t.name for t in CODE_BITS))
+                     str(dtype).removeprefix("torch."), ", ".join(t.name for t in KEPT_LAYOUT))
         return state
 
     # ------------------------------------------------------------------ tokenizer

@@ -17,6 +17,7 @@ byte length and UTF-8 bytes; an array is a u32 item type, a u64 count and the it
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import struct
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,14 @@ class GGUFFile:
             self.tensors[name] = self._tensor(name, shape, qtype, data_start + offset)
 
     # ------------------------------------------------------------------ primitives
+
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's resident memory once the weights are copied
+        out (a quantized file kept quantized is read whole at load: ~its size in RSS otherwise).
+        The map is private and unmodified, so a later read faults the bytes back in from the file."""
+        raw = getattr(self._map, "_mmap", None)
+        if raw is not None and hasattr(mmap, "MADV_DONTNEED"):
+            raw.madvise(mmap.MADV_DONTNEED)
 
     def _unpack(self, fmt: str) -> tuple[Any, ...]:
         try:

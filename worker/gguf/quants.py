@@ -32,9 +32,9 @@ Q6_K     210    128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8 scales
 
 F32, F16 and BF16 tensors are read as they are. Any other type is refused by name.
 
-``block_codes`` reads the formats whose blocks are, per 32 inputs, ``scale * code + min`` with
-unsigned codes (all of the above but Q6_K, whose scales cover 16 inputs) into that form, for the
-quantized linear kernel; its weights are bit for bit ``dequantize``'s.
+``block_codes`` reads every quantized type above into one form, per 32 inputs (Q6_K: per 16),
+``scale * code + min`` with unsigned codes, for the quantized linear kernel; its weights are bit
+for bit ``dequantize``'s.
 """
 
 from __future__ import annotations
@@ -95,17 +95,28 @@ def dequantize(data: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> torch.
     return out.sub_(16.0 if five_bits else 8.0).mul_(d).reshape(shape)
 
 
-# The types ``block_codes`` reads, with the bits their codes need (4, or 5 to 8: stored as bytes).
-CODE_BITS = {QType.Q4_0: 4, QType.Q4_1: 4, QType.Q4_K: 4, QType.Q5_0: 8, QType.Q5_1: 8, QType.Q5_K: 8, QType.Q8_0: 8}
+# The types ``block_codes`` reads, with the kernel layout they take (``worker.model.quantized``).
+KEPT_LAYOUT = {QType.Q4_0: 4, QType.Q4_1: 4, QType.Q4_K: 4, QType.Q5_0: 8, QType.Q5_1: 8, QType.Q5_K: 8,
+               QType.Q8_0: 8, QType.Q6_K: 16}
 
 
 def block_codes(data: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> QuantizedWeight | None:
-    """A 2-D tensor of one of ``CODE_BITS``' types as codes, scales and mins per 32 inputs; None
-    for any other type (or shape)."""
-    if qtype not in CODE_BITS or len(shape) != 2 or shape[1] % BLOCK:
+    """A 2-D tensor of one of ``KEPT_LAYOUT``'s types as codes, scales and mins per 32 inputs
+    (Q6_K: per 16); None for any other type (or shape)."""
+    if qtype not in KEPT_LAYOUT or len(shape) != 2 or shape[1] % BLOCK:
         return None
     rows, cols = shape
     raw = _torch_bytes(data)
+    if qtype == QType.Q6_K:
+        blocks = raw.reshape(-1, _K_BYTES[qtype])
+        n = blocks.shape[0]
+        low = blocks[:, :128].reshape(n, 2, 64)  # as _dequantize_k: two halves of 128 weights
+        high = blocks[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+        codes = torch.cat([low & 0x0F, low >> 4], dim=2) | ((high & 3).reshape(n, 2, 128) << 4)
+        scales = _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()  # [N, 16]: exact
+        per_row = cols // 16
+        return QuantizedWeight(codes.reshape(rows, cols).contiguous(), scales.reshape(rows, per_row).contiguous(),
+                               (scales * -32.0).reshape(rows, per_row).contiguous(), 16, (qtype.name,))
     if qtype in _K_BYTES:
         blocks = raw.reshape(-1, _K_BYTES[qtype])
         n = blocks.shape[0]
@@ -135,7 +146,7 @@ def block_codes(data: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Quant
             offsets = _f16(blocks, 2) if with_offset else scales * (-16.0 if five_bits else -8.0)
     per_row = cols // BLOCK
     return QuantizedWeight(codes.reshape(rows, cols).contiguous(), scales.reshape(rows, per_row).contiguous(),
-                           offsets.reshape(rows, per_row).contiguous(), CODE_BITS[qtype], (qtype.name,))
+                           offsets.reshape(rows, per_row).contiguous(), KEPT_LAYOUT[qtype], (qtype.name,))
 
 
 def _dequantize_k(blocks: torch.Tensor, qtype: QType) -> torch.Tensor:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from worker.model.quantized import QuantizedWeight
 from worker.model.tiny import default_cache_dir
 
 log = logging.getLogger("sluice.worker")
@@ -286,58 +287,62 @@ def has_quantized_linear(lib: ctypes.CDLL | None) -> bool:
     return lib is not None and bool(lib.linear_q_available())
 
 
-def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [out, in] uint8 (< 2**bits), scales and mins [out, in / 32] float32 -> the kernel's
-    records (linear_q.c), as one uint8 tensor: per 16 outputs (the last ones padded with zeros)
-    and 32 inputs, the codes as 4-input groups of the 16 outputs (4-bit: groups g and g + 4 in the
-    low and high nibbles of one vector), then the 16 scales and the 16 mins."""
+def pack_quantized(weight: QuantizedWeight) -> torch.Tensor:
+    """A weight kept quantized -> the kernel's records (linear_q.c), as one uint8 tensor [out
+    blocks of 16, in blocks of 32, bytes]: the codes as 4-input groups of the 16 outputs (layout
+    4: groups g and g + 4 in the low and high nibbles of one vector), then the 16 outputs' scales
+    and mins (layout 16: those of inputs 0-15, then of 16-31). The last outputs padded with zeros."""
+    codes, layout = weight.codes, weight.layout
     out, in_features = codes.shape
     blocks, pad = in_features // QBLOCK, -out % 16
-    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad)).reshape(-1, 16, blocks, 8, 4)
-    groups = codes.permute(0, 2, 3, 1, 4)  # [out blocks, in blocks, group, output, input]
-    if bits == 4:
+    groups = torch.nn.functional.pad(codes, (0, 0, 0, pad)).reshape(-1, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4)
+    if layout == 4:  # [out blocks, in blocks, group, output, input]
         groups = groups[:, :, :4] | (groups[:, :, 4:] << 4)
-    code_bytes = groups.reshape(groups.shape[0], blocks, -1)
+    records = [groups.reshape(groups.shape[0], blocks, -1)]
+    halves = 2 if layout == 16 else 1
+    factors = [torch.nn.functional.pad(t.float(), (0, 0, 0, pad)).reshape(-1, 16, blocks, halves)
+               for t in (weight.scales, weight.mins)]
+    for half in range(halves):
+        for t in factors:
+            records.append(t[..., half].transpose(1, 2).contiguous().view(torch.uint8))  # [.., .., 64]
+    return torch.cat(records, dim=2).contiguous()
 
-    def per_block(t: torch.Tensor) -> torch.Tensor:
-        t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad)).reshape(-1, 16, blocks).transpose(1, 2)
-        return t.contiguous().view(torch.uint8)  # [out blocks, in blocks, 64]
 
-    return torch.cat([code_bytes, per_block(scales), per_block(mins)], dim=2).contiguous()
-
-
-def unpack_quantized(packed: torch.Tensor, out_features: int, bits: int,
+def unpack_quantized(packed: torch.Tensor, out_features: int, layout: int,
                      rows: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 weight [out, in] (or its ``rows``) from ``pack_quantized``'s records: what the
     kernel multiplies by, and how a tied embedding looks its rows up in the output projection."""
-    code_bytes = packed.shape[2] - 128
+    code_bytes = (4 if layout == 4 else 8) * 64
     selected = torch.arange(out_features) if rows is None else rows
     records = packed[selected // 16]  # [R, in blocks, bytes]
     groups = records[:, :, :code_bytes].reshape(len(selected), -1, code_bytes // 64, 16, 4)
     lane = (selected % 16).view(-1, 1, 1, 1, 1).expand(-1, groups.shape[1], groups.shape[2], 1, 4)
     codes = groups.gather(3, lane).squeeze(3)  # [R, in blocks, groups, 4]
-    if bits == 4:
+    if layout == 4:
         codes = torch.cat([codes & 0x0F, codes >> 4], dim=2)
-    floats = records[:, :, code_bytes:].contiguous().view(torch.float32)  # [R, in blocks, 32]
+    floats = records[:, :, code_bytes:].contiguous().view(torch.float32)  # [R, in blocks, 32 or 64]
     index = (selected % 16).view(-1, 1, 1).expand(-1, floats.shape[1], 1)
-    scales, mins = floats[:, :, :16].gather(2, index), floats[:, :, 16:].gather(2, index)
-    weight = codes.reshape(len(selected), -1, QBLOCK).float().mul_(scales).add_(mins)
+    halves = 2 if layout == 16 else 1
+    scales = torch.cat([floats[:, :, 32 * h : 32 * h + 16].gather(2, index) for h in range(halves)], dim=2)
+    mins = torch.cat([floats[:, :, 32 * h + 16 : 32 * h + 32].gather(2, index) for h in range(halves)], dim=2)
+    weight = codes.reshape(len(selected), -1, QBLOCK // halves).float()
+    weight = weight.mul_(scales.reshape(len(selected), -1, 1)).add_(mins.reshape(len(selected), -1, 1))
     return weight.reshape(len(selected), -1)
 
 
 def linear_q(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-             bits: int) -> torch.Tensor:
+             layout: int) -> torch.Tensor:
     """x [T, in] float32 or bfloat16 (rows may be strided, values contiguous) times a weight packed
-    by ``pack_quantized`` (plus ``bias``, x's dtype) -> [T, out] in x's dtype."""
+    by ``pack_quantized`` in ``layout`` (plus ``bias``, x's dtype) -> [T, out] in x's dtype."""
     rows, in_features = x.shape
     y = torch.empty((rows, out_features), dtype=x.dtype)
     scratch = torch.empty(quantized_scratch_bytes(rows, in_features), dtype=torch.uint8)
     lib.linear_q(_ptr(x), x.stride(0), _ptr(packed), None if bias is None else _ptr(bias), _ptr(y), rows,
-                 out_features, in_features, bits, _ptr(scratch), int(x.dtype == torch.bfloat16),
+                 out_features, in_features, layout, _ptr(scratch), int(x.dtype == torch.bfloat16),
                  torch.get_num_threads())
     return y
 
 
 def quantized_scratch_bytes(rows: int, in_features: int) -> int:
-    """The int8 activations and their two floats per 32 inputs."""
-    return rows * (in_features + 8 * (in_features // QBLOCK))
+    """The int8 activations and their four floats per 32 inputs (a scale and three sums)."""
+    return rows * (in_features + 16 * (in_features // QBLOCK))

@@ -58,8 +58,7 @@ def pack_layer(layer: Linear, own_kernel: bool = True) -> None:
     if layer.quantized is not None:  # kept quantized: only Sluice's kernel reads it
         q = layer.quantized
         assert cpu_kernels.has_quantized_linear(kernels), "weights are kept quantized only where the kernel runs"
-        layer.packed, layer.kernels, layer.quant_bits = cpu_kernels.pack_quantized(q.codes, q.scales, q.mins, q.bits), \
-            kernels, q.bits
+        layer.packed, layer.kernels, layer.quant_layout = cpu_kernels.pack_quantized(q), kernels, q.layout
         layer.quantized = None
         return
     weight = layer.weight.detach()

@@ -35,9 +35,9 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.kernels: ctypes.CDLL | None = None
         # A weight kept quantized (a GGUF file's blocks): held here until packed for the quantized
-        # kernel (cpu_matmul.pack_layer), then ``quant_bits`` says how the packed codes are stored.
+        # kernel (cpu_matmul.pack_layer), then ``quant_layout`` says how the packed codes are stored (4, 8 or 16).
         self.quantized: QuantizedWeight | None = None
-        self.quant_bits = 0
+        self.quant_layout = 0
 
     def dense_weight(self) -> torch.Tensor:
         """The weight [out, in] as a checkpoint holds it, unpacked if need be (a quantized one
@@ -46,8 +46,8 @@ class Linear(nn.Module):
             return self.quantized.dequantize()
         if self.packed is None:
             return self.weight.detach()
-        if self.quant_bits:
-            return cpu_kernels.unpack_quantized(self.packed, self.out_features, self.quant_bits)
+        if self.quant_layout:
+            return cpu_kernels.unpack_quantized(self.packed, self.out_features, self.quant_layout)
         if self.kernels is None:
             raise RuntimeError("a weight packed for oneDNN cannot be read back; load the model without packing")
         return cpu_kernels.unpack_linear(self.packed, self.out_features)
@@ -56,8 +56,8 @@ class Linear(nn.Module):
         """Rows of the weight (float32), read from its quantized form (a tied embedding's lookup)."""
         if self.quantized is not None:
             return self.quantized.rows(rows).dequantize()
-        assert self.packed is not None and self.quant_bits
-        return cpu_kernels.unpack_quantized(self.packed, self.out_features, self.quant_bits, rows)
+        assert self.packed is not None and self.quant_layout
+        return cpu_kernels.unpack_quantized(self.packed, self.out_features, self.quant_layout, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -65,8 +65,8 @@ class Linear(nn.Module):
         if self.kernels is not None:
             if x.stride(-1) != 1:
                 x = x.contiguous()
-            if self.quant_bits:
-                return cpu_kernels.linear_q(self.kernels, x, self.packed, self.bias, self.out_features, self.quant_bits)
+            if self.quant_layout:
+                return cpu_kernels.linear_q(self.kernels, x, self.packed, self.bias, self.out_features, self.quant_layout)
             return cpu_kernels.linear(self.kernels, x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

@@ -190,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, Linear) and m.quantized is not None:
                 q = m.quantized
                 params += q.codes.numel()
-                nbytes += q.codes.numel() * q.bits // 8 + 4 * (q.scales.numel() + q.mins.numel())
+                nbytes += q.nbytes
         return params, nbytes
 
     def quantized_formats(self) -> str:
