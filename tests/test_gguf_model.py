@@ -114,8 +114,8 @@ def test_quantized_linears_stay_quantized_with_the_files_exact_weights(model_fil
                                                   dtype=torch.float32).state_dict()
     worker = Worker(WorkerConfig(model=str(model_file), num_kv_blocks=8, dtype="auto"))
     model = worker.runner.model
-    kept = {name for name, m in model.named_modules() if isinstance(m, Linear) and m.quant_bits}
-    dense = {name for name, m in model.named_modules() if isinstance(m, Linear) and not m.quant_bits}
+    kept = {name for name, m in model.named_modules() if isinstance(m, Linear) and m.quant_layout}
+    dense = {name for name, m in model.named_modules() if isinstance(m, Linear) and not m.quant_layout}
     assert "lm_head" in kept and kept and dense  # the file mixes both kinds
     assert worker.info.quantization and set(worker.info.quantization.split(", ")) <= {t.name for t in TYPES[:5]}
     ours = model.checkpoint_state()
