@@ -266,8 +266,12 @@ static inline __attribute__((always_inline)) void attend_rows_avx512(
                 }
                 for (int g = 0; g < group; g++) {
                     const int s_ = t * group + g;
-                    float block_max = running_max[s_];
-                    for (int i = 0; i < n; i++) block_max = scores[g][i] > block_max ? scores[g][i] : block_max;
+                    __m512 top = _mm512_set1_ps(running_max[s_]); /* max is exact in any order: 16 lanes at once */
+                    for (int i = 0; i < n; i += 16) {
+                        const __mmask16 lanes = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+                        top = _mm512_mask_max_ps(top, lanes, top, _mm512_loadu_ps(&scores[g][i]));
+                    }
+                    const float block_max = _mm512_reduce_max_ps(top);
                     if (block_max > running_max[s_]) {
                         const __m512 rescale = _mm512_set1_ps(expf(running_max[s_] - block_max));
                         running_sum[s_] *= expf(running_max[s_] - block_max);
