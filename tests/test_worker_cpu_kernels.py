@@ -18,6 +18,24 @@ kernel = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler: the kernel cannot be built here")
 
 
+def _fill(cache: KVCache, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Natural [blocks, block_size, kv heads, dim] keys and values into a cache the kernels read, in
+    its layout (bfloat16 may be kept in the pairs layout)."""
+    layer = cache.keys[0]
+    if cpu_kernels.pairs_layout(kernel, layer.dtype, layer.shape[-1], cache.block_size):
+        keys, values = cpu_kernels.to_pairs_layout(keys, values)
+    cache.keys[0].copy_(keys)
+    cache.values[0].copy_(values)
+
+
+def _natural(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a cache the kernels wrote holds, in the natural layout."""
+    layer = cache.keys[0]
+    if cpu_kernels.pairs_layout(kernel, layer.dtype, layer.shape[-1], cache.block_size):
+        return cpu_kernels.natural_layout(cache.keys[0], cache.values[0])
+    return cache.keys[0], cache.values[0]
+
+
 def _layout(seed: int, rows: int, block_size: int, num_blocks: int, longest: int) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
     free = list(range(num_blocks))
@@ -47,9 +65,9 @@ def test_decode_kernel_matches_the_torch_path(heads: int, kv_heads: int, head_di
         cache = KVCache(1, num_blocks, block_size, kv_heads, head_dim, dtype, torch.device("cpu"))
         caches.append(cache)
     fill = torch.randn_like(caches[0].keys[0]), torch.randn_like(caches[0].values[0])
-    for cache in caches:
-        cache.keys[0].copy_(fill[0])
-        cache.values[0].copy_(fill[1])
+    caches[0].keys[0].copy_(fill[0])  # the torch path's cache: the natural layout
+    caches[0].values[0].copy_(fill[1])
+    _fill(caches[1], *fill)
     # As the model hands them over: q and k views of one rotated tensor, v a view of the projection.
     qk = torch.randn(rows, heads + kv_heads, head_dim, dtype=dtype)
     q, k = qk.split([heads, kv_heads], dim=1)
@@ -65,8 +83,9 @@ def test_decode_kernel_matches_the_torch_path(heads: int, kv_heads: int, head_di
     tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got, want, **tol)
     # The kernel wrote this step's keys and values into the same slots the torch path did.
-    assert torch.equal(caches[0].keys[0], caches[1].keys[0])
-    assert torch.equal(caches[0].values[0], caches[1].values[0])
+    keys, values = _natural(caches[1])
+    assert torch.equal(caches[0].keys[0], keys)
+    assert torch.equal(caches[0].values[0], values)
 
 
 def test_decode_steps_build_decode_rows_and_others_rows_of_any_length() -> None:
@@ -83,12 +102,14 @@ def test_decode_steps_build_decode_rows_and_others_rows_of_any_length() -> None:
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_steps_attend_as_the_torch_path(seed: int, window: int | None, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("bs", "head_dim"), [(4, 32), (16, 64)])  # (16, 64): bfloat16 in the pairs layout
+def test_mixed_steps_attend_as_the_torch_path(seed: int, window: int | None, dtype: torch.dtype, bs: int,
+                                              head_dim: int) -> None:
     """Decode rows and prefill chunks in one step, shuffled tables, GQA, a sliding window: the
     kernel gives what the torch path (gather + masked SDPA) gives, and the cache ends the same."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    bs, heads, kv_heads, head_dim = 4, 6, 2, 32
+    heads, kv_heads = 6, 2
     num_blocks = 200
     free = list(range(num_blocks))
     rng.shuffle(free)
@@ -101,9 +122,9 @@ def test_mixed_steps_attend_as_the_torch_path(seed: int, window: int | None, dty
         lengths.append(n)
     caches = [KVCache(1, num_blocks, bs, kv_heads, head_dim, dtype, torch.device("cpu")) for _ in range(2)]
     fill = torch.randn_like(caches[0].keys[0]), torch.randn_like(caches[0].values[0])
-    for cache in caches:
-        cache.keys[0].copy_(fill[0])
-        cache.values[0].copy_(fill[1])
+    caches[0].keys[0].copy_(fill[0])
+    caches[0].values[0].copy_(fill[1])
+    _fill(caches[1], *fill)
     total = sum(lengths)
     q = torch.randn(total, heads, head_dim, dtype=dtype)
     k, v = torch.randn(total, kv_heads, head_dim, dtype=dtype), torch.randn(total, kv_heads, head_dim, dtype=dtype)
@@ -115,7 +136,8 @@ def test_mixed_steps_attend_as_the_torch_path(seed: int, window: int | None, dty
     got = mixed.attend(0, q, k, v, head_dim**-0.5)
     tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got, want, **tol)
-    assert torch.equal(caches[0].keys[0], caches[1].keys[0]) and torch.equal(caches[0].values[0], caches[1].values[0])
+    keys, values = _natural(caches[1])
+    assert torch.equal(caches[0].keys[0], keys) and torch.equal(caches[0].values[0], values)
 
 
 def test_geometries_outside_the_kernels_scratch_are_refused() -> None:
@@ -156,17 +178,18 @@ def test_rms_norm_matches_torch(rows: int, dtype: torch.dtype) -> None:
         assert (got.float() != want.float()).float().mean() < 0.01  # nearly all bit-identical
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window"), [(9, 3, 64, None), (8, 2, 16, 7),
-                                                                     (4, 2, 24, None)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "bs"),
+                         [(9, 3, 64, None, 8), (9, 3, 64, None, 16), (8, 2, 64, 37, 16), (8, 2, 16, 7, 8),
+                          (4, 2, 24, None, 8)])  # bs 16 with head_dim 64: bfloat16 in the pairs layout
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tokens_attention_is_the_same_bits_in_a_prefill_a_chunk_and_a_decode(heads: int, kv_heads: int,
                                                                                  head_dim: int, window: int | None,
-                                                                                 dtype: torch.dtype) -> None:
+                                                                                 bs: int, dtype: torch.dtype) -> None:
     """A 45-token prompt attended in one prefill, in chunks of 7 among other rows, and token by
     token as decode rows: every query's output is bitwise the same (the recompute after a
     restart relies on it)."""
     torch.manual_seed(1)
-    bs, n = 8, 45
+    n = 45
     cpu = torch.device("cpu")
     cache = KVCache(1, 64, bs, kv_heads, head_dim, dtype, cpu)
     cache.keys[0].copy_(torch.randn_like(cache.keys[0]))

@@ -93,7 +93,7 @@ class CpuPagedBackend(AttentionBackend):
         cache = meta.cache
         with torch.profiler.record_function("sluice::paged_attention"):  # ctypes calls are invisible to profiles
             cpu_kernels.write_kv(self.kernel, k, v, cache.key_slots[layer], cache.value_slots[layer],
-                                 meta.slot_mapping)
+                                 meta.slot_mapping, cache.block_size)
             if meta.decode is not None:
                 rows = meta.decode
                 return cpu_kernels.decode(self.kernel, q, cache.key_slots[layer], cache.value_slots[layer],

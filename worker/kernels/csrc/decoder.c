@@ -191,12 +191,10 @@ static inline __attribute__((always_inline)) void decode_layers(
         linear_any(h, P(l, QKV), P(l, QKV_BIAS), LAYOUT(l, QKV_LAYOUT), scratch, qkv, rows, qkv_size, hidden, bf16);
         rope_rows(qkv, qkv_size, rows, num_heads + kv_heads, head_dim, positions, cos, sin, bf16);
 #pragma omp for schedule(static)
-        for (int r = 0; r < rows; r++) { /* the new key and value into the row's cache slot */
+        for (int r = 0; r < rows; r++) { /* the new key and value into the row's cache slot, in the cache's layout */
             const char *row = (const char *)qkv + (int64_t)r * qkv_size * esize;
-            memcpy((char *)P(l, KEY_CACHE) + slots[r] * kv_size * esize, row + (int64_t)q_size * esize,
-                   (size_t)kv_size * esize);
-            memcpy((char *)P(l, VALUE_CACHE) + slots[r] * kv_size * esize, row + (int64_t)(q_size + kv_size) * esize,
-                   (size_t)kv_size * esize);
+            store_kv(row + (int64_t)q_size * esize, row + (int64_t)(q_size + kv_size) * esize, (void *)P(l, KEY_CACHE),
+                     (void *)P(l, VALUE_CACHE), slots[r], kv_heads, head_dim, block_size, esize);
         }
         if (bf16)
             paged_decode_rows_bf16(qkv, qkv_size, P(l, KEY_CACHE), P(l, VALUE_CACHE), block_table, max_blocks,

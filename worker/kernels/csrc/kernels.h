@@ -11,6 +11,8 @@ void linear_tiles_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *pack
                        int num_rows, int out, int in);
 void linear_q_rows(const void *x, int64_t x_stride, const uint8_t *packed, const void *bias, void *y, int num_rows,
                    int out, int in, int layout, void *scratch, int bf16);
+void store_kv(const void *k_row, const void *v_row, void *k_cache, void *v_cache, int64_t slot, int kv_heads,
+              int head_dim, int block_size, int elem_size);
 void rms_norm_rows_f32(const float *x, int64_t x_stride, float *residual, const float *weight, float *out,
                        int num_rows, int dim, float eps);
 void rms_norm_rows_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residual, const uint16_t *weight,
