@@ -153,6 +153,8 @@ class GGUFCheckpoint:
             if heads is not None:
                 tensor = _unpermute(tensor, heads)
             state[target] = tensor.to(device=device, dtype=dtype)
+        if keep_quantized:
+            self.file.release_pages()  # every tensor is copied out of the map by now
         for qtype, count in dequantized.items():
             log.info("%d %s matrices are served dequantized to %s: the quantized kernel reads %s", count, qtype,
                      str(dtype).removeprefix("torch."), ", ".join(t.name for t in KEPT_LAYOUT))

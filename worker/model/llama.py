@@ -155,7 +155,8 @@ class LlamaForCausalLM(nn.Module):
         """Take a checkpoint's tensors (``checkpoint_shapes``' names, all present) as parameters.
 
         A linear weight whose parts are all ``QuantizedWeight``s stays quantized (``Linear.
-        quantized``; its parameter an empty ``dtype`` tensor), and an embedding tied to such an
+        quantized``; its parameter an empty ``dtype`` tensor; its parts are removed from ``state``
+        once stacked, so a model's load never holds both), and an embedding tied to such an
         output projection looks its rows up there. Any other quantized tensor is dequantized to
         ``dtype``."""
         linears = {f"{name}.weight": m for name, m in self.named_modules() if isinstance(m, Linear)}
@@ -173,6 +174,9 @@ class LlamaForCausalLM(nn.Module):
             if name in linears and all(isinstance(v, QuantizedWeight) for v in values):
                 linears[name].quantized = QuantizedWeight.cat(cast(list[QuantizedWeight], values))
                 kept[name] = linears[name]
+                if parts is not None:  # the parts are copied into the fused weight: let them go now
+                    for part, _ in parts:
+                        del state[part]
                 continue
             dense = [v.dequantize().to(dtype) if isinstance(v, QuantizedWeight) else v for v in values]
             fused[name] = dense[0] if parts is None else torch.cat(dense)
