@@ -78,7 +78,7 @@ def test_compose_wiring_started_in_reverse_order_streams_a_chat(tmp_path: Path) 
             time.sleep({"frontend": 3, "worker": 8, "scheduler": 0}[name])  # each waits a while for what it needs
         _wait(lambda: http_status(f"{url}/ready") == 200, 180, "/ready", tmp_path)
         with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120, json={
-                "model": "smollm2", "messages": [{"role": "user", "content": "Which city is the capital of France?"}],
+                "model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
                 "max_tokens": 16, "temperature": 0, "stream": True}) as r:
             assert r.status_code == 200
             chunks = [line for line in r.iter_lines() if line.startswith("data: ")]

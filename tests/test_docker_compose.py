@@ -123,7 +123,7 @@ def test_compose_up_serves_recovers_and_goes_down_clean(tmp_path: Path) -> None:
         print(f"up to /ready: {time.monotonic() - started:.1f} s")
 
         with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120, json={
-                "model": "smollm2", "messages": [{"role": "user", "content": "Which city is the capital of France?"}],
+                "model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
                 "max_tokens": 16, "temperature": 0, "stream": True}) as r:
             assert r.status_code == 200
             chunks = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]

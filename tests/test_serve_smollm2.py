@@ -79,7 +79,7 @@ def test_batched_chat_prompts_match_transformers(server: SluiceServer, expected:
 
 def test_the_capital_of_france_is_paris(server: SluiceServer) -> None:
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
-        "messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}], "temperature": 0,
         "max_tokens": 32})
     assert r.status_code == 200
     answer = r.json()["choices"][0]["message"]["content"]
@@ -102,7 +102,7 @@ def test_bfloat16_answers_sensibly_with_logits_close_to_float32(tmp_path: Path) 
     with running_server("--model", "smollm2", "--dtype", "bfloat16", "--num-kv-blocks", "64",
                         log_dir=tmp_path) as s:
         r = httpx.post(f"{s.url}/v1/chat/completions", timeout=300, json={
-            "messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}], "temperature": 0,
             "max_tokens": 32})
         assert r.status_code == 200
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
