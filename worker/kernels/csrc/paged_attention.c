@@ -161,6 +161,15 @@ static inline void tile_of(const Rows *rows, int r, int tile, int per_tile, Tile
     }
 }
 
+/* Work item `item`'s kv head and tile of queries; returns its row's block table. */
+static inline const int32_t *tile_at(const Rows *rows, int num_rows, int kv_heads, int per_tile, int item, int *h,
+                                     Tile *tl) {
+    int r, tile;
+    item_of(rows, num_rows, kv_heads, per_tile, item, &r, h, &tile);
+    tile_of(rows, r, tile, per_tile, tl);
+    return rows->block_table + (int64_t)r * rows->max_blocks;
+}
+
 /* Query i's run in the block starting at position start: how many positions (0: none) and the
  * element offset of the first one's key (or value) for kv head h. */
 static inline int run_in_block(const Tile *t, int i, int start, int block_size, int64_t block_base,
@@ -184,12 +193,10 @@ static inline __attribute__((always_inline)) void attend_rows(
     const int items = count_items(rows, num_rows, kv_heads, per_tile);
 #pragma omp for schedule(dynamic, 1)
     for (int item = 0; item < items; item++) {
-        int r, h, tile;
-        item_of(rows, num_rows, kv_heads, per_tile, item, &r, &h, &tile);
+        int h;
         Tile tl;
-        tile_of(rows, r, tile, per_tile, &tl);
+        const int32_t *table = tile_at(rows, num_rows, kv_heads, per_tile, item, &h, &tl);
         const int nq = tl.nq;
-        const int32_t *table = rows->block_table + (int64_t)r * rows->max_blocks;
         float acc[TILE_HEADS][MAX_HEAD_DIM], qs[TILE_HEADS][MAX_HEAD_DIM];
         float running_max[TILE_HEADS], running_sum[TILE_HEADS], scores[MAX_GROUP][MAX_BLOCK];
         for (int t = 0; t < nq; t++) {
@@ -270,12 +277,10 @@ static inline __attribute__((always_inline)) void attend_rows_avx512(
     const int items = count_items(rows, num_rows, kv_heads, per_tile);
 #pragma omp for schedule(dynamic, 1)
     for (int item = 0; item < items; item++) {
-        int r, h, tile;
-        item_of(rows, num_rows, kv_heads, per_tile, item, &r, &h, &tile);
+        int h;
         Tile tl;
-        tile_of(rows, r, tile, per_tile, &tl);
+        const int32_t *table = tile_at(rows, num_rows, kv_heads, per_tile, item, &h, &tl);
         const int nq = tl.nq;
-        const int32_t *table = rows->block_table + (int64_t)r * rows->max_blocks;
         __m512 qs[TILE_HEADS][MAX_HEAD_DIM / 16], acc[TILE_HEADS][MAX_HEAD_DIM / 16];
         float running_max[TILE_HEADS], running_sum[TILE_HEADS];
         float scores[MAX_GROUP][MAX_BLOCK] __attribute__((aligned(64)));
@@ -391,12 +396,10 @@ static inline __attribute__((always_inline)) void attend_rows_bf16_dot(
     const int items = count_items(rows, num_rows, kv_heads, per_tile);
 #pragma omp for schedule(dynamic, 1)
     for (int item = 0; item < items; item++) {
-        int r, h, tile;
-        item_of(rows, num_rows, kv_heads, per_tile, item, &r, &h, &tile);
+        int h;
         Tile tl;
-        tile_of(rows, r, tile, per_tile, &tl);
+        const int32_t *table = tile_at(rows, num_rows, kv_heads, per_tile, item, &h, &tl);
         const int nq = tl.nq;
-        const int32_t *table = rows->block_table + (int64_t)r * rows->max_blocks;
         __m512 acc[TILE_HEADS][MAX_HEAD_DIM / 16];
         float running_max[TILE_HEADS], running_sum[TILE_HEADS];
         for (int i = 0; i < nq * group; i++) {
