@@ -53,18 +53,16 @@ static inline __attribute__((always_inline)) void quantize_rows(const void *x, i
             amax = fmaxf(amax, fabsf(v[j]));
         }
         const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int half[2] = {0, 0};
         int8_t *q = codes + (int64_t)r * in + (int64_t)k * QBLOCK;
-        for (int j = 0; j < QBLOCK; j++) {
-            const int c = (int)nearbyintf(v[j] * inv);
-            q[j] = (int8_t)c;
-            half[j / 16] += c;
-        }
+        for (int j = 0; j < QBLOCK; j++) q[j] = (int8_t)(int)nearbyintf(v[j] * inv);
+        int first = 0, second = 0; /* two plain reductions: they vectorise */
+        for (int j = 0; j < QBLOCK / 2; j++) first += q[j];
+        for (int j = QBLOCK / 2; j < QBLOCK; j++) second += q[j];
         dx[(int64_t)r * blocks + k] = d;
         float *sums = s + ((int64_t)r * blocks + k) * 3;
-        sums[0] = d * (float)(half[0] + half[1]);
-        sums[1] = d * (float)half[0];
-        sums[2] = d * (float)half[1];
+        sums[0] = d * (float)(first + second);
+        sums[1] = d * (float)first;
+        sums[2] = d * (float)second;
     }
 }
 
@@ -112,11 +110,13 @@ static inline __attribute__((always_inline)) void qblock(const int8_t *codes, co
             const int8_t *q = codes + row * in + (int64_t)k * QBLOCK;
             int32_t group[8];
             memcpy(group, q, sizeof group);
-            /* inputs 0-15 and 16-31 in two chains: half the latency, and the halves layout 16 scales apart */
+            /* two chains, half the latency: inputs 0-15 and 16-31 where layout 16 scales them
+             * apart, else alternate groups (as the 4-bit vectors unpack) */
             __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
             for (int g = 0; g < 4; g++) {
-                lo = _mm512_dpbusd_epi32(lo, wg[g], _mm512_set1_epi32(group[g]));
-                hi = _mm512_dpbusd_epi32(hi, wg[g + 4], _mm512_set1_epi32(group[g + 4]));
+                const int a = layout == 16 ? g : 2 * g, b = layout == 16 ? g + 4 : 2 * g + 1;
+                lo = _mm512_dpbusd_epi32(lo, wg[a], _mm512_set1_epi32(group[a]));
+                hi = _mm512_dpbusd_epi32(hi, wg[b], _mm512_set1_epi32(group[b]));
             }
             const __m512 d = _mm512_set1_ps(dx[row * blocks + k]);
             const float *sums = s + (row * blocks + k) * 3;
