@@ -49,9 +49,11 @@ def _layout(seed: int, rows: int, block_size: int, num_blocks: int, longest: int
     return tables, starts
 
 
+# head_dim 24: the plain loops, not the AVX-512 path; bfloat16 at head_dim 64 or 128 with blocks of
+# 16 or 32: the pairs layout (two chunks a block at 32)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "window"),
                          [(9, 3, 64, 16, None), (4, 4, 32, 8, None), (8, 2, 16, 16, 37), (6, 1, 128, 4, 5),
-                          (4, 2, 24, 8, 11)])  # head_dim 24: the plain loops, not the AVX-512 path
+                          (4, 2, 24, 8, 11), (4, 2, 128, 32, 40)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_matches_the_torch_path(heads: int, kv_heads: int, head_dim: int, block_size: int,
@@ -179,8 +181,8 @@ def test_rms_norm_matches_torch(rows: int, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "bs"),
-                         [(9, 3, 64, None, 8), (9, 3, 64, None, 16), (8, 2, 64, 37, 16), (8, 2, 16, 7, 8),
-                          (4, 2, 24, None, 8)])  # bs 16 with head_dim 64: bfloat16 in the pairs layout
+                         [(9, 3, 64, None, 8), (9, 3, 64, None, 16), (8, 2, 64, 37, 16), (4, 1, 128, None, 32),
+                          (8, 2, 16, 7, 8), (4, 2, 24, None, 8)])  # bs 16 / 32: bfloat16 in the pairs layout
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tokens_attention_is_the_same_bits_in_a_prefill_a_chunk_and_a_decode(heads: int, kv_heads: int,
                                                                                  head_dim: int, window: int | None,
