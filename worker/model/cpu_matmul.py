@@ -7,6 +7,9 @@ below was kept because it measured faster than the plain ``F.linear`` of its dty
   AVX512-BF16 too: each weight packed once, at start-up, as 16 outputs by 1 (float32) or 2
   (bfloat16) inputs per 64 bytes, the plain weight released; no horizontal sums, weights
   streamed once, and a row's result independent of its batch.
+* **Weights kept quantized** (a GGUF file's blocks, ``worker/model/quantized.py``) are packed for
+  Sluice's VNNI kernel (``csrc/linear_q.c``), whatever the activations' dtype: only that kernel
+  reads them, so a model keeps them only where it runs (``worker/engine.py``).
 * Without the kernel, **bfloat16** weights are packed for oneDNN (``mkldnn._reorder_linear_weight``,
   multiplied by ``mkldnn._linear_pointwise``), and **float32** ones go to MKL stored column-major
   (a 16-row product of SmolLM2's gate/up weight: 0.27 instead of 0.45 ms, one thread).
