@@ -76,7 +76,7 @@ class Admission:
         if req.is_swapped:
             assert self.host_pool is not None
             step.swap_in.extend(zip(req.host_blocks, new, strict=False))
-            self.host_pool.free(req.take_host_blocks())
+            step.swapped_in_from.extend(req.take_host_blocks())  # freed once the step is planned
         else:
             pool.record_lookup(len(req.token_ids), cached)
         req.admit(keep + new, cached)

@@ -269,9 +269,11 @@ class Scheduler:
         decodes, prefills = self._split_running(step)
         self._schedule_decodes(decodes, step)
         self._prefill(step, prefills, self._prefill_share(step.budget, len(prefills)))
-        if not step.rows:
-            return None
-        return self.plans.emit(step, cut_in_waiting=bool(self._cut_ins))
+        plan = self.plans.emit(step, cut_in_waiting=bool(self._cut_ins)) if step.rows else None
+        if step.swapped_in_from:  # the step's swap-outs are all planned: its swap-ins' sources may go now
+            assert self.host_pool is not None
+            self.host_pool.free(step.swapped_in_from)
+        return plan
 
     def _split_running(self, step: Step) -> tuple[list[Request], list[Request]]:
         """The running requests not yet in ``step``, in urgency order: those with one token left

@@ -10,7 +10,7 @@ class Step:
     """``rows`` maps each row's request to the tokens it computes, in the order scheduled:
     membership, a row's tokens and dropping a row are O(1)."""
 
-    __slots__ = ("budget", "copies", "copy_sources", "rows", "swap_in", "swap_out")
+    __slots__ = ("budget", "copies", "copy_sources", "rows", "swap_in", "swap_out", "swapped_in_from")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -21,6 +21,10 @@ class Step:
         # Copy-on-write sources held for the step: the worker copies after its swap-ins, so a
         # source another admission could allocate (as a swap-in target) must stay taken.
         self.copy_sources: list[int] = []
+        # Host blocks this step's swap-ins read, held until the step is planned: the worker runs a
+        # plan's swap-outs before its swap-ins, so a swap-out later in the same step must not be
+        # handed one of them (it would overwrite the KV before it is read back).
+        self.swapped_in_from: list[int] = []
 
     def add(self, req: Request, num_tokens: int) -> None:
         self.rows[req] = num_tokens
