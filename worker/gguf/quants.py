@@ -33,8 +33,8 @@ Q6_K     210    128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8 scales
 F32, F16 and BF16 tensors are read as they are. Any other type is refused by name.
 
 ``block_codes`` reads every quantized type above into one form, per 32 inputs (Q6_K: per 16),
-``scale * code + min`` with unsigned codes, for the quantized linear kernel; its weights are bit
-for bit ``dequantize``'s.
+``scale * code + min`` with unsigned codes: the quantized linear kernel's input, and what
+``dequantize`` multiplies out (each type bit for bit as the ``gguf`` package's dequantizer).
 """
 
 from __future__ import annotations
@@ -67,32 +67,13 @@ def dequantize(data: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> torch.
         return raw.view(torch.float16).float().reshape(shape)
     if qtype == QType.BF16:
         return raw.view(torch.bfloat16).float().reshape(shape)
-    if qtype in _K_BYTES:
-        return _dequantize_k(raw.reshape(-1, _K_BYTES[qtype]), qtype).reshape(shape)
-    size = _BLOCK_BYTES.get(qtype)
-    if size is None:
+    per_block = SUPER_BLOCK if qtype in _K_BYTES else BLOCK
+    codes = block_codes(data, qtype, (int(np.prod(shape)) // per_block, per_block)) if qtype in KEPT_LAYOUT else None
+    if codes is None:
         name = getattr(qtype, "name", str(qtype))
         raise UnsupportedTensorType(f"tensor type {name} is not supported (supported: "
                                     f"{', '.join(t.name for t in SUPPORTED)})")
-    blocks = raw.reshape(-1, size)
-    d = _f16(blocks, 0)
-    if qtype == QType.Q8_0:
-        return blocks[:, 2:].contiguous().view(torch.int8).float().mul_(d).reshape(shape)
-    # The codes go straight into the float output and the arithmetic runs in place: a third
-    # less time than building an integer tensor first (load time is mostly this function).
-    with_offset = qtype in (QType.Q4_1, QType.Q5_1)
-    five_bits = qtype in (QType.Q5_0, QType.Q5_1)
-    at = 4 if with_offset else 2
-    codes = blocks[:, at + 4 if five_bits else at :]
-    out = torch.empty(blocks.shape[0], BLOCK, dtype=torch.float32)
-    out[:, : BLOCK // 2] = codes & 0x0F
-    out[:, BLOCK // 2 :] = codes >> 4
-    if five_bits:
-        high = blocks[:, at : at + 4].contiguous().view(torch.int32)  # [N, 1], little-endian
-        out.add_((high >> torch.arange(BLOCK, dtype=torch.int32)) & 1, alpha=16)  # bit j -> weight j
-    if with_offset:
-        return out.mul_(d).add_(_f16(blocks, 2)).reshape(shape)
-    return out.sub_(16.0 if five_bits else 8.0).mul_(d).reshape(shape)
+    return codes.dequantize().reshape(shape)  # one reading of the blocks, shared with the kernel's
 
 
 # The types ``block_codes`` reads, with the kernel layout they take (``worker.model.quantized``).
@@ -110,7 +91,7 @@ def block_codes(data: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Quant
     if qtype == QType.Q6_K:
         blocks = raw.reshape(-1, _K_BYTES[qtype])
         n = blocks.shape[0]
-        low = blocks[:, :128].reshape(n, 2, 64)  # as _dequantize_k: two halves of 128 weights
+        low = blocks[:, :128].reshape(n, 2, 64)  # two halves of 128 weights
         high = blocks[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
         codes = torch.cat([low & 0x0F, low >> 4], dim=2) | ((high & 3).reshape(n, 2, 128) << 4)
         scales = _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()  # [N, 16]: exact
@@ -147,29 +128,6 @@ def block_codes(data: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Quant
     per_row = cols // BLOCK
     return QuantizedWeight(codes.reshape(rows, cols).contiguous(), scales.reshape(rows, per_row).contiguous(),
                            offsets.reshape(rows, per_row).contiguous(), KEPT_LAYOUT[qtype], (qtype.name,))
-
-
-def _dequantize_k(blocks: torch.Tensor, qtype: QType) -> torch.Tensor:
-    """[N, bytes] K-quant super-blocks -> [N, 256] float32."""
-    n = blocks.shape[0]
-    if qtype == QType.Q6_K:
-        low = blocks[:, :128].reshape(n, 2, 64)  # two halves of 128 weights
-        high = blocks[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
-        q = torch.cat([low & 0x0F, low >> 4], dim=2) | ((high & 3).reshape(n, 2, 128) << 4)
-        scales = _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()  # [N, 16]
-        return (q.float() - 32.0).reshape(n, 16, 16).mul_(scales.unsqueeze(-1)).reshape(n, SUPER_BLOCK)
-    sc, mins = _scales_and_mins(blocks[:, 4:16])
-    codes = blocks[:, 48:] if qtype == QType.Q5_K else blocks[:, 16:]
-    out = torch.empty(n, 4, 2, BLOCK, dtype=torch.float32)
-    out[:, :, 0] = codes.reshape(n, 4, BLOCK) & 0x0F
-    out[:, :, 1] = codes.reshape(n, 4, BLOCK) >> 4
-    out = out.reshape(n, 8, BLOCK)
-    if qtype == QType.Q5_K:
-        fifth = blocks[:, 16:48].reshape(n, 1, BLOCK) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
-        out.add_(fifth & 1, alpha=16)
-    scale = (_f16(blocks, 0) * sc.float()).unsqueeze(-1)
-    offset = (_f16(blocks, 2) * mins.float()).unsqueeze(-1)
-    return out.mul_(scale).sub_(offset).reshape(n, SUPER_BLOCK)
 
 
 def _scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,6 +47,7 @@ class CpuDecoder:
         self._scratch: list[torch.Tensor] = []
         self._xq: torch.Tensor | None = None
         self.quantized = any(m.quant_layout for m in model.modules() if isinstance(m, Linear))
+        self.widest_input = max(self.hidden, self.heads * self.head_dim, self.inter)  # of the layers' linears
         # The scratch rows of h, qkv, attention, gate/up and silu * up, in decoder.c's order.
         self.widths = [self.hidden, (self.heads + 2 * self.kv_heads) * self.head_dim, self.heads * self.head_dim,
                        2 * self.inter, self.inter]
@@ -87,8 +88,7 @@ class CpuDecoder:
 
     def _quantized_scratch(self, num_rows: int) -> torch.Tensor:
         """The quantized linears' int8 activations for the widest input (a byte where none is quantized)."""
-        widest = max(self.hidden, self.heads * self.head_dim, self.inter)  # the linears' inputs
-        need = cpu_kernels.quantized_scratch_bytes(num_rows, widest) if self.quantized else 1
+        need = cpu_kernels.quantized_scratch_bytes(num_rows, self.widest_input) if self.quantized else 1
         if self._xq is None or self._xq.numel() < need:
             self._xq = torch.empty(need, dtype=torch.uint8)
         return self._xq

@@ -27,29 +27,6 @@
 #define TILE_BLOCKS 4 /* 16-output blocks per tile: 64 outputs */
 #define MAX_ROWS 6    /* rows per tile: 6 x 4 accumulators + 4 weights + 1 broadcast <= 32 registers */
 
-static inline __mmask16 lanes_below(int o, int out) {
-    return out - o >= 16 ? 0xFFFF : (__mmask16)((1u << (out - o)) - 1);
-}
-
-static inline __m512 load_bias(const void *bias, int o, int out, const int bf16) {
-    if (bias == 0 || o >= out) return _mm512_setzero_ps();
-    if (bf16) {
-        const __m256i half = _mm256_maskz_loadu_epi16(lanes_below(o, out), (const uint16_t *)bias + o);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-    }
-    return _mm512_maskz_loadu_ps(lanes_below(o, out), (const float *)bias + o);
-}
-
-static inline void store(void *y, int o, int out, __m512 v, const int bf16) {
-    if (o >= out) return;
-    if (bf16) { /* round to nearest even, as torch does */
-        _mm256_mask_storeu_epi16((uint16_t *)y + o, lanes_below(o, out),
-                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(v), 16)));
-    } else {
-        _mm512_mask_storeu_ps((float *)y + o, lanes_below(o, out), v);
-    }
-}
-
 /* One tile: rows r0 .. r0 + rows - 1 by the 64 outputs of tile t; rows and bf16 are constants
  * where inlined, so each combination compiles to its own register-resident loop. */
 static inline __attribute__((always_inline)) void tile(const void *x, int64_t x_stride, const void *packed,
@@ -80,9 +57,9 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t x_
     }
     for (int b = 0; b < TILE_BLOCKS; b++) {
         const int o = (t * TILE_BLOCKS + b) * 16;
-        const __m512 bv = load_bias(bias, o, out, bf16);
+        const __m512 bv = load_partial16(bias, o, out, bf16);
         for (int r = 0; r < rows; r++)
-            store((char *)y + (int64_t)(r0 + r) * out * (bf16 ? 2 : 4), o, out, _mm512_add_ps(acc[r][b], bv), bf16);
+            store_partial16((char *)y + (int64_t)(r0 + r) * out * (bf16 ? 2 : 4), o, out, _mm512_add_ps(acc[r][b], bv), bf16);
     }
 }
 

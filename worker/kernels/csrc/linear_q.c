@@ -71,15 +71,6 @@ static inline __attribute__((always_inline)) void quantize_rows(const void *x, i
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include "simd.h"
 
-static inline void store_out(void *y, int o, int out, __m512 v, const int bf16) {
-    if (o >= out) return;
-    const __mmask16 lanes = out - o >= 16 ? 0xFFFF : (__mmask16)((1u << (out - o)) - 1);
-    if (bf16)
-        _mm256_mask_storeu_epi16((uint16_t *)y + o, lanes, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(v), 16)));
-    else
-        _mm512_mask_storeu_ps((float *)y + o, lanes, v);
-}
-
 /* Rows r0 .. r0 + rows - 1 by the 16 outputs of block ob; rows, layout and bf16 constants where inlined. */
 static inline __attribute__((always_inline)) void qblock(const int8_t *codes, const float *dx, const float *s,
                                                          const uint8_t *packed, const void *bias, void *y, int r0,
@@ -133,16 +124,9 @@ static inline __attribute__((always_inline)) void qblock(const int8_t *codes, co
         }
     }
     const int o = ob * 16;
-    __m512 b = _mm512_setzero_ps();
-    if (bias != 0 && o < out) {
-        const __mmask16 lanes = out - o >= 16 ? 0xFFFF : (__mmask16)((1u << (out - o)) - 1);
-        if (bf16)
-            b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, (const uint16_t *)bias + o)), 16));
-        else
-            b = _mm512_maskz_loadu_ps(lanes, (const float *)bias + o);
-    }
+    const __m512 b = load_partial16(bias, o, out, bf16);
     for (int r = 0; r < rows; r++)
-        store_out((char *)y + (int64_t)(r0 + r) * out * (bf16 ? 2 : 4), o, out, _mm512_add_ps(acc[r], b), bf16);
+        store_partial16((char *)y + (int64_t)(r0 + r) * out * (bf16 ? 2 : 4), o, out, _mm512_add_ps(acc[r], b), bf16);
 }
 
 static inline __attribute__((always_inline)) void qblocks_rows(const int8_t *codes, const float *dx, const float *s,

@@ -423,14 +423,18 @@ static inline __attribute__((always_inline)) void attend_rows_bf16_dot(
                 if (a >= b) continue;
                 const int sub_a = (a - s0) / KEYS, sub_b = (b - 1 - s0) / KEYS; /* the query's chunks */
                 const int32_t *qp = (const int32_t *)(q + tl.token[t] * q_stride + (int64_t)h * group * head_dim);
+                int run_lo[SUBS], run_hi[SUBS]; /* the query's positions [lo, hi) of each chunk */
+                __mmask16 mask[SUBS];
+                for (int sub = sub_a; sub <= sub_b; sub++) {
+                    const int k0 = s0 + KEYS * sub;
+                    run_lo[sub] = a > k0 ? a - k0 : 0;
+                    run_hi[sub] = b < k0 + KEYS ? b - k0 : KEYS;
+                    mask[sub] = (__mmask16)(((1u << run_hi[sub]) - 1) & ~((1u << run_lo[sub]) - 1));
+                }
                 for (int g = 0; g < group; g++) {
                     const int s_ = t * group + g;
                     __m512 scores[SUBS];
-                    __mmask16 mask[SUBS];
                     for (int sub = sub_a; sub <= sub_b; sub++) {
-                        const int k0 = s0 + KEYS * sub;
-                        const int lo = a > k0 ? a - k0 : 0, hi = b < k0 + KEYS ? b - k0 : KEYS;
-                        mask[sub] = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
                         __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
                         for (int d = 0; d < pairs; d += 2) {
                             even = _mm512_dpbf16_ps(even, (__m512bh)_mm512_loadu_si512(keys[sub] + d),
@@ -463,8 +467,7 @@ static inline __attribute__((always_inline)) void attend_rows_bf16_dot(
                         total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16)));
                         int32_t p_pairs[KEYS / 2];
                         _mm256_storeu_si256((__m256i *)p_pairs, (__m256i)rounded);
-                        const int k0 = s0 + KEYS * sub;
-                        const int lo = a > k0 ? a - k0 : 0, hi = b < k0 + KEYS ? b - k0 : KEYS; /* [lo, hi) */
+                        const int lo = run_lo[sub], hi = run_hi[sub];
                         for (int j = lo / 2; j <= (hi - 1) / 2; j++) {
                             /* a pair half outside the run: that position's values may be another
                              * request's (or NaN); its probability is 0, its value zeroed too */

@@ -67,5 +67,30 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
 }
 
+/* Outputs o .. min(o + 16, out) - 1 of a row: a bias's (0 where absent or past the end), and a
+ * store of v's lanes to them (bfloat16 rounded as store16 rounds). */
+static inline __mmask16 lanes_below(int o, int out) {
+    return out - o >= 16 ? 0xFFFF : (__mmask16)((1u << (out - o)) - 1);
+}
+
+static inline __m512 load_partial16(const void *bias, int o, int out, const int bf16) {
+    if (bias == 0 || o >= out) return _mm512_setzero_ps();
+    if (bf16) {
+        const __m256i half = _mm256_maskz_loadu_epi16(lanes_below(o, out), (const uint16_t *)bias + o);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    }
+    return _mm512_maskz_loadu_ps(lanes_below(o, out), (const float *)bias + o);
+}
+
+static inline void store_partial16(void *y, int o, int out, __m512 v, const int bf16) {
+    if (o >= out) return;
+    if (bf16) { /* round to nearest even, as torch does */
+        _mm256_mask_storeu_epi16((uint16_t *)y + o, lanes_below(o, out),
+                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(v), 16)));
+    } else {
+        _mm512_mask_storeu_ps((float *)y + o, lanes_below(o, out), v);
+    }
+}
+
 #endif
 #endif
