@@ -103,7 +103,7 @@ def test_parameters_equal_transformers_loading_the_same_file(model_file: Path) -
     assert info.chat_template is None and info.vocab_size == len(GGUFFile(model_file).metadata["tokenizer.ggml.tokens"])
 
 
-@pytest.mark.skipif(not cpu_kernels.has_quantized_linear(cpu_kernels.load()), reason="no AVX-512 VNNI kernel here")
+@pytest.mark.skipif(not cpu_kernels.has_quantized_linear(cpu_kernels.load()), reason="no quantized kernel here (AVX-512 VNNI or AVX2)")
 def test_quantized_linears_stay_quantized_with_the_files_exact_weights(model_file: Path) -> None:
     """``--dtype auto``: a linear whose parts are all block types the kernel reads is kept
     quantized (q/k rows un-permuted, q, k and v stacked as the float path stacks them), and reads

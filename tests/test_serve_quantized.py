@@ -21,7 +21,7 @@ from worker.kernels import cpu as cpu_kernels
 
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(not cpu_kernels.has_quantized_linear(cpu_kernels.load()),
-                                 reason="no AVX-512 VNNI kernel here: the file is served dequantized")]
+                                 reason="no quantized kernel here: the file is served dequantized")]
 
 QUESTIONS = [
     "Write a short poem about the sea.",

@@ -236,7 +236,7 @@ def test_a_half_precision_stream_recomputed_after_a_restart_continues_with_the_u
     if not cpu_kernels.has_linear(cpu_kernels.load(), torch.bfloat16):
         pytest.skip("no bfloat16 linear kernel here (AVX512-BF16): bfloat16 products depend on the batch")
     if "smollm2" in flags and not cpu_kernels.has_quantized_linear(cpu_kernels.load()):
-        pytest.skip("no quantized kernel here (AVX-512 VNNI)")
+        pytest.skip("no quantized kernel here (AVX-512 VNNI or AVX2)")
     with running_server(*flags, "--admin-token", "t", "--max-num-batched-tokens", "64",
                         log_dir=tmp_path_factory.mktemp("halfcrash")) as server:
         url = server.url

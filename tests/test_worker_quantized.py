@@ -1,9 +1,11 @@
 """Weights kept quantized: GGUF blocks read into codes, scales and mins exactly (against the
-``gguf`` package's own dequantizer), packed for the VNNI kernel and read back, and the kernel's
+``gguf`` package's own dequantizer), packed for the quantized kernel and read back, and the kernel's
 products against two references: the same arithmetic in float64 (activations quantized per 32
 inputs as the kernel quantizes them: equal to float32 rounding) and the dequantize-then-matmul
 product (within the 8-bit activations' error, stated below). A row's result does not depend on
-its batch. Skipped where the kernel cannot run (no AVX-512 VNNI)."""
+its batch. Skipped where the kernel cannot run (neither AVX-512 VNNI nor AVX2). The AVX2 build of
+the kernel runs these tests too, and matches the VNNI build bit for bit
+(``tests/test_worker_kernels_portable.py``)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from worker.kernels import cpu as cpu_kernels
 from worker.model.quantized import QuantizedWeight
 
 LIB = cpu_kernels.load()
-needs_kernel = pytest.mark.skipif(not cpu_kernels.has_quantized_linear(LIB), reason="no AVX-512 VNNI kernel here")
+needs_kernel = pytest.mark.skipif(not cpu_kernels.has_quantized_linear(LIB), reason="no quantized kernel here (AVX-512 VNNI or AVX2)")
 
 
 @pytest.mark.parametrize("qtype", list(KEPT_LAYOUT))

@@ -132,7 +132,7 @@ class Worker:
 
     def _keeps_quantized(self, gguf: GGUFCheckpoint, dtype_flag: str) -> bool:
         """A quantized GGUF file is served quantized, as llama.cpp serves it, under ``--dtype auto``
-        on a CPU whose quantized kernel runs (AVX-512 VNNI); a named ``--dtype`` dequantizes it."""
+        on a CPU whose quantized kernel runs (AVX-512 VNNI or AVX2); a named ``--dtype`` dequantizes it."""
         types = gguf.quantized_types()
         if not types or dtype_flag != "auto":
             return False
@@ -140,7 +140,7 @@ class Worker:
             log.info("%s weights are dequantized at load: the quantized kernels are the CPU's", ", ".join(types))
             return False
         if not cpu_kernels.has_quantized_linear(cpu_kernels.load()):
-            log.info("%s weights are dequantized at load: the quantized kernel needs AVX-512 VNNI, which this "
+            log.info("%s weights are dequantized at load: the quantized kernel needs AVX-512 VNNI or AVX2, which this "
                      "CPU (or build) lacks", ", ".join(types))
             return False
         return True

@@ -2,7 +2,7 @@
 decode rows and prefill chunks alike (``csrc/paged_attention.c``), RMSNorm with the residual add before it (``csrc/rms_norm.c``),
 the rotary embedding and silu(gate) * up (``csrc/decoder.c``), each in float32 and bfloat16;
 linear layers on CPUs with AVX-512, float32 and (with AVX512-BF16) bfloat16 (``csrc/linear.c``),
-and with their weights kept in GGUF's quantized blocks (AVX-512 VNNI: ``csrc/linear_q.c``);
+and with their weights kept in GGUF's quantized blocks (AVX-512 VNNI or AVX2: ``csrc/linear_q.c``);
 and a decode step's whole decoder stack in one call, built from those same pieces
 (``csrc/decoder.c``, driven by ``worker/model/cpu_decoder.py``).
 
@@ -310,8 +310,13 @@ QBLOCK = 32  # inputs per quantized block
 
 
 def has_quantized_linear(lib: ctypes.CDLL | None) -> bool:
-    """The quantized linear kernel was compiled for this CPU (AVX-512 with VNNI)."""
+    """The quantized linear kernel was compiled for this CPU (AVX-512 VNNI, or AVX2 and FMA)."""
     return lib is not None and bool(lib.linear_q_available())
+
+
+def quantized_instructions(lib: ctypes.CDLL | None) -> str | None:
+    """Which instructions the quantized linear kernel was built with, in words; None without one."""
+    return {2: "AVX-512 VNNI", 1: "AVX2"}.get(lib.linear_q_available()) if lib is not None else None
 
 
 def pack_quantized(weight: QuantizedWeight) -> torch.Tensor:
@@ -371,5 +376,6 @@ def linear_q(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, bias: torc
 
 
 def quantized_scratch_bytes(rows: int, in_features: int) -> int:
-    """The int8 activations and their four floats per 32 inputs (a scale and three sums)."""
-    return rows * (in_features + 16 * (in_features // QBLOCK))
+    """The int8 activations and, per 32 inputs, four floats (a scale and three sums) and two
+    integer sums."""
+    return rows * (in_features + 24 * (in_features // QBLOCK))

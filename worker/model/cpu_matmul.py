@@ -8,7 +8,7 @@ below was kept because it measured faster than the plain ``F.linear`` of its dty
   (bfloat16) inputs per 64 bytes, the plain weight released; no horizontal sums, weights
   streamed once, and a row's result independent of its batch.
 * **Weights kept quantized** (a GGUF file's blocks, ``worker/model/quantized.py``) are packed for
-  Sluice's VNNI kernel (``csrc/linear_q.c``), whatever the activations' dtype: only that kernel
+  Sluice's quantized kernel (``csrc/linear_q.c``: AVX-512 VNNI, else AVX2), whatever the activations' dtype: only that kernel
   reads them, so a model keeps them only where it runs (``worker/engine.py``).
 * Without the kernel, **bfloat16** weights are packed for oneDNN (``mkldnn._reorder_linear_weight``,
   multiplied by ``mkldnn._linear_pointwise``), and **float32** ones go to MKL stored column-major
@@ -113,7 +113,8 @@ def prepare(model: nn.Module, dtype: torch.dtype) -> str:
         formats = ", ".join(dict.fromkeys(f for q in kept for f in q.formats))
         dense = len(linears) - len(kept)
         rest = f"; {dense} others: {path(dtype)}" if dense else ""
-        return (f"{len(kept)} kept quantized ({formats}) through Sluice's AVX-512 VNNI kernel, activations "
+        isa = cpu_kernels.quantized_instructions(cpu_kernels.load())
+        return (f"{len(kept)} kept quantized ({formats}) through Sluice's {isa} kernel, activations "
                 f"{str(dtype).removeprefix('torch.')}{rest}")
     if dtype == torch.float32 or (dtype == torch.bfloat16 and can_pack()):
         return path(dtype)

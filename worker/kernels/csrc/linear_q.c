@@ -1,4 +1,4 @@
-/* y = x W^T (+ bias) with W kept quantized, as GGUF files store it, on CPUs with AVX-512 VNNI.
+/* y = x W^T (+ bias) with W kept quantized, as GGUF files store it, on CPUs with AVX-512 VNNI or AVX2.
  *
  * GGUF's block formats all say the same thing in different bit layouts: a row is cut into groups
  * of 32 (or 16) inputs, and weight j of a group is  scale * code_j + min  with small unsigned
@@ -23,6 +23,11 @@
  * the integer sum by eight vpdpbusd (64 unsigned-by-signed byte products each), the rest two
  * fused multiply-adds on 16 outputs. Every output sums its blocks in the same order whatever the
  * number of rows and wherever its row sits: a row's result does not depend on its batch.
+ *
+ * Without AVX-512 VNNI, AVX2 computes the same integer sums (exactly: vpmaddubsw's 16-bit pair
+ * sums cannot saturate on codes below 16, and 8-bit codes are split into their two nibbles) and
+ * then the same float operations in the same order on two halves of 8 outputs, so its results
+ * are the VNNI kernel's bit for bit.
  */
 #include <math.h>
 #include <stdint.h>
@@ -37,11 +42,12 @@ static inline int64_t record_bytes(int layout) { return (layout == 4 ? 4 : 8) * 
 
 /* ------------------------------------------------------------------ activations */
 
-/* x [rows, in] (rows x_stride apart) -> codes [rows, in] int8, dx [rows, in / 32] and s [rows, in / 32, 3]:
- * dx times the sum of the codes of the block, of its first 16 and of its last 16. */
+/* x [rows, in] (rows x_stride apart) -> codes [rows, in] int8, dx [rows, in / 32], s [rows, in / 32, 3]:
+ * dx times the sum of the codes of the block, of its first 16 and of its last 16, and those last
+ * two sums as integers, sums [rows, in / 32, 2] (the AVX2 path's correction for 8-bit codes). */
 static inline __attribute__((always_inline)) void quantize_rows(const void *x, int64_t x_stride, int8_t *codes,
-                                                                float *dx, float *s, int num_rows, int in,
-                                                                const int bf16) {
+                                                                float *dx, float *s, int32_t *sums_int, int num_rows,
+                                                                int in, const int bf16) {
     const int blocks = in / QBLOCK;
 #pragma omp for schedule(static)
     for (int i = 0; i < num_rows * blocks; i++) {
@@ -63,6 +69,8 @@ static inline __attribute__((always_inline)) void quantize_rows(const void *x, i
         sums[0] = d * (float)(first + second);
         sums[1] = d * (float)first;
         sums[2] = d * (float)second;
+        sums_int[((int64_t)r * blocks + k) * 2] = first;
+        sums_int[((int64_t)r * blocks + k) * 2 + 1] = second;
     }
 }
 
@@ -73,9 +81,10 @@ static inline __attribute__((always_inline)) void quantize_rows(const void *x, i
 
 /* Rows r0 .. r0 + rows - 1 by the 16 outputs of block ob; rows, layout and bf16 constants where inlined. */
 static inline __attribute__((always_inline)) void qblock(const int8_t *codes, const float *dx, const float *s,
-                                                         const uint8_t *packed, const void *bias, void *y, int r0,
-                                                         const int rows, int ob, int out, int in, const int layout,
-                                                         const int bf16) {
+                                                         const int32_t *sums_int, const uint8_t *packed,
+                                                         const void *bias, void *y, int r0, const int rows, int ob,
+                                                         int out, int in, const int layout, const int bf16) {
+    (void)sums_int; /* vpdpbusd multiplies unsigned bytes by signed ones: no correction */
     const int blocks = in / QBLOCK;
     const int64_t rec = record_bytes(layout), code_bytes = (layout == 4 ? 4 : 8) * 64;
     const uint8_t *w = packed + (int64_t)ob * blocks * rec;
@@ -130,22 +139,164 @@ static inline __attribute__((always_inline)) void qblock(const int8_t *codes, co
 }
 
 static inline __attribute__((always_inline)) void qblocks_rows(const int8_t *codes, const float *dx, const float *s,
-                                                               const uint8_t *packed, const void *bias, void *y,
+                                                               const int32_t *sums_int, const uint8_t *packed, const void *bias, void *y,
                                                                int num_rows, int out, int in, const int layout,
                                                                const int bf16) {
     const int out_blocks = (out + 15) / 16;
 #pragma omp for schedule(static)
     for (int ob = 0; ob < out_blocks; ob++) {
         int r0 = 0;
-        for (; r0 + QROWS <= num_rows; r0 += QROWS) qblock(codes, dx, s, packed, bias, y, r0, QROWS, ob, out, in, layout, bf16);
+        for (; r0 + QROWS <= num_rows; r0 += QROWS) qblock(codes, dx, s, sums_int, packed, bias, y, r0, QROWS, ob, out, in, layout, bf16);
         switch (num_rows - r0) { /* the last few rows, each count compiled with its own constant */
-            case 7: qblock(codes, dx, s, packed, bias, y, r0, 7, ob, out, in, layout, bf16); break;
-            case 6: qblock(codes, dx, s, packed, bias, y, r0, 6, ob, out, in, layout, bf16); break;
-            case 5: qblock(codes, dx, s, packed, bias, y, r0, 5, ob, out, in, layout, bf16); break;
-            case 4: qblock(codes, dx, s, packed, bias, y, r0, 4, ob, out, in, layout, bf16); break;
-            case 3: qblock(codes, dx, s, packed, bias, y, r0, 3, ob, out, in, layout, bf16); break;
-            case 2: qblock(codes, dx, s, packed, bias, y, r0, 2, ob, out, in, layout, bf16); break;
-            case 1: qblock(codes, dx, s, packed, bias, y, r0, 1, ob, out, in, layout, bf16); break;
+            case 7: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 7, ob, out, in, layout, bf16); break;
+            case 6: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 6, ob, out, in, layout, bf16); break;
+            case 5: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 5, ob, out, in, layout, bf16); break;
+            case 4: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 4, ob, out, in, layout, bf16); break;
+            case 3: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 3, ob, out, in, layout, bf16); break;
+            case 2: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 2, ob, out, in, layout, bf16); break;
+            case 1: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 1, ob, out, in, layout, bf16); break;
+            default: break;
+        }
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#define QROWS_AVX2 4 /* rows per pass: 2 accumulators a row, in 16 registers with the weights' loads */
+
+/* One block's codes of 8 outputs, unpacked once for all rows into c[g], group g's 32 bytes.
+ * Layouts 8 and 16 (codes up to 255) as the signed c - 128, which vpmaddubsw takes as its
+ * magnitude and the activation's sign flipped by the code's: c q = (c - 128) q + 128 q. */
+static inline __attribute__((always_inline)) void unpack_codes(const uint8_t *w, int half, const int layout,
+                                                               __m256i *c) {
+    for (int g = 0; g < 8; g++) {
+        if (layout == 4) { /* groups g and g + 4 share a vector: low and high nibbles */
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(w + 64 * (g % 4) + 32 * half));
+            c[g] = _mm256_and_si256(g < 4 ? packed : _mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));
+        } else {
+            c[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 64 * g + 32 * half)),
+                                    _mm256_set1_epi8((char)0x80));
+        }
+    }
+}
+
+/* 8 outputs' integer sums over one block for one row: lo over the groups the VNNI kernel sums in
+ * its lo chain, hi over the others (the order is immaterial: integer sums are exact). The 16-bit
+ * pair sums of vpmaddubsw cannot saturate: 15 x 127 x 2 for 4-bit codes, 128 x 127 x 2 for the
+ * others. first, second: the row's integer sums of the block's first and last 16 activations. */
+static inline __attribute__((always_inline)) void block_sums(const __m256i *c, const int8_t *q, int32_t first,
+                                                             int32_t second, const int layout, __m256i *lo,
+                                                             __m256i *hi) {
+    int32_t group[8];
+    memcpy(group, q, sizeof group);
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (layout == 4) { /* each chain's four groups summed in 16 bits (4 x 3,810 < 2^15), widened once */
+        __m256i pairs_lo = _mm256_setzero_si256(), pairs_hi = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g += 2) {
+            pairs_lo = _mm256_add_epi16(pairs_lo, _mm256_maddubs_epi16(c[g], _mm256_set1_epi32(group[g])));
+            pairs_hi = _mm256_add_epi16(pairs_hi, _mm256_maddubs_epi16(c[g + 1], _mm256_set1_epi32(group[g + 1])));
+        }
+        *lo = _mm256_madd_epi16(pairs_lo, ones);
+        *hi = _mm256_madd_epi16(pairs_hi, ones);
+        return;
+    }
+    *lo = _mm256_setzero_si256();
+    *hi = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) {
+        const __m256i acts = _mm256_set1_epi32(group[g]);
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c[g]), _mm256_sign_epi8(acts, c[g])),
+                                              ones);
+        const int in_lo = layout == 16 ? g < 4 : g % 2 == 0;
+        if (in_lo) *lo = _mm256_add_epi32(*lo, dot);
+        else *hi = _mm256_add_epi32(*hi, dot);
+    }
+    if (layout == 16) { /* lo: inputs 0-15, hi: 16-31 */
+        *lo = _mm256_add_epi32(*lo, _mm256_set1_epi32(128 * first));
+        *hi = _mm256_add_epi32(*hi, _mm256_set1_epi32(128 * second));
+    } else if (layout == 8) { /* only lo + hi is used */
+        *lo = _mm256_add_epi32(*lo, _mm256_set1_epi32(128 * (first + second)));
+    }
+}
+
+static inline __m256 load_partial8(const void *bias, int o, int out, const int bf16) {
+    float v[8] = {0};
+    if (bias != 0)
+        for (int j = 0; j < 8 && o + j < out; j++)
+            v[j] = bf16 ? bf16_to_f32(((const uint16_t *)bias)[o + j]) : ((const float *)bias)[o + j];
+    return _mm256_loadu_ps(v);
+}
+
+static inline void store_partial8(void *y, int o, int out, __m256 acc, const int bf16) {
+    float v[8];
+    _mm256_storeu_ps(v, acc);
+    for (int j = 0; j < 8 && o + j < out; j++) {
+        if (bf16) ((uint16_t *)y)[o + j] = f32_to_bf16(v[j]);
+        else ((float *)y)[o + j] = v[j];
+    }
+}
+
+static inline __attribute__((always_inline)) void qblock(const int8_t *codes, const float *dx, const float *s,
+                                                         const int32_t *sums_int, const uint8_t *packed,
+                                                         const void *bias, void *y, int r0, const int rows, int ob,
+                                                         int out, int in, const int layout, const int bf16) {
+    const int blocks = in / QBLOCK;
+    const int64_t rec = record_bytes(layout), code_bytes = (layout == 4 ? 4 : 8) * 64;
+    __m256 acc[QROWS_AVX2][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const uint8_t *w = packed + (int64_t)ob * blocks * rec;
+    for (int k = 0; k < blocks; k++, w += rec) {
+        const float *factors = (const float *)(w + code_bytes);
+        for (int half = 0; half < 2; half++) {
+            __m256i c[8];
+            unpack_codes(w, half, layout, c);
+            const __m256 scale = _mm256_loadu_ps(factors + 8 * half), min = _mm256_loadu_ps(factors + 16 + 8 * half);
+            const __m256 scale_hi = layout == 16 ? _mm256_loadu_ps(factors + 32 + 8 * half) : scale;
+            const __m256 min_hi = layout == 16 ? _mm256_loadu_ps(factors + 48 + 8 * half) : min;
+            for (int r = 0; r < rows; r++) {
+                const int64_t row = r0 + r;
+                __m256i lo, hi;
+                const int32_t *ints = sums_int + (row * blocks + k) * 2;
+                block_sums(c, codes + row * in + (int64_t)k * QBLOCK, ints[0], ints[1], layout, &lo, &hi);
+                const __m256 d = _mm256_set1_ps(dx[row * blocks + k]);
+                const float *sums = s + (row * blocks + k) * 3;
+                __m256 a = acc[r][half];
+                if (layout == 16) {
+                    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(scale, d), a);
+                    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(scale_hi, d), a);
+                    a = _mm256_fmadd_ps(min, _mm256_set1_ps(sums[1]), a);
+                    a = _mm256_fmadd_ps(min_hi, _mm256_set1_ps(sums[2]), a);
+                } else {
+                    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(scale, d), a);
+                    a = _mm256_fmadd_ps(min, _mm256_set1_ps(sums[0]), a);
+                }
+                acc[r][half] = a;
+            }
+        }
+    }
+    for (int half = 0; half < 2; half++) {
+        const int o = ob * 16 + 8 * half;
+        if (o >= out) break;
+        const __m256 b = load_partial8(bias, o, out, bf16);
+        for (int r = 0; r < rows; r++)
+            store_partial8((char *)y + (int64_t)(r0 + r) * out * (bf16 ? 2 : 4), o, out, _mm256_add_ps(acc[r][half], b),
+                           bf16);
+    }
+}
+
+static inline __attribute__((always_inline)) void qblocks_rows(const int8_t *codes, const float *dx, const float *s,
+                                                               const int32_t *sums_int, const uint8_t *packed, const void *bias, void *y,
+                                                               int num_rows, int out, int in, const int layout,
+                                                               const int bf16) {
+    const int out_blocks = (out + 15) / 16;
+#pragma omp for schedule(static)
+    for (int ob = 0; ob < out_blocks; ob++) {
+        int r0 = 0;
+        for (; r0 + QROWS_AVX2 <= num_rows; r0 += QROWS_AVX2)
+            qblock(codes, dx, s, sums_int, packed, bias, y, r0, QROWS_AVX2, ob, out, in, layout, bf16);
+        switch (num_rows - r0) {
+            case 3: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 3, ob, out, in, layout, bf16); break;
+            case 2: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 2, ob, out, in, layout, bf16); break;
+            case 1: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 1, ob, out, in, layout, bf16); break;
             default: break;
         }
     }
@@ -153,24 +304,25 @@ static inline __attribute__((always_inline)) void qblocks_rows(const int8_t *cod
 #endif
 
 /* The work-sharing body (as linear.c's, for decoder.c): quantize x into the scratch, a barrier,
- * then the 16-output blocks split among the threads. scratch: rows * (in + 16 * in / 32) bytes. */
+ * then the 16-output blocks split among the threads. scratch: rows * (in + 24 * in / 32) bytes. */
 void linear_q_rows(const void *x, int64_t x_stride, const uint8_t *packed, const void *bias, void *y, int num_rows,
                    int out, int in, int layout, void *scratch, int bf16) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || (defined(__AVX2__) && defined(__FMA__))
     int8_t *codes = scratch;
     float *dx = (float *)(codes + (int64_t)num_rows * in), *s = dx + (int64_t)num_rows * (in / QBLOCK);
+    int32_t *sums_int = (int32_t *)(s + (int64_t)num_rows * (in / QBLOCK) * 3);
     if (bf16)
-        quantize_rows(x, x_stride, codes, dx, s, num_rows, in, 1);
+        quantize_rows(x, x_stride, codes, dx, s, sums_int, num_rows, in, 1);
     else
-        quantize_rows(x, x_stride, codes, dx, s, num_rows, in, 0);
+        quantize_rows(x, x_stride, codes, dx, s, sums_int, num_rows, in, 0);
     /* the implicit barrier of quantize_rows' omp for: every row's codes are written */
     switch (layout * 2 + (bf16 != 0)) { /* each combination compiled with its constants */
-        case 8: qblocks_rows(codes, dx, s, packed, bias, y, num_rows, out, in, 4, 0); break;
-        case 9: qblocks_rows(codes, dx, s, packed, bias, y, num_rows, out, in, 4, 1); break;
-        case 16: qblocks_rows(codes, dx, s, packed, bias, y, num_rows, out, in, 8, 0); break;
-        case 17: qblocks_rows(codes, dx, s, packed, bias, y, num_rows, out, in, 8, 1); break;
-        case 32: qblocks_rows(codes, dx, s, packed, bias, y, num_rows, out, in, 16, 0); break;
-        case 33: qblocks_rows(codes, dx, s, packed, bias, y, num_rows, out, in, 16, 1); break;
+        case 8: qblocks_rows(codes, dx, s, sums_int, packed, bias, y, num_rows, out, in, 4, 0); break;
+        case 9: qblocks_rows(codes, dx, s, sums_int, packed, bias, y, num_rows, out, in, 4, 1); break;
+        case 16: qblocks_rows(codes, dx, s, sums_int, packed, bias, y, num_rows, out, in, 8, 0); break;
+        case 17: qblocks_rows(codes, dx, s, sums_int, packed, bias, y, num_rows, out, in, 8, 1); break;
+        case 32: qblocks_rows(codes, dx, s, sums_int, packed, bias, y, num_rows, out, in, 16, 0); break;
+        case 33: qblocks_rows(codes, dx, s, sums_int, packed, bias, y, num_rows, out, in, 16, 1); break;
         default: break;
     }
 #endif
@@ -184,8 +336,11 @@ void linear_q(const void *x, int64_t x_stride, const uint8_t *packed, const void
     linear_q_rows(x, x_stride, packed, bias, y, num_rows, out, in, layout, scratch, bf16);
 }
 
+/* Which instructions the kernel was built with: 2 AVX-512 VNNI, 1 AVX2, 0 none. */
 int linear_q_available(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
     return 1;
 #else
     return 0; /* quantized files are served dequantized */
