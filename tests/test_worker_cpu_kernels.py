@@ -180,23 +180,27 @@ def test_rms_norm_matches_torch(rows: int, dtype: torch.dtype) -> None:
         assert (got.float() != want.float()).float().mean() < 0.01  # nearly all bit-identical
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "bs"),
-                         [(9, 3, 64, None, 8), (9, 3, 64, None, 16), (8, 2, 64, 37, 16), (4, 1, 128, None, 32),
-                          (8, 2, 16, 7, 8), (4, 2, 24, None, 8)])  # bs 16 / 32: bfloat16 in the pairs layout
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "bs", "n"),
+                         [(9, 3, 64, None, 8, 45), (9, 3, 64, None, 16, 45), (8, 2, 64, 37, 16, 45),
+                          (4, 1, 128, None, 32, 45), (8, 2, 16, 7, 8, 45), (4, 2, 24, None, 8, 45),
+                          # past 64 positions: the bfloat16 kernel's whole spans of 64 (and GQA groups
+                          # of 3, 4 and 8 heads in sets of up to 4, 2 at head_dim 128)
+                          (9, 3, 64, None, 16, 150), (8, 1, 64, 100, 16, 150), (6, 2, 128, None, 32, 150)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tokens_attention_is_the_same_bits_in_a_prefill_a_chunk_and_a_decode(heads: int, kv_heads: int,
                                                                                  head_dim: int, window: int | None,
-                                                                                 bs: int, dtype: torch.dtype) -> None:
-    """A 45-token prompt attended in one prefill, in chunks of 7 among other rows, and token by
+                                                                                 bs: int, n: int,
+                                                                                 dtype: torch.dtype) -> None:
+    """An n-token prompt attended in one prefill, in chunks of 7 among other rows, and token by
     token as decode rows: every query's output is bitwise the same (the recompute after a
-    restart relies on it)."""
+    restart relies on it), and the prefill is causal attention's within bfloat16's rounding."""
     torch.manual_seed(1)
-    n = 45
     cpu = torch.device("cpu")
     cache = KVCache(1, 64, bs, kv_heads, head_dim, dtype, cpu)
     cache.keys[0].copy_(torch.randn_like(cache.keys[0]))
     cache.values[0].copy_(torch.randn_like(cache.values[0]))
-    table = [11, 3, 40, 7, 22, 9]  # 48 positions, shuffled
+    # shuffled blocks for n positions (45: 48 positions), apart from the neighbour row's 50 and 51
+    table = [11, 3, 40, 7, 22, 9] if n <= 48 else random.Random(n).sample(range(48), -(-n // bs))
     other = [50, 51]  # a neighbour row in the chunked steps
     q = torch.randn(n, heads, head_dim, dtype=dtype)
     k, v = torch.randn(n, kv_heads, head_dim, dtype=dtype), torch.randn(n, kv_heads, head_dim, dtype=dtype)
@@ -220,4 +224,13 @@ def test_a_tokens_attention_is_the_same_bits_in_a_prefill_a_chunk_and_a_decode(h
         decoded.append(out[:1])
     assert torch.equal(torch.cat(chunked), whole)
     assert torch.equal(torch.cat(decoded), whole)
+    # causal attention (with the window) in float64 on the same inputs
+    group = heads // kv_heads
+    kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * head_dim**-0.5
+    i, j = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+    visible = (j <= i) & ((i - j < window) if window else True)
+    want = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vv)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert (whole.double() - want).abs().max().item() <= tolerance * want.abs().max().item()
 

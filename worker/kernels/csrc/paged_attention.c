@@ -376,23 +376,131 @@ static inline __attribute__((always_inline)) void attend_rows_avx512(
 #define SUBS 4             /* chunks per span */
 #define SPAN (KEYS * SUBS) /* positions per softmax update (a running max, a rescale, a sum) */
 
+/* Query heads a pass takes together: as many as keep their PV accumulators (heads x head_dim / 16
+ * vectors) within 16 of the 32 registers. */
+#define HEAD_SET_VECTORS 16
+
+/* A span's chunks as one query sees them: its chunks sub_a .. sub_b, and in each the positions
+ * [lo, hi) it sees (mask: those lanes). full: all 64 positions (then constants). */
+typedef struct {
+    int sub_a, sub_b;
+    int run_lo[SUBS], run_hi[SUBS];
+    __mmask16 mask[SUBS];
+} SpanView;
+
+/* Query heads 0 .. n - 1 of qp (n a constant; pairs of bfloat16 each, head_dim / 2 apart) over one
+ * span: scores, the running max and sum, and the accumulators acc[0 .. n - 1].
+ *
+ * A head's score for a chunk of 16 positions is one chain of head_dim / 2 dot instructions over
+ * the chunk's dim pairs, the query's pair broadcast; the n heads (and, over a full span, the four
+ * chunks) are independent chains, interleaved, each key vector loaded once for all of them. The
+ * running max, the rescale and the sum are updated once per span. Probabilities are rounded to
+ * bfloat16 (as FlashAttention rounds P before its PV product; the softmax sum adds the same
+ * rounded values), and each head's output gains the span in one chain per 16 dims over the
+ * position pairs in order, each value vector loaded once for the n heads. A head's arithmetic is
+ * the same in the full-span path as in the general one. */
+static inline __attribute__((always_inline)) void span_heads(
+        const int32_t *qp, const __m512i *const *keys, const __m512i *const *values, const SpanView *view,
+        float scale, __m512 (*acc)[MAX_HEAD_DIM / 16], float *running_max, float *running_sum, const int n,
+        const int chunks, const int full) {
+    const int pairs = chunks * 8;
+    const int sub_a = full ? 0 : view->sub_a, sub_b = full ? SUBS - 1 : view->sub_b;
+    __m512 scores[HEAD_SET_VECTORS][SUBS];
+    for (int g = 0; g < n; g++)
+        for (int sub = 0; sub < SUBS; sub++) scores[g][sub] = _mm512_setzero_ps();
+    if (full) {
+        for (int d = 0; d < pairs; d++) {
+            __m512bh qd[HEAD_SET_VECTORS];
+            for (int g = 0; g < n; g++) qd[g] = (__m512bh)_mm512_set1_epi32(qp[g * pairs + d]);
+            for (int sub = 0; sub < SUBS; sub++) {
+                const __m512bh kd = (__m512bh)_mm512_loadu_si512(keys[sub] + d);
+                for (int g = 0; g < n; g++) scores[g][sub] = _mm512_dpbf16_ps(scores[g][sub], kd, qd[g]);
+            }
+        }
+    } else {
+        for (int sub = sub_a; sub <= sub_b; sub++) {
+            for (int d = 0; d < pairs; d++) {
+                const __m512bh kd = (__m512bh)_mm512_loadu_si512(keys[sub] + d);
+                for (int g = 0; g < n; g++)
+                    scores[g][sub] = _mm512_dpbf16_ps(scores[g][sub], kd, (__m512bh)_mm512_set1_epi32(qp[g * pairs + d]));
+            }
+        }
+    }
+    int32_t p_pairs[HEAD_SET_VECTORS][SUBS][KEYS / 2];
+    for (int g = 0; g < n; g++) {
+        for (int sub = sub_a; sub <= sub_b; sub++) {
+            scores[g][sub] = _mm512_mul_ps(scores[g][sub], _mm512_set1_ps(scale));
+            if (!full) scores[g][sub] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), view->mask[sub], scores[g][sub]);
+        }
+        __m512 top = scores[g][sub_a];
+        for (int sub = sub_a + 1; sub <= sub_b; sub++) top = _mm512_max_ps(top, scores[g][sub]);
+        const float span_max = _mm512_reduce_max_ps(top);
+        if (span_max > running_max[g]) {
+            const float rescale = expf(running_max[g] - span_max);
+            running_sum[g] *= rescale;
+            for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(rescale));
+            running_max[g] = span_max;
+        }
+        __m512 total = _mm512_setzero_ps();
+        for (int sub = sub_a; sub <= sub_b; sub++) {
+            __m512 p = exp512(_mm512_sub_ps(scores[g][sub], _mm512_set1_ps(running_max[g])));
+            if (!full) p = _mm512_maskz_mov_ps(view->mask[sub], p);
+            const __m256bh rounded = _mm512_cvtneps_pbh(p);
+            total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16)));
+            _mm256_storeu_si256((__m256i *)p_pairs[g][sub], (__m256i)rounded);
+        }
+        running_sum[g] += _mm512_reduce_add_ps(total);
+    }
+    __m512 part[HEAD_SET_VECTORS][MAX_HEAD_DIM / 16];
+    for (int g = 0; g < n; g++)
+        for (int c = 0; c < chunks; c++) part[g][c] = _mm512_setzero_ps();
+    for (int sub = sub_a; sub <= sub_b; sub++) {
+        const int lo = full ? 0 : view->run_lo[sub], hi = full ? KEYS : view->run_hi[sub];
+        for (int j = lo / 2; j <= (hi - 1) / 2; j++) {
+            /* a pair half outside the run: that position's values may be another request's (or
+             * NaN); its probability is 0, its value zeroed too */
+            const __m512i keep = _mm512_set1_epi32((int)((2 * j < lo ? 0xFFFF0000u : 0xFFFFFFFFu) &
+                                                         (2 * j + 1 >= hi ? 0x0000FFFFu : 0xFFFFFFFFu)));
+            for (int c = 0; c < chunks; c++) {
+                __m512i vpair = _mm512_loadu_si512(values[sub] + j * chunks + c);
+                if (!full) vpair = _mm512_and_si512(vpair, keep);
+                for (int g = 0; g < n; g++)
+                    part[g][c] = _mm512_dpbf16_ps(part[g][c], (__m512bh)vpair,
+                                                  (__m512bh)_mm512_set1_epi32(p_pairs[g][sub][j]));
+            }
+        }
+    }
+    for (int g = 0; g < n; g++)
+        for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_add_ps(acc[g][c], part[g][c]);
+}
+
+/* span_heads for n heads, n a runtime count up to HEAD_SET_VECTORS / chunks, each count compiled
+ * with its constant. */
+static inline __attribute__((always_inline)) void span_head_set(
+        const int32_t *qp, const __m512i *const *keys, const __m512i *const *values, const SpanView *view,
+        float scale, __m512 (*acc)[MAX_HEAD_DIM / 16], float *running_max, float *running_sum, int n,
+        const int chunks, const int full) {
+    switch (n) {
+        case 1: span_heads(qp, keys, values, view, scale, acc, running_max, running_sum, 1, chunks, full); break;
+        case 2: span_heads(qp, keys, values, view, scale, acc, running_max, running_sum, 2, chunks, full); break;
+        case 3: span_heads(qp, keys, values, view, scale, acc, running_max, running_sum, 3, chunks, full); break;
+        default: span_heads(qp, keys, values, view, scale, acc, running_max, running_sum, 4, chunks, full); break;
+    }
+}
+
 /* bfloat16 attention over a cache in the pairs layout, with vdpbf16ps (two bfloat16 products
- * summed into each float32 lane). A query head's scores for a chunk of 16 positions are one
- * chain of head_dim / 2 dot instructions over the chunk's dim pairs (two chains, even and odd
- * pairs, added at the end), the query's pair broadcast; its output gains the chunk in dot
- * instructions over position pairs with the probabilities rounded to bfloat16 (as FlashAttention
- * rounds P before its PV product; the softmax sum adds the same rounded values). The running max,
- * the rescale and the sum are updated once per span of 64 positions. A query's arithmetic depends
- * only on its own position: it takes the chunks of its visible range in order, spans and chunks
- * aligned to absolute positions, each with its own mask, whatever the tile or batch. So decode
- * rows, prefill chunks and recomputes give the same bits, as with the loops above. */
+ * summed into each float32 lane): per work item, a kv head's tile of queries, span by span of
+ * 64 positions, each query's heads in sets (span_heads). A query's arithmetic depends only on its
+ * own position: it takes the chunks of its visible range in order, spans and chunks aligned to
+ * absolute positions, each with its own mask, whatever the tile or batch. So decode rows, prefill
+ * chunks and recomputes give the same bits, as with the loops above. */
 static inline __attribute__((always_inline)) void attend_rows_bf16_dot(
         const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache, const Rows *rows,
         uint16_t *out, int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale,
         const int chunks) {
     const int group = num_heads / kv_heads;
     const int per_tile = TILE_HEADS / group > 0 ? TILE_HEADS / group : 1;
-    const int pairs = head_dim / 2;
+    const int set_size = HEAD_SET_VECTORS / chunks < 4 ? HEAD_SET_VECTORS / chunks : 4;
     const int items = count_items(rows, num_rows, kv_heads, per_tile);
 #pragma omp for schedule(dynamic, 1)
     for (int item = 0; item < items; item++) {
@@ -411,6 +519,7 @@ static inline __attribute__((always_inline)) void attend_rows_bf16_dot(
             const __m512i *keys[SUBS], *values[SUBS];
             for (int sub = 0; sub < SUBS; sub++) {
                 const int k0 = s0 + KEYS * sub;
+                keys[sub] = values[sub] = 0;
                 if (k0 >= tl.hi || k0 + KEYS <= tl.lo) continue;
                 const int64_t chunk = (((int64_t)table[k0 / block_size] * kv_heads + h) * block_size + k0 % block_size)
                                       * head_dim;
@@ -421,75 +530,26 @@ static inline __attribute__((always_inline)) void attend_rows_bf16_dot(
                 const int a = tl.first[t] > s0 ? tl.first[t] : s0;
                 const int b = tl.position[t] + 1 < s0 + SPAN ? tl.position[t] + 1 : s0 + SPAN;
                 if (a >= b) continue;
-                const int sub_a = (a - s0) / KEYS, sub_b = (b - 1 - s0) / KEYS; /* the query's chunks */
-                const int32_t *qp = (const int32_t *)(q + tl.token[t] * q_stride + (int64_t)h * group * head_dim);
-                int run_lo[SUBS], run_hi[SUBS]; /* the query's positions [lo, hi) of each chunk */
-                __mmask16 mask[SUBS];
-                for (int sub = sub_a; sub <= sub_b; sub++) {
+                const int full = a == s0 && b == s0 + SPAN;
+                SpanView view;
+                view.sub_a = (a - s0) / KEYS;
+                view.sub_b = (b - 1 - s0) / KEYS; /* the query's chunks */
+                for (int sub = view.sub_a; sub <= view.sub_b; sub++) {
                     const int k0 = s0 + KEYS * sub;
-                    run_lo[sub] = a > k0 ? a - k0 : 0;
-                    run_hi[sub] = b < k0 + KEYS ? b - k0 : KEYS;
-                    mask[sub] = (__mmask16)(((1u << run_hi[sub]) - 1) & ~((1u << run_lo[sub]) - 1));
+                    view.run_lo[sub] = a > k0 ? a - k0 : 0;
+                    view.run_hi[sub] = b < k0 + KEYS ? b - k0 : KEYS;
+                    view.mask[sub] = (__mmask16)(((1u << view.run_hi[sub]) - 1) & ~((1u << view.run_lo[sub]) - 1));
                 }
-                for (int g = 0; g < group; g++) {
-                    const int s_ = t * group + g;
-                    __m512 scores[SUBS];
-                    for (int sub = sub_a; sub <= sub_b; sub++) {
-                        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-                        for (int d = 0; d < pairs; d += 2) {
-                            even = _mm512_dpbf16_ps(even, (__m512bh)_mm512_loadu_si512(keys[sub] + d),
-                                                    (__m512bh)_mm512_set1_epi32(qp[g * pairs + d]));
-                            odd = _mm512_dpbf16_ps(odd, (__m512bh)_mm512_loadu_si512(keys[sub] + d + 1),
-                                                   (__m512bh)_mm512_set1_epi32(qp[g * pairs + d + 1]));
-                        }
-                        scores[sub] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask[sub],
-                                                         _mm512_mul_ps(_mm512_add_ps(even, odd), _mm512_set1_ps(scale)));
-                    }
-                    __m512 top = scores[sub_a];
-                    for (int sub = sub_a + 1; sub <= sub_b; sub++) top = _mm512_max_ps(top, scores[sub]);
-                    const float span_max = _mm512_reduce_max_ps(top);
-                    if (span_max > running_max[s_]) {
-                        const float rescale = expf(running_max[s_] - span_max);
-                        running_sum[s_] *= rescale;
-                        for (int c = 0; c < chunks; c++) acc[s_][c] = _mm512_mul_ps(acc[s_][c], _mm512_set1_ps(rescale));
-                        running_max[s_] = span_max;
-                    }
-                    __m512 total = _mm512_setzero_ps();
-                    /* the span's weighted values in two chains (alternate position pairs), added
-                     * to the accumulator at the span's end */
-                    __m512 part[2][MAX_HEAD_DIM / 16];
-                    for (int c = 0; c < chunks; c++) part[0][c] = part[1][c] = _mm512_setzero_ps();
-                    int flip = 0;
-                    for (int sub = sub_a; sub <= sub_b; sub++) {
-                        const __m512 p = _mm512_maskz_mov_ps(mask[sub], exp512(_mm512_sub_ps(scores[sub],
-                                                                                             _mm512_set1_ps(running_max[s_]))));
-                        const __m256bh rounded = _mm512_cvtneps_pbh(p);
-                        total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16)));
-                        int32_t p_pairs[KEYS / 2];
-                        _mm256_storeu_si256((__m256i *)p_pairs, (__m256i)rounded);
-                        const int lo = run_lo[sub], hi = run_hi[sub];
-                        for (int j = lo / 2; j <= (hi - 1) / 2; j++) {
-                            /* a pair half outside the run: that position's values may be another
-                             * request's (or NaN); its probability is 0, its value zeroed too */
-                            const __m512i keep = _mm512_set1_epi32((int)((2 * j < lo ? 0xFFFF0000u : 0xFFFFFFFFu) &
-                                                                         (2 * j + 1 >= hi ? 0x0000FFFFu : 0xFFFFFFFFu)));
-                            const __m512bh pj = (__m512bh)_mm512_set1_epi32(p_pairs[j]);
-                            if (flip) {
-                                for (int c = 0; c < chunks; c++) {
-                                    const __m512i vpair = _mm512_and_si512(_mm512_loadu_si512(values[sub] + j * chunks + c), keep);
-                                    part[1][c] = _mm512_dpbf16_ps(part[1][c], (__m512bh)vpair, pj);
-                                }
-                            } else {
-                                for (int c = 0; c < chunks; c++) {
-                                    const __m512i vpair = _mm512_and_si512(_mm512_loadu_si512(values[sub] + j * chunks + c), keep);
-                                    part[0][c] = _mm512_dpbf16_ps(part[0][c], (__m512bh)vpair, pj);
-                                }
-                            }
-                            flip ^= 1;
-                        }
-                    }
-                    for (int c = 0; c < chunks; c++) acc[s_][c] = _mm512_add_ps(acc[s_][c], _mm512_add_ps(part[0][c], part[1][c]));
-                    running_sum[s_] += _mm512_reduce_add_ps(total);
+                const int32_t *qp = (const int32_t *)(q + tl.token[t] * q_stride + (int64_t)h * group * head_dim);
+                for (int g0 = 0; g0 < group; g0 += set_size) {
+                    const int n = group - g0 < set_size ? group - g0 : set_size, s_ = t * group + g0;
+                    const int32_t *qg = qp + g0 * (head_dim / 2);
+                    if (full)
+                        span_head_set(qg, keys, values, &view, scale, acc + s_, running_max + s_, running_sum + s_, n,
+                                      chunks, 1);
+                    else
+                        span_head_set(qg, keys, values, &view, scale, acc + s_, running_max + s_, running_sum + s_, n,
+                                      chunks, 0);
                 }
             }
         }
