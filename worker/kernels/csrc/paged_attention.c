@@ -380,6 +380,11 @@ static inline __attribute__((always_inline)) void attend_rows_avx512(
  * vectors) within 16 of the 32 registers. */
 #define HEAD_SET_VECTORS 16
 
+/* 32 bfloat16 loaded as vdpbf16ps takes them, from any address (a cast of _mm512_loadu_si512's
+ * result made GCC 12 store and reload every vector through the stack). */
+typedef short bf16x32_unaligned __attribute__((__vector_size__(64), __may_alias__, __aligned__(1)));
+static inline __m512bh load_bf16x32(const void *p) { return (__m512bh) * (const bf16x32_unaligned *)p; }
+
 /* A span's chunks as one query sees them: its chunks sub_a .. sub_b, and in each the positions
  * [lo, hi) it sees (mask: those lanes). full: all 64 positions (then constants). */
 typedef struct {
@@ -413,14 +418,14 @@ static inline __attribute__((always_inline)) void span_heads(
             __m512bh qd[HEAD_SET_VECTORS];
             for (int g = 0; g < n; g++) qd[g] = (__m512bh)_mm512_set1_epi32(qp[g * pairs + d]);
             for (int sub = 0; sub < SUBS; sub++) {
-                const __m512bh kd = (__m512bh)_mm512_loadu_si512(keys[sub] + d);
+                const __m512bh kd = load_bf16x32(keys[sub] + d);
                 for (int g = 0; g < n; g++) scores[g][sub] = _mm512_dpbf16_ps(scores[g][sub], kd, qd[g]);
             }
         }
     } else {
         for (int sub = sub_a; sub <= sub_b; sub++) {
             for (int d = 0; d < pairs; d++) {
-                const __m512bh kd = (__m512bh)_mm512_loadu_si512(keys[sub] + d);
+                const __m512bh kd = load_bf16x32(keys[sub] + d);
                 for (int g = 0; g < n; g++)
                     scores[g][sub] = _mm512_dpbf16_ps(scores[g][sub], kd, (__m512bh)_mm512_set1_epi32(qp[g * pairs + d]));
             }
@@ -462,11 +467,10 @@ static inline __attribute__((always_inline)) void span_heads(
             const __m512i keep = _mm512_set1_epi32((int)((2 * j < lo ? 0xFFFF0000u : 0xFFFFFFFFu) &
                                                          (2 * j + 1 >= hi ? 0x0000FFFFu : 0xFFFFFFFFu)));
             for (int c = 0; c < chunks; c++) {
-                __m512i vpair = _mm512_loadu_si512(values[sub] + j * chunks + c);
-                if (!full) vpair = _mm512_and_si512(vpair, keep);
+                const __m512i *at = values[sub] + j * chunks + c;
+                const __m512bh vpair = full ? load_bf16x32(at) : (__m512bh)_mm512_and_si512(_mm512_loadu_si512(at), keep);
                 for (int g = 0; g < n; g++)
-                    part[g][c] = _mm512_dpbf16_ps(part[g][c], (__m512bh)vpair,
-                                                  (__m512bh)_mm512_set1_epi32(p_pairs[g][sub][j]));
+                    part[g][c] = _mm512_dpbf16_ps(part[g][c], vpair, (__m512bh)_mm512_set1_epi32(p_pairs[g][sub][j]));
             }
         }
     }
