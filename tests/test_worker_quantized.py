@@ -98,3 +98,17 @@ def test_kernel_matches_both_references_and_is_batch_invariant(layout: int, dtyp
         alone = cpu_kernels.linear_q(LIB, x[r : r + 1], packed, bias, out, layout)
         assert torch.equal(alone[0], y[r])
     assert torch.equal(cpu_kernels.linear_q(LIB, x[5:], packed, bias, out, layout), y[5:])
+
+
+def test_named_dtypes_say_what_they_cost_at_start_up() -> None:
+    from worker.engine import dtype_caveats
+    from worker.model import cpu_matmul
+
+    cpu = torch.device("cpu")
+    assert dtype_caveats("auto", torch.bfloat16, cpu, ["Q4_1"]) == []
+    assert dtype_caveats("float32", torch.float32, cpu, []) == []
+    [dequantized] = dtype_caveats("float32", torch.float32, cpu, ["Q4_1", "Q8_0"])
+    assert "Q4_1, Q8_0 weights are dequantized to float32" in dequantized and "--dtype auto" in dequantized
+    assert any("float16 on a CPU" in line for line in dtype_caveats("float16", torch.float16, cpu, []))
+    emulated = any("without bfloat16 instructions" in line for line in dtype_caveats("bfloat16", torch.bfloat16, cpu, []))
+    assert emulated == (not cpu_matmul.has_bf16_instructions())

@@ -73,6 +73,8 @@ class Worker:
         keep_quantized = gguf is not None and self._keeps_quantized(gguf, config.dtype)
         log.info("dtype: %s (%s)%s", str(dtype).removeprefix("torch."), why,
                  "; quantized weights stay quantized" if keep_quantized else "")
+        for line in dtype_caveats(config.dtype, dtype, self.device, gguf.quantized_types() if gguf else []):
+            log.warning("%s", line)
         reader = functools.partial(gguf.weights, keep_quantized=keep_quantized) if gguf is not None else None
         model = load_model(source, cfg, dtype, self.device, max_positions=self.max_model_len, weights=reader)
         self.num_params, weight_bytes = model.size()
@@ -170,3 +172,23 @@ class Worker:
         # (they were 2% of a one-row decode step's profile).
         gc.collect()
         gc.freeze()
+
+
+def dtype_caveats(flag: str, dtype: torch.dtype, device: torch.device, quantized_types: list[str]) -> list[str]:
+    """What a named ``--dtype`` does that its user may not expect, one line each for the start-up
+    log: a quantized file dequantized, and dtypes a CPU runs without Sluice's kernels."""
+    if flag == "auto":
+        return []
+    name = str(dtype).removeprefix("torch.")
+    lines = []
+    if quantized_types:
+        lines.append(f"--dtype {flag}: the file's {', '.join(quantized_types)} weights are dequantized to {name} at "
+                     "load (more memory; --dtype auto keeps them quantized where Sluice's quantized kernel runs)")
+    if device.type == "cpu" and dtype == torch.float16:
+        lines.append("--dtype float16 on a CPU: none of Sluice's CPU kernels take float16, so every operator runs "
+                     "in torch, several times slower than bfloat16 or float32")
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_matmul.has_bf16_instructions():
+        lines.append("--dtype bfloat16 on a CPU without bfloat16 instructions (AVX512-BF16 or AMX): the products "
+                     "are emulated, several times slower than float32")
+    return lines
+
