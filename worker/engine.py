@@ -4,7 +4,6 @@ drive ``Worker(config).runner`` in-process, exactly as the process loop does."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import gc
 import logging
@@ -18,6 +17,7 @@ from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
 from worker.attention import SdpaBackend
 from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.gpu_memory import cuda_kv_blocks
+from worker.heap import return_freed_memory
 from worker.kernels import cpu as cpu_kernels
 from worker.kv_cache import KVCache, bytes_per_block, num_blocks_for, sizing_reason
 from worker.model import cpu_matmul
@@ -40,17 +40,6 @@ from worker.structured import GrammarEngine
 log = logging.getLogger("sluice.worker")
 
 WARMUP_RID = -1  # and -2: rids the frontend assigns are >= 0
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap's free pages back to the system. Loading makes and frees hundreds of MB of
-    tensors below glibc's map threshold (a quantized SmolLM2 left 374 MiB of freed heap resident);
-    glibc returns only the heap's top on its own. No-op without glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    libc.malloc_trim(0)
 
 
 class Worker:
@@ -77,6 +66,7 @@ class Worker:
             log.warning("%s", line)
         reader = functools.partial(gguf.weights, keep_quantized=keep_quantized) if gguf is not None else None
         model = load_model(source, cfg, dtype, self.device, max_positions=self.max_model_len, weights=reader)
+        return_freed_memory()  # the checkpoint's separate parts, now fused
         self.num_params, weight_bytes = model.size()
         quantization = model.quantized_formats()
         if self.device.type == "cpu":
@@ -85,7 +75,7 @@ class Worker:
             model.cpu_decoder = CpuDecoder.for_model(model)
         if gguf is not None:
             gguf.file.release_pages()  # every weight is copied out by now
-        _return_freed_memory()
+        return_freed_memory()
         log.info("loaded %s (%s, %.1fM parameters, %.0f MiB of weights) on %s as %s in %.1f s", source,
                  cfg.architecture, self.num_params / 1e6, weight_bytes / 2**20, self.device,
                  str(dtype).removeprefix("torch.") + (f", {quantization} kept quantized" if quantization else ""),

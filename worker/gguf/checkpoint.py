@@ -143,6 +143,7 @@ class GGUFCheckpoint:
                 if heads is not None:
                     codes = codes.rows(_unpermute(torch.arange(t.shape[0]).unsqueeze(1), heads).squeeze(1))
                 state[target] = codes
+                self.file.release(t)
                 continue
             if keep_quantized and len(t.shape) == 2 and t.qtype.name not in ("F32", "F16", "BF16"):
                 dequantized[t.qtype.name] = dequantized.get(t.qtype.name, 0) + 1
@@ -153,6 +154,7 @@ class GGUFCheckpoint:
             if heads is not None:
                 tensor = _unpermute(tensor, heads)
             state[target] = tensor.to(device=device, dtype=dtype)
+            self.file.release(t)  # a view of the map stays right: its pages fault back in from the file
         if keep_quantized:
             self.file.release_pages()  # every tensor is copied out of the map by now
         for qtype, count in dequantized.items():

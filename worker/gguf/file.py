@@ -84,6 +84,19 @@ class GGUFFile:
 
     # ------------------------------------------------------------------ primitives
 
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the pages that lie wholly inside ``tensor``'s bytes from resident memory, once it
+        is copied out: the load then holds the file's pages one tensor at a time, not all at once
+        (as ``release_pages``: a later read faults them back in from the file)."""
+        raw = getattr(self._map, "_mmap", None)
+        if raw is None or not hasattr(mmap, "MADV_DONTNEED") or tensor.data.size == 0:
+            return
+        begin = tensor.data.ctypes.data - self._map.ctypes.data
+        start = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (begin + tensor.data.size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            raw.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def release_pages(self) -> None:
         """Drop the file's pages from this process's resident memory once the weights are copied
         out (a quantized file kept quantized is read whole at load: ~its size in RSS otherwise).

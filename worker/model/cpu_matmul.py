@@ -37,6 +37,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from worker.heap import return_freed_memory
 from worker.kernels import cpu as cpu_kernels
 from worker.model.layers import Linear
 
@@ -63,6 +64,8 @@ def pack_layer(layer: Linear, own_kernel: bool = True) -> None:
         assert cpu_kernels.has_quantized_linear(kernels), "weights are kept quantized only where the kernel runs"
         layer.packed, layer.kernels, layer.quant_layout = cpu_kernels.pack_quantized(q), kernels, q.layout
         layer.quantized = None
+        del q
+        return_freed_memory()  # the unpacked codes: else the next weight's packing grows the heap beside them
         return
     weight = layer.weight.detach()
     even = weight.shape[1] % 2 == 0 or weight.dtype != torch.bfloat16
@@ -105,16 +108,17 @@ def choose_dtype(bf16_instructions: bool | None = None) -> DtypeChoice:
 def prepare(model: nn.Module, dtype: torch.dtype) -> str:
     """Put a CPU model's linear layers on their fast path for ``dtype``; returns which."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    kept = [m.quantized for m in linears if m.quantized is not None]
+    # the formats, not the weights: each unpacked weight is freed as soon as it is packed
+    formats = ", ".join(dict.fromkeys(f for m in linears if m.quantized is not None for f in m.quantized.formats))
+    kept = sum(m.quantized is not None for m in linears)
     for layer in linears:
         if layer.quantized is not None or dtype == torch.float32 or (dtype == torch.bfloat16 and can_pack()):
             pack_layer(layer)
     if kept:
-        formats = ", ".join(dict.fromkeys(f for q in kept for f in q.formats))
-        dense = len(linears) - len(kept)
+        dense = len(linears) - kept
         rest = f"; {dense} others: {path(dtype)}" if dense else ""
         isa = cpu_kernels.quantized_instructions(cpu_kernels.load())
-        return (f"{len(kept)} kept quantized ({formats}) through Sluice's {isa} kernel, activations "
+        return (f"{kept} kept quantized ({formats}) through Sluice's {isa} kernel, activations "
                 f"{str(dtype).removeprefix('torch.')}{rest}")
     if dtype == torch.float32 or (dtype == torch.bfloat16 and can_pack()):
         return path(dtype)
