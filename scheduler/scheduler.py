@@ -406,6 +406,7 @@ class Scheduler:
             "kv_blocks_free": self.pool.num_free,
             "kv_blocks_used": used,
             "kv_blocks_cached": self.pool.num_cached_free,
+            "kv_blocks_touched": self.pool.num_touched,  # ever written: on a CPU, the cache's committed memory
             "kv_usage": used / self.pool.num_blocks,
             "block_size": self.block_size,
             "running": len(self.running),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 from fake_worker import FakeWorker
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from protocol.config import SchedulerConfig
 from protocol.messages import AddRequest, SamplingParams, StepPlan, TokenBatch
@@ -52,17 +54,24 @@ def run_to_end(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000) ->
 # ---------------------------------------------------------------------------- block pool and queues
 
 
-def test_block_pool_allocates_and_frees_in_lru_order() -> None:
-    pool = BlockPool(4)
+def test_block_pool_reuses_written_blocks_and_evicts_cached_prefixes_last() -> None:
+    pool = BlockPool(6, enable_caching=True)
     a = pool.allocate(2)
-    b = pool.allocate(2)
-    assert sorted(a + b) == [0, 1, 2, 3] and pool.num_free == 0
+    assert a == [0, 1] and pool.num_touched == 2
     with pytest.raises(OutOfBlocks):
-        pool.allocate(1)
-    pool.free(b)
+        pool.allocate(5)
     pool.free(a)
-    # Freed longest ago is reused first; within one free, the tail block goes first.
-    assert pool.allocate(4) == [b[1], b[0], a[1], a[0]]
+    # Freed blocks come back before a never-used one (whose pages a CPU cache has not committed).
+    b = pool.allocate(2)
+    assert sorted(b) == [0, 1] and pool.num_touched == 2
+    pool.register(b[0], b"link", b"key")
+    pool.free(b)
+    assert pool.num_free == 6 and pool.num_cached_free == 1
+    # Then never-used blocks, in id order, before a cached prefix is evicted.
+    assert pool.allocate(3) == [b[1], 2, 3] and pool.lookup(b"link") == (b[0], b"key")
+    # The cached block goes last (the least recently freed of them first), and its prefix with it.
+    assert pool.allocate(3) == [4, 5, b[0]] and pool.lookup(b"link") is None
+    assert pool.num_free == 0 and pool.num_touched == 6
     with pytest.raises(RuntimeError):
         pool.free([0, 0, 0])
 
@@ -367,3 +376,26 @@ def test_a_held_choice_can_be_aborted_and_is_released_if_its_first_sibling_goes(
     assert 2 in sched.queue
     assert run_to_end(sched, worker) == {2: "length"}
     assert sched.pool.num_free == sched.pool.num_blocks
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["allocate", "free", "cache"]), st.integers(0, 7)), max_size=60))
+def test_block_pool_touches_a_new_block_only_when_no_written_uncached_one_is_free(ops: list[tuple[str, int]]) -> None:
+    """On a CPU the cache commits a block's pages when it is first written: the pool may take a
+    never-used block only when every free block it has written holds a cached prefix, so the
+    blocks ever touched never exceed the most ever held plus cached-and-free at once."""
+    pool = BlockPool(16, enable_caching=True)
+    held: list[list[int]] = []
+    most = 0
+    for op, n in ops:
+        if op == "allocate" and pool.can_allocate(n):
+            touched, plain, untouched = pool.num_touched, len(pool._free_plain), len(pool._untouched)
+            held.append(pool.allocate(n))
+            assert pool.num_touched - touched == min(max(0, n - plain), untouched)  # written, uncached ones first
+        elif op == "free" and held:
+            pool.free(held.pop(n % len(held)))
+        elif op == "cache" and held and held[-1]:
+            block = held[-1][n % len(held[-1])]
+            pool.register(block, f"link{block}".encode(), b"key")
+        most = max(most, pool.num_used + pool.num_cached_free)
+        assert pool.num_touched <= most

@@ -109,8 +109,11 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
                 holders[b] = holders.get(b, 0) + 1
         # free + held = total, and each held block's ref count is its number of holders.
         assert len(holders) + sched.pool.num_free == sched.pool.num_blocks
-        pool = sched.pool  # the cached-free count kept for stats is the one a scan finds
-        assert pool.num_cached_free == sum(1 for b in pool._free if b in pool._cached)
+        pool = sched.pool  # the three free sets: disjoint, exactly the unheld blocks, cached ones apart
+        plain, untouched, cached_free = set(pool._free_plain), set(pool._untouched), set(pool._free_cached)
+        assert len(plain) + len(untouched) + len(cached_free) == len(plain | untouched | cached_free) == pool.num_free
+        assert plain | untouched | cached_free == set(range(pool.num_blocks)) - set(holders)
+        assert cached_free == {b for b in plain | untouched | cached_free if b in pool._cached}
         for b, n in holders.items():
             assert sched.pool.ref_count(b) == n
         for p, cap in caps.items():  # seat caps bind at admission (a priority change may exceed them)
