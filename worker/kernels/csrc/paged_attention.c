@@ -385,6 +385,24 @@ static inline __attribute__((always_inline)) void attend_rows_avx512(
 typedef short bf16x32_unaligned __attribute__((__vector_size__(64), __may_alias__, __aligned__(1)));
 static inline __m512bh load_bf16x32(const void *p) { return (__m512bh) * (const bf16x32_unaligned *)p; }
 
+/* The softmax numerators of a chunk's raw scores s: e^((s - max) scale) as 2^(s c - max c), c =
+ * scale log2(e) (max_c = max c): an integer n and f in [-1/2, 1/2], 2^f by its Taylor series in
+ * f ln 2 to degree 5 (relative error ~3e-6: each is rounded to bfloat16, 4e-3, right after), then
+ * scaled by 2^n. Lanes whose score is -infinity come out NaN; the caller zeroes them. */
+static inline __m512 softmax_numerators(__m512 s, __m512 c, __m512 max_c) {
+    const __m512 t = _mm512_fmsub_ps(s, c, max_c);
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    /* sum_k (f ln 2)^k / k!, its coefficients ln(2)^k / k! */
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* A span's chunks as one query sees them: its chunks sub_a .. sub_b, and in each the positions
  * [lo, hi) it sees (mask: those lanes). full: all 64 positions (then constants). */
 typedef struct {
@@ -410,6 +428,7 @@ static inline __attribute__((always_inline)) void span_heads(
         const int chunks, const int full) {
     const int pairs = chunks * 8;
     const int sub_a = full ? 0 : view->sub_a, sub_b = full ? SUBS - 1 : view->sub_b;
+    const float scale_log2e = scale * 1.44269504088896341f; /* running_max[] holds raw scores */
     __m512 scores[HEAD_SET_VECTORS][SUBS];
     for (int g = 0; g < n; g++)
         for (int sub = 0; sub < SUBS; sub++) scores[g][sub] = _mm512_setzero_ps();
@@ -433,22 +452,22 @@ static inline __attribute__((always_inline)) void span_heads(
     }
     int32_t p_pairs[HEAD_SET_VECTORS][SUBS][KEYS / 2];
     for (int g = 0; g < n; g++) {
-        for (int sub = sub_a; sub <= sub_b; sub++) {
-            scores[g][sub] = _mm512_mul_ps(scores[g][sub], _mm512_set1_ps(scale));
-            if (!full) scores[g][sub] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), view->mask[sub], scores[g][sub]);
-        }
+        if (!full) /* the max is taken over raw scores: scale > 0 */
+            for (int sub = sub_a; sub <= sub_b; sub++)
+                scores[g][sub] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), view->mask[sub], scores[g][sub]);
         __m512 top = scores[g][sub_a];
         for (int sub = sub_a + 1; sub <= sub_b; sub++) top = _mm512_max_ps(top, scores[g][sub]);
         const float span_max = _mm512_reduce_max_ps(top);
         if (span_max > running_max[g]) {
-            const float rescale = expf(running_max[g] - span_max);
+            const float rescale = exp2f((running_max[g] - span_max) * scale_log2e);
             running_sum[g] *= rescale;
             for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(rescale));
             running_max[g] = span_max;
         }
         __m512 total = _mm512_setzero_ps();
         for (int sub = sub_a; sub <= sub_b; sub++) {
-            __m512 p = exp512(_mm512_sub_ps(scores[g][sub], _mm512_set1_ps(running_max[g])));
+            __m512 p = softmax_numerators(scores[g][sub], _mm512_set1_ps(scale_log2e),
+                                          _mm512_set1_ps(running_max[g] * scale_log2e));
             if (!full) p = _mm512_maskz_mov_ps(view->mask[sub], p);
             const __m256bh rounded = _mm512_cvtneps_pbh(p);
             total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16)));
