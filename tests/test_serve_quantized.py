@@ -1,7 +1,13 @@
-"""The shipped Q4_1 SmolLM2 file served quantized (``--dtype auto``, where the VNNI kernel runs):
-``/v1/models`` says so; each greedy answer agrees with the dequantized float32 model's up to its
-first near-tie (where the float32 model's own top two logits are within ``NEAR_TIE``: the 4-bit
-weights and 8-bit activations may tip it either way), and with itself whatever the batch."""
+"""The shipped Q4_1 SmolLM2 file served quantized (``--dtype auto``, where the quantized kernel
+runs): ``/v1/models`` says so; each greedy answer is the same whatever the batch, and at every one
+of its tokens the dequantized float32 model, fed the same text, picks the same token or one
+within ``NEAR_TIE`` of it (the 4-bit weights, 8-bit activations and bfloat16 may tip a near-tie
+either way), at most one token in ``MAX_TIPPED``.
+
+Where the first tipped near-tie falls is chance: any change to bfloat16's order of summation
+moves it (the attention kernel's GQA sets took the answers identical to float32's for all 32
+tokens from 3 of 8 to 1 of 8, at unchanged accuracy against float64). So every token is checked
+along the served text instead of counting the answers identical to float32's end to end."""
 
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ QUESTIONS = [
 ]
 NEW_TOKENS = 32
 NEAR_TIE = 0.5  # logits; measured divergences sit at gaps of 0.005 to 0.31
+MAX_TIPPED = 8  # at most one token in eight a tipped near-tie (measured: 15 of 256, and 10 before the GQA sets)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +74,7 @@ def test_models_says_the_weights_are_quantized(server: SluiceServer) -> None:
     assert model["quantization"] == "Q4_1, Q8_0" and model["dtype"] == "bfloat16"
 
 
-def test_greedy_answers_agree_with_float32_up_to_a_near_tie_in_any_batch(server: SluiceServer,
+def test_greedy_answers_agree_with_float32_but_at_near_ties_in_any_batch(server: SluiceServer,
                                                                          reference: Worker) -> None:
     prompts = [_prompt(reference, q) for q in QUESTIONS]
 
@@ -79,7 +86,7 @@ def test_greedy_answers_agree_with_float32_up_to_a_near_tie_in_any_batch(server:
 
     alone, together = asyncio.run(run())
     assert together == alone  # a row's result does not depend on its batch
-    identical = 0
+    tipped = 0
     for question, prompt, answer in zip(QUESTIONS, prompts, alone, strict=True):
         ids = prompt + answer
         meta = SdpaBackend(reference.device).build(reference.runner.cache, [list(range(40))], [0], [len(ids)],
@@ -88,11 +95,8 @@ def test_greedy_answers_agree_with_float32_up_to_a_near_tie_in_any_batch(server:
             logits = reference.runner.model(torch.tensor(ids), meta)[len(prompt) - 1 : -1]
             logits[:, reference.info.eos_token_ids] = -torch.inf  # min_tokens held EOS back on the server
         best = logits.argmax(-1).tolist()
-        diverged = [i for i in range(NEW_TOKENS) if best[i] != answer[i]]
-        if not diverged:
-            identical += 1
-            continue
-        i = diverged[0]
-        gap = (logits[i, best[i]] - logits[i, answer[i]]).item()
-        assert gap < NEAR_TIE, f"{question!r}: token {i} is {answer[i]}, float32's {best[i]} leads by {gap:.3f}"
-    assert identical >= len(QUESTIONS) // 4, f"only {identical} of {len(QUESTIONS)} answers identical"
+        for i in (i for i in range(NEW_TOKENS) if best[i] != answer[i]):
+            gap = (logits[i, best[i]] - logits[i, answer[i]]).item()
+            assert gap < NEAR_TIE, f"{question!r}: token {i} is {answer[i]}, float32's {best[i]} leads by {gap:.3f}"
+            tipped += 1
+    assert tipped <= len(QUESTIONS) * NEW_TOKENS // MAX_TIPPED, f"{tipped} near-ties tipped"
