@@ -35,8 +35,17 @@
 
 #include "bf16.h"
 
+/* The instructions the kernel is built with (linear_q_available says which): 2 AVX-512 VNNI, 1 AVX2, 0 none. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QUANTIZED_ISA 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QUANTIZED_ISA 1
+#else
+#define QUANTIZED_ISA 0
+#endif
+
 #define QBLOCK 32   /* inputs per block */
-#define QROWS 8     /* rows per pass: 8 accumulators + 8 weight vectors + scale, min stay in registers */
+#define QROWS 8     /* the most rows a pass takes (qblock's accumulators) */
 
 static inline int64_t record_bytes(int layout) { return (layout == 4 ? 4 : 8) * 64 + (layout == 16 ? 4 : 2) * 64; }
 
@@ -76,8 +85,10 @@ static inline __attribute__((always_inline)) void quantize_rows(const void *x, i
 
 /* ------------------------------------------------------------------ the product */
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if QUANTIZED_ISA == 2
 #include "simd.h"
+
+#define PASS_ROWS QROWS /* 8 accumulators + 8 weight vectors + scale, min stay in registers */
 
 /* Rows r0 .. r0 + rows - 1 by the 16 outputs of block ob; rows, layout and bf16 constants where inlined. */
 static inline __attribute__((always_inline)) void qblock(const int8_t *codes, const float *dx, const float *s,
@@ -138,31 +149,10 @@ static inline __attribute__((always_inline)) void qblock(const int8_t *codes, co
         store_partial16((char *)y + (int64_t)(r0 + r) * out * (bf16 ? 2 : 4), o, out, _mm512_add_ps(acc[r], b), bf16);
 }
 
-static inline __attribute__((always_inline)) void qblocks_rows(const int8_t *codes, const float *dx, const float *s,
-                                                               const int32_t *sums_int, const uint8_t *packed, const void *bias, void *y,
-                                                               int num_rows, int out, int in, const int layout,
-                                                               const int bf16) {
-    const int out_blocks = (out + 15) / 16;
-#pragma omp for schedule(static)
-    for (int ob = 0; ob < out_blocks; ob++) {
-        int r0 = 0;
-        for (; r0 + QROWS <= num_rows; r0 += QROWS) qblock(codes, dx, s, sums_int, packed, bias, y, r0, QROWS, ob, out, in, layout, bf16);
-        switch (num_rows - r0) { /* the last few rows, each count compiled with its own constant */
-            case 7: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 7, ob, out, in, layout, bf16); break;
-            case 6: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 6, ob, out, in, layout, bf16); break;
-            case 5: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 5, ob, out, in, layout, bf16); break;
-            case 4: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 4, ob, out, in, layout, bf16); break;
-            case 3: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 3, ob, out, in, layout, bf16); break;
-            case 2: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 2, ob, out, in, layout, bf16); break;
-            case 1: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 1, ob, out, in, layout, bf16); break;
-            default: break;
-        }
-    }
-}
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif QUANTIZED_ISA == 1
 #include <immintrin.h>
 
-#define QROWS_AVX2 4 /* rows per pass: 2 accumulators a row, in 16 registers with the weights' loads */
+#define PASS_ROWS 4 /* 2 accumulators a row, in 16 registers with the weights' loads */
 
 /* One block's codes of 8 outputs, unpacked once for all rows into c[g], group g's 32 bytes.
  * Layouts 8 and 16 (codes up to 255) as the signed c - 128, which vpmaddubsw takes as its
@@ -241,7 +231,7 @@ static inline __attribute__((always_inline)) void qblock(const int8_t *codes, co
                                                          int out, int in, const int layout, const int bf16) {
     const int blocks = in / QBLOCK;
     const int64_t rec = record_bytes(layout), code_bytes = (layout == 4 ? 4 : 8) * 64;
-    __m256 acc[QROWS_AVX2][2];
+    __m256 acc[QROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const uint8_t *w = packed + (int64_t)ob * blocks * rec;
     for (int k = 0; k < blocks; k++, w += rec) {
@@ -283,17 +273,26 @@ static inline __attribute__((always_inline)) void qblock(const int8_t *codes, co
     }
 }
 
+#endif
+
+#if QUANTIZED_ISA
+/* The 16-output blocks split among the threads, each over all rows: PASS_ROWS rows a pass, then
+ * the last few, each count compiled with its own constant. */
 static inline __attribute__((always_inline)) void qblocks_rows(const int8_t *codes, const float *dx, const float *s,
-                                                               const int32_t *sums_int, const uint8_t *packed, const void *bias, void *y,
-                                                               int num_rows, int out, int in, const int layout,
-                                                               const int bf16) {
+                                                               const int32_t *sums_int, const uint8_t *packed,
+                                                               const void *bias, void *y, int num_rows, int out,
+                                                               int in, const int layout, const int bf16) {
     const int out_blocks = (out + 15) / 16;
 #pragma omp for schedule(static)
     for (int ob = 0; ob < out_blocks; ob++) {
         int r0 = 0;
-        for (; r0 + QROWS_AVX2 <= num_rows; r0 += QROWS_AVX2)
-            qblock(codes, dx, s, sums_int, packed, bias, y, r0, QROWS_AVX2, ob, out, in, layout, bf16);
-        switch (num_rows - r0) {
+        for (; r0 + PASS_ROWS <= num_rows; r0 += PASS_ROWS)
+            qblock(codes, dx, s, sums_int, packed, bias, y, r0, PASS_ROWS, ob, out, in, layout, bf16);
+        switch (num_rows - r0) { /* below PASS_ROWS: 7 at most */
+            case 7: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 7, ob, out, in, layout, bf16); break;
+            case 6: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 6, ob, out, in, layout, bf16); break;
+            case 5: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 5, ob, out, in, layout, bf16); break;
+            case 4: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 4, ob, out, in, layout, bf16); break;
             case 3: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 3, ob, out, in, layout, bf16); break;
             case 2: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 2, ob, out, in, layout, bf16); break;
             case 1: qblock(codes, dx, s, sums_int, packed, bias, y, r0, 1, ob, out, in, layout, bf16); break;
@@ -307,7 +306,7 @@ static inline __attribute__((always_inline)) void qblocks_rows(const int8_t *cod
  * then the 16-output blocks split among the threads. scratch: rows * (in + 24 * in / 32) bytes. */
 void linear_q_rows(const void *x, int64_t x_stride, const uint8_t *packed, const void *bias, void *y, int num_rows,
                    int out, int in, int layout, void *scratch, int bf16) {
-#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || (defined(__AVX2__) && defined(__FMA__))
+#if QUANTIZED_ISA
     int8_t *codes = scratch;
     float *dx = (float *)(codes + (int64_t)num_rows * in), *s = dx + (int64_t)num_rows * (in / QBLOCK);
     int32_t *sums_int = (int32_t *)(s + (int64_t)num_rows * (in / QBLOCK) * 3);
@@ -336,13 +335,6 @@ void linear_q(const void *x, int64_t x_stride, const uint8_t *packed, const void
     linear_q_rows(x, x_stride, packed, bias, y, num_rows, out, in, layout, scratch, bf16);
 }
 
-/* Which instructions the kernel was built with: 2 AVX-512 VNNI, 1 AVX2, 0 none. */
 int linear_q_available(void) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    return 2;
-#elif defined(__AVX2__) && defined(__FMA__)
-    return 1;
-#else
-    return 0; /* quantized files are served dequantized */
-#endif
+    return QUANTIZED_ISA; /* 0: quantized files are served dequantized */
 }
