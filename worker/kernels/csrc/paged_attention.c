@@ -423,9 +423,9 @@ typedef struct {
  * position pairs in order, each value vector loaded once for the n heads. A head's arithmetic is
  * the same in the full-span path as in the general one. */
 static inline __attribute__((always_inline)) void span_heads(
-        const int32_t *qp, const __m512i *const *keys, const __m512i *const *values, const SpanView *view,
-        float scale, __m512 (*acc)[MAX_HEAD_DIM / 16], float *running_max, float *running_sum, const int n,
-        const int chunks, const int full) {
+        const int32_t *const *qs, const int *slots, const __m512i *const *keys, const __m512i *const *values,
+        const SpanView *view, float scale, __m512 (*acc)[MAX_HEAD_DIM / 16], float *running_max, float *running_sum,
+        const int n, const int chunks, const int full) {
     const int pairs = chunks * 8;
     const int sub_a = full ? 0 : view->sub_a, sub_b = full ? SUBS - 1 : view->sub_b;
     const float scale_log2e = scale * 1.44269504088896341f; /* running_max[] holds raw scores */
@@ -435,7 +435,7 @@ static inline __attribute__((always_inline)) void span_heads(
     if (full) {
         for (int d = 0; d < pairs; d++) {
             __m512bh qd[HEAD_SET_VECTORS];
-            for (int g = 0; g < n; g++) qd[g] = (__m512bh)_mm512_set1_epi32(qp[g * pairs + d]);
+            for (int g = 0; g < n; g++) qd[g] = (__m512bh)_mm512_set1_epi32(qs[g][d]);
             for (int sub = 0; sub < SUBS; sub++) {
                 const __m512bh kd = load_bf16x32(keys[sub] + d);
                 for (int g = 0; g < n; g++) scores[g][sub] = _mm512_dpbf16_ps(scores[g][sub], kd, qd[g]);
@@ -446,7 +446,7 @@ static inline __attribute__((always_inline)) void span_heads(
             for (int d = 0; d < pairs; d++) {
                 const __m512bh kd = load_bf16x32(keys[sub] + d);
                 for (int g = 0; g < n; g++)
-                    scores[g][sub] = _mm512_dpbf16_ps(scores[g][sub], kd, (__m512bh)_mm512_set1_epi32(qp[g * pairs + d]));
+                    scores[g][sub] = _mm512_dpbf16_ps(scores[g][sub], kd, (__m512bh)_mm512_set1_epi32(qs[g][d]));
             }
         }
     }
@@ -458,22 +458,23 @@ static inline __attribute__((always_inline)) void span_heads(
         __m512 top = scores[g][sub_a];
         for (int sub = sub_a + 1; sub <= sub_b; sub++) top = _mm512_max_ps(top, scores[g][sub]);
         const float span_max = _mm512_reduce_max_ps(top);
-        if (span_max > running_max[g]) {
-            const float rescale = exp2f((running_max[g] - span_max) * scale_log2e);
-            running_sum[g] *= rescale;
-            for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(rescale));
-            running_max[g] = span_max;
+        const int at = slots[g];
+        if (span_max > running_max[at]) {
+            const float rescale = exp2f((running_max[at] - span_max) * scale_log2e);
+            running_sum[at] *= rescale;
+            for (int c = 0; c < chunks; c++) acc[at][c] = _mm512_mul_ps(acc[at][c], _mm512_set1_ps(rescale));
+            running_max[at] = span_max;
         }
         __m512 total = _mm512_setzero_ps();
         for (int sub = sub_a; sub <= sub_b; sub++) {
             __m512 p = softmax_numerators(scores[g][sub], _mm512_set1_ps(scale_log2e),
-                                          _mm512_set1_ps(running_max[g] * scale_log2e));
+                                          _mm512_set1_ps(running_max[at] * scale_log2e));
             if (!full) p = _mm512_maskz_mov_ps(view->mask[sub], p);
             const __m256bh rounded = _mm512_cvtneps_pbh(p);
             total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16)));
             _mm256_storeu_si256((__m256i *)p_pairs[g][sub], (__m256i)rounded);
         }
-        running_sum[g] += _mm512_reduce_add_ps(total);
+        running_sum[at] += _mm512_reduce_add_ps(total);
     }
     __m512 part[HEAD_SET_VECTORS][MAX_HEAD_DIM / 16];
     for (int g = 0; g < n; g++)
@@ -494,20 +495,20 @@ static inline __attribute__((always_inline)) void span_heads(
         }
     }
     for (int g = 0; g < n; g++)
-        for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_add_ps(acc[g][c], part[g][c]);
+        for (int c = 0; c < chunks; c++) acc[slots[g]][c] = _mm512_add_ps(acc[slots[g]][c], part[g][c]);
 }
 
-/* span_heads for n heads, n a runtime count up to HEAD_SET_VECTORS / chunks, each count compiled
- * with its constant. */
+/* span_heads for n query heads (slots), n a runtime count up to HEAD_SET_VECTORS / chunks, each
+ * count compiled with its constant. */
 static inline __attribute__((always_inline)) void span_head_set(
-        const int32_t *qp, const __m512i *const *keys, const __m512i *const *values, const SpanView *view,
-        float scale, __m512 (*acc)[MAX_HEAD_DIM / 16], float *running_max, float *running_sum, int n,
-        const int chunks, const int full) {
+        const int32_t *const *qs, const int *slots, const __m512i *const *keys, const __m512i *const *values,
+        const SpanView *view, float scale, __m512 (*acc)[MAX_HEAD_DIM / 16], float *running_max, float *running_sum,
+        int n, const int chunks, const int full) {
     switch (n) {
-        case 1: span_heads(qp, keys, values, view, scale, acc, running_max, running_sum, 1, chunks, full); break;
-        case 2: span_heads(qp, keys, values, view, scale, acc, running_max, running_sum, 2, chunks, full); break;
-        case 3: span_heads(qp, keys, values, view, scale, acc, running_max, running_sum, 3, chunks, full); break;
-        default: span_heads(qp, keys, values, view, scale, acc, running_max, running_sum, 4, chunks, full); break;
+        case 1: span_heads(qs, slots, keys, values, view, scale, acc, running_max, running_sum, 1, chunks, full); break;
+        case 2: span_heads(qs, slots, keys, values, view, scale, acc, running_max, running_sum, 2, chunks, full); break;
+        case 3: span_heads(qs, slots, keys, values, view, scale, acc, running_max, running_sum, 3, chunks, full); break;
+        default: span_heads(qs, slots, keys, values, view, scale, acc, running_max, running_sum, 4, chunks, full); break;
     }
 }
 
@@ -549,6 +550,8 @@ static inline __attribute__((always_inline)) void attend_rows_bf16_dot(
                 keys[sub] = (const __m512i *)(k_cache + chunk);
                 values[sub] = (const __m512i *)(v_cache + chunk);
             }
+            const int32_t *pending_q[4];
+            int pending_slot[4], pending = 0;
             for (int t = 0; t < nq; t++) {
                 const int a = tl.first[t] > s0 ? tl.first[t] : s0;
                 const int b = tl.position[t] + 1 < s0 + SPAN ? tl.position[t] + 1 : s0 + SPAN;
@@ -564,17 +567,32 @@ static inline __attribute__((always_inline)) void attend_rows_bf16_dot(
                     view.mask[sub] = (__mmask16)(((1u << view.run_hi[sub]) - 1) & ~((1u << view.run_lo[sub]) - 1));
                 }
                 const int32_t *qp = (const int32_t *)(q + tl.token[t] * q_stride + (int64_t)h * group * head_dim);
+                if (full) { /* whole-span heads join the pending set, whichever query they are of */
+                    for (int g = 0; g < group; g++) {
+                        pending_q[pending] = qp + g * (head_dim / 2);
+                        pending_slot[pending++] = t * group + g;
+                        if (pending == set_size) {
+                            span_head_set(pending_q, pending_slot, keys, values, &view, scale, acc, running_max,
+                                          running_sum, pending, chunks, 1);
+                            pending = 0;
+                        }
+                    }
+                    continue;
+                }
                 for (int g0 = 0; g0 < group; g0 += set_size) {
-                    const int n = group - g0 < set_size ? group - g0 : set_size, s_ = t * group + g0;
-                    const int32_t *qg = qp + g0 * (head_dim / 2);
-                    if (full)
-                        span_head_set(qg, keys, values, &view, scale, acc + s_, running_max + s_, running_sum + s_, n,
-                                      chunks, 1);
-                    else
-                        span_head_set(qg, keys, values, &view, scale, acc + s_, running_max + s_, running_sum + s_, n,
-                                      chunks, 0);
+                    const int n = group - g0 < set_size ? group - g0 : set_size;
+                    const int32_t *qs[4];
+                    int slots[4];
+                    for (int i = 0; i < n; i++) {
+                        qs[i] = qp + (g0 + i) * (head_dim / 2);
+                        slots[i] = t * group + g0 + i;
+                    }
+                    span_head_set(qs, slots, keys, values, &view, scale, acc, running_max, running_sum, n, chunks, 0);
                 }
             }
+            if (pending > 0)
+                span_head_set(pending_q, pending_slot, keys, values, 0, scale, acc, running_max, running_sum, pending,
+                              chunks, 1);
         }
         for (int t = 0; t < nq; t++) {
             for (int g = 0; g < group; g++) {
