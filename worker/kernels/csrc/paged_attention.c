@@ -18,7 +18,7 @@
  *
  * bfloat16 caches with common geometries are kept in a layout made for vdpbf16ps (the "pairs"
  * layout, below) and read by their own kernel: a 2,048-token SmolLM2 prefill's attention runs at
- * 145-155 GMAC/s on two Zen 5 cores (their measured peak: 231) where the float32-FMA loops ran
+ * 160-165 GMAC/s on two Zen 5 cores (their measured peak: 231) where the float32-FMA loops ran
  * ~53.
  *
  * Built by worker/kernels/cpu.py with the system C compiler (-O3 -march=native -fopenmp,
