@@ -155,8 +155,6 @@ class GGUFCheckpoint:
                 tensor = _unpermute(tensor, heads)
             state[target] = tensor.to(device=device, dtype=dtype)
             self.file.release(t)  # a view of the map stays right: its pages fault back in from the file
-        if keep_quantized:
-            self.file.release_pages()  # every tensor is copied out of the map by now
         for qtype, count in dequantized.items():
             log.info("%d %s matrices are served dequantized to %s: the quantized kernel reads %s", count, qtype,
                      str(dtype).removeprefix("torch."), ", ".join(t.name for t in KEPT_LAYOUT))

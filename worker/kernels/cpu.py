@@ -311,7 +311,7 @@ QBLOCK = 32  # inputs per quantized block
 
 def has_quantized_linear(lib: ctypes.CDLL | None) -> bool:
     """The quantized linear kernel was compiled for this CPU (AVX-512 VNNI, or AVX2 and FMA)."""
-    return lib is not None and bool(lib.linear_q_available())
+    return quantized_instructions(lib) is not None
 
 
 def quantized_instructions(lib: ctypes.CDLL | None) -> str | None:

@@ -78,8 +78,10 @@ static inline __attribute__((always_inline)) void quantize_rows(const void *x, i
         sums[0] = d * (float)(first + second);
         sums[1] = d * (float)first;
         sums[2] = d * (float)second;
-        sums_int[((int64_t)r * blocks + k) * 2] = first;
-        sums_int[((int64_t)r * blocks + k) * 2 + 1] = second;
+        if (QUANTIZED_ISA == 1) { /* only the AVX2 path reads them */
+            sums_int[((int64_t)r * blocks + k) * 2] = first;
+            sums_int[((int64_t)r * blocks + k) * 2 + 1] = second;
+        }
     }
 }
 

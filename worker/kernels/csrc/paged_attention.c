@@ -411,8 +411,9 @@ typedef struct {
     __mmask16 mask[SUBS];
 } SpanView;
 
-/* Query heads 0 .. n - 1 of qp (n a constant; pairs of bfloat16 each, head_dim / 2 apart) over one
- * span: scores, the running max and sum, and the accumulators acc[0 .. n - 1].
+/* n query heads (n a constant) over one span: head g's query pairs at qs[g], its accumulator,
+ * running max and sum at index slots[g] of acc, running_max and running_sum. The heads share the
+ * span's view: one query's heads, or (full spans) heads of several queries.
  *
  * A head's score for a chunk of 16 positions is one chain of head_dim / 2 dot instructions over
  * the chunk's dim pairs, the query's pair broadcast; the n heads (and, over a full span, the four
@@ -556,7 +557,19 @@ static inline __attribute__((always_inline)) void attend_rows_bf16_dot(
                 const int a = tl.first[t] > s0 ? tl.first[t] : s0;
                 const int b = tl.position[t] + 1 < s0 + SPAN ? tl.position[t] + 1 : s0 + SPAN;
                 if (a >= b) continue;
-                const int full = a == s0 && b == s0 + SPAN;
+                const int32_t *qp = (const int32_t *)(q + tl.token[t] * q_stride + (int64_t)h * group * head_dim);
+                if (a == s0 && b == s0 + SPAN) { /* whole-span heads join the pending set, whichever query */
+                    for (int g = 0; g < group; g++) {
+                        pending_q[pending] = qp + g * (head_dim / 2);
+                        pending_slot[pending++] = t * group + g;
+                        if (pending == set_size) {
+                            span_head_set(pending_q, pending_slot, keys, values, 0, scale, acc, running_max,
+                                          running_sum, pending, chunks, 1);
+                            pending = 0;
+                        }
+                    }
+                    continue;
+                }
                 SpanView view;
                 view.sub_a = (a - s0) / KEYS;
                 view.sub_b = (b - 1 - s0) / KEYS; /* the query's chunks */
@@ -565,19 +578,6 @@ static inline __attribute__((always_inline)) void attend_rows_bf16_dot(
                     view.run_lo[sub] = a > k0 ? a - k0 : 0;
                     view.run_hi[sub] = b < k0 + KEYS ? b - k0 : KEYS;
                     view.mask[sub] = (__mmask16)(((1u << view.run_hi[sub]) - 1) & ~((1u << view.run_lo[sub]) - 1));
-                }
-                const int32_t *qp = (const int32_t *)(q + tl.token[t] * q_stride + (int64_t)h * group * head_dim);
-                if (full) { /* whole-span heads join the pending set, whichever query they are of */
-                    for (int g = 0; g < group; g++) {
-                        pending_q[pending] = qp + g * (head_dim / 2);
-                        pending_slot[pending++] = t * group + g;
-                        if (pending == set_size) {
-                            span_head_set(pending_q, pending_slot, keys, values, &view, scale, acc, running_max,
-                                          running_sum, pending, chunks, 1);
-                            pending = 0;
-                        }
-                    }
-                    continue;
                 }
                 for (int g0 = 0; g0 < group; g0 += set_size) {
                     const int n = group - g0 < set_size ? group - g0 : set_size;
