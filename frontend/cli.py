@@ -111,7 +111,9 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
     if sc or wk:
         p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
         p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-        p.add_argument("--tensor-parallel-size", type=int, default=1, help="worker processes sharing one model")
+        p.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="worker ranks sharing one model (its heads, MLP and vocabulary split between them; "
+                            "torch.distributed: gloo on CPUs, NCCL on GPUs)")
     if sc:
         p.add_argument("--long-prefill-threshold", type=int, default=0,
                        help="most tokens of one prompt prefilled in one step (0 = off)")
@@ -180,7 +182,13 @@ def build_parser(env_command: str | None = None) -> SluiceParser:
         p.add_argument("--address", default=DEFAULT_TCP_ADDRESS,
                        help="scheduler base address: tcp://host:port uses port..port+3")
         if name == "worker":
-            p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank of this worker")
+            p.add_argument("--tp-rank", "--rank", dest="rank", type=int, default=0,
+                           help="this worker's tensor-parallel rank (0: the one the scheduler talks to)")
+            p.add_argument("--tp-master", default="127.0.0.1:29500", metavar="HOST:PORT",
+                           help="the tensor-parallel rendezvous: rank 0 listens on this address (only it), the "
+                                "other ranks connect to it")
+            p.add_argument("--tp-timeout", type=float, default=60.0,
+                           help="seconds every tensor-parallel rank gets to reach the rendezvous")
         p.add_argument("--curve-keys", default=None, metavar="DIR",
                        help="a `sluice keys` directory: CurveZMQ (encryption, and only known peers) on the links "
                             "to the scheduler (default: none; needed off loopback)" + SAYS_DEFAULT)

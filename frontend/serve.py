@@ -87,6 +87,9 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     given_up: bool = False
+    # The ranks of a tensor-parallel group (this one among them): they stop and start together,
+    # since a group that lost a rank cannot go on, and a new rank joins only a new group.
+    group: list[Child] = dataclasses.field(default_factory=list)
 
     def start(self) -> None:
         self.proc = _spawn(self.module, self.config)
@@ -167,8 +170,14 @@ class _Startup:
                 child.restarts += 1
                 log.warning("the %s process exited with status %s; starting it again in %.1f s (restart %d of %d)",
                             child.name, status, delay, child.restarts, child.max_restarts)
+                peers = [c for c in child.group if c is not child]
+                running = [c.proc for c in peers if c.proc is not None and c.exited() is None]
+                if running:
+                    log.warning("stopping the other tensor-parallel ranks: the group starts again whole")
+                    await asyncio.to_thread(_stop, running, time.monotonic() + STOP_AFTER_GRACE_S)
                 await asyncio.sleep(delay)
-                child.start()
+                for c in (child, *peers):
+                    c.start()
 
     def _fail(self, message: str) -> None:
         print(f"sluice: error: {message}", file=sys.stderr, flush=True)
@@ -258,6 +267,13 @@ def _spawn(module: str, config: object) -> subprocess.Popen[bytes]:
     )
 
 
+def _free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now (the tensor-parallel rendezvous)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def _stop(children: Sequence[subprocess.Popen[bytes]], deadline: float) -> None:
     """SIGTERM to every child at once, SIGKILL to those still running at ``deadline`` (monotonic;
     at least ``CHILD_STOP_MIN_S`` from now). A worker says goodbye to the scheduler as it leaves,
@@ -288,9 +304,14 @@ def serve(frontend: FrontendConfig, scheduler: SchedulerConfig, worker: WorkerCo
     frontend = dataclasses.replace(frontend, address=address)
     scheduler = dataclasses.replace(scheduler, address=address)
     worker = dataclasses.replace(worker, address=address, served_model_name=frontend.served_model_name)
+    if worker.tensor_parallel_size > 1:
+        worker = dataclasses.replace(worker, tp_master=f"127.0.0.1:{_free_port()}")
     children = [Child("scheduler", "scheduler", scheduler, SCHEDULER_RESTARTS)]
-    children += [Child(f"worker {rank}", "worker", dataclasses.replace(worker, rank=rank), scheduler.max_worker_restarts)
-                 for rank in range(worker.tensor_parallel_size)]
+    ranks = [Child(f"worker {rank}", "worker", dataclasses.replace(worker, rank=rank), scheduler.max_worker_restarts)
+             for rank in range(worker.tensor_parallel_size)]
+    for rank in ranks:
+        rank.group = ranks if len(ranks) > 1 else []
+    children += ranks
     stop_by = [float("inf")]
     try:
         for child in children:

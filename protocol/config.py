@@ -85,9 +85,6 @@ class SchedulerConfig:
             raise ConfigError("--max-worker-restarts must be >= 0")
         _positive("--num-scheduler-steps", self.num_scheduler_steps)
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
-        if self.tensor_parallel_size > 1:
-            # The flag and the per-rank wiring exist; sharded layers and a plan fan-out do not yet.
-            raise ConfigError("--tensor-parallel-size > 1 is not supported yet; use 1")
         if self.long_prefill_threshold < 0:
             raise ConfigError("--long-prefill-threshold must be >= 0 (0 turns it off)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -133,7 +130,10 @@ class WorkerConfig:
     generation_config: str = "auto"  # auto: the model's sampling defaults apply; none: OpenAI's
     jump_forward: bool = True  # append a grammar's forced tokens without a forward pass each
     tensor_parallel_size: int = 1
-    rank: int = 0
+    rank: int = 0  # this worker's tensor-parallel rank
+    # Rank 0 hosts the group's rendezvous here (bound to this address only); the others connect.
+    tp_master: str = "127.0.0.1:29500"
+    tp_timeout: float = 60.0  # seconds every rank gets to reach the rendezvous
     curve_keys: str | None = None
     insecure_zmq: bool = False
     log_level: str = "info"
@@ -149,9 +149,11 @@ class WorkerConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"--gpu-memory-utilization is a share of the device, in (0, 1], not "
                               f"{self.gpu_memory_utilization:g}")
-        if self.tensor_parallel_size > 1:
-            # The flag and the per-rank wiring exist; sharded layers and a plan fan-out do not yet.
-            raise ConfigError("--tensor-parallel-size > 1 is not supported yet; use 1")
+        if not 0 <= self.rank < self.tensor_parallel_size:
+            raise ConfigError(f"--tp-rank must be in 0..{self.tensor_parallel_size - 1} (--tensor-parallel-size "
+                              f"{self.tensor_parallel_size}), got {self.rank}")
+        if self.tp_timeout <= 0:
+            raise ConfigError("--tp-timeout must be > 0 seconds")
         if self.generation_config not in ("auto", "none"):
             raise ConfigError("--generation-config must be auto or none")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -304,13 +304,11 @@ class SchedulerProcess:
                 self._abort(rid, FinishReason.ERROR, "output lost on the link to the frontend")
 
     def _to_workers(self, msg: object) -> None:
-        data = self.worker_codec.encode(msg)
-        for _ in range(self.config.tensor_parallel_size):
-            try:
-                self.to_workers.send(data, zmq.NOBLOCK)
-            except zmq.Again:
-                self._fail("no worker connected to receive the next plan")
-                return
+        """To the worker (a tensor-parallel group's rank 0, which relays to the other ranks)."""
+        try:
+            self.to_workers.send(self.worker_codec.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            self._fail("no worker connected to receive the next plan")
 
     # ------------------------------------------------------------------ frontend messages
 
@@ -505,10 +503,8 @@ class SchedulerProcess:
         if msg.memory:
             self.worker_memory[msg.rank] = msg.memory
         if self.workers.should_ask_to_announce(msg.rank):
-            data = self.worker_codec.encode(Announce())
-            for _ in range(self.config.tensor_parallel_size):
-                with contextlib.suppress(zmq.Again):
-                    self.to_workers.send(data, zmq.NOBLOCK)
+            with contextlib.suppress(zmq.Again):
+                self.to_workers.send(self.worker_codec.encode(Announce()), zmq.NOBLOCK)
 
     def on_worker_stopping(self, msg: WorkerStopping) -> None:
         if msg.rank in self.workers.ready and not self.stopping:

@@ -16,10 +16,13 @@ from test_gguf import _sentencepiece_file
 
 from protocol.config import WorkerConfig
 from worker.engine import Worker
+from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.gguf.file import GGUFFile
 from worker.kernels import cpu as cpu_kernels
 from worker.model.layers import Linear
-from worker.model.llama import _unfused
+from worker.model.llama import LlamaForCausalLM, _unfused
+from worker.model.quantized import QuantizedWeight
+from worker.model.sharding import ShardLayout, take_quantized
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 4, 4, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -123,3 +126,34 @@ def test_quantized_linears_stay_quantized_with_the_files_exact_weights(model_fil
         parts = _unfused(f"{name}.weight", model.config) or [(f"{name}.weight", 0)]
         for part, _ in parts:
             assert torch.equal(ours[part], theirs[part]), part
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("keep_quantized", [False, True])
+def test_a_tensor_parallel_rank_reads_exactly_its_slice_of_each_tensor(model_file: Path, rank: int,
+                                                                         keep_quantized: bool) -> None:
+    """Each rank reads only its rows or block-aligned columns of the file (``_part``), un-permutes
+    its q/k heads alone and pads its vocabulary shard: the same values as slicing the whole
+    tensor after reading it."""
+    checkpoint = GGUFCheckpoint(model_file)
+    cfg = checkpoint.config
+    with torch.device("meta"):
+        expected = LlamaForCausalLM(cfg, 1).checkpoint_shapes()
+    whole = checkpoint.weights(expected, torch.float32, torch.device("cpu"), None, keep_quantized)
+    layout = ShardLayout(cfg, rank, 2)
+    part = checkpoint.weights(expected, torch.float32, torch.device("cpu"), layout, keep_quantized)
+    assert set(part) == set(whole)
+    for name, value in whole.items():
+        sl = layout.slice_for(name, tuple(expected[name]))
+        mine = part[name]
+        if isinstance(value, QuantizedWeight):
+            assert isinstance(mine, QuantizedWeight), name
+            want = take_quantized(value, sl) if sl is not None else value
+            for field in ("codes", "scales", "mins"):
+                assert torch.equal(getattr(mine, field), getattr(want, field)), (name, field)
+        else:
+            assert isinstance(mine, torch.Tensor)
+            assert torch.equal(mine, sl.take(value) if sl is not None else value), name
+    embed = part["model.embed_tokens.weight"]
+    rows = embed.codes.shape[0] if isinstance(embed, QuantizedWeight) else embed.shape[0]
+    assert rows == -(-cfg.vocab_size // 2)  # padded to the shard

@@ -13,7 +13,9 @@ with both cores).
 So models of ``ALL_CORES_FROM_PARAMS`` parameters and more use every core for every step;
 smaller ones use one core fewer for their small steps and every core for steps that compute
 ``BIG_STEP_TOKENS`` tokens or more (``ThreadPlan``). ``--worker-threads N`` sets N for every
-step; ``OMP_NUM_THREADS``, when set, wins over both.
+step; ``OMP_NUM_THREADS``, when set, wins over both. The k ranks of a tensor-parallel group
+started on one machine take a k-th of its cores each (ranks on separate machines: pass
+``--worker-threads``).
 """
 
 from __future__ import annotations
@@ -59,17 +61,20 @@ def choose_cpu_threads(requested: int, num_params: int, cores: int | None = None
     return ThreadPlan(max(1, cores - 1), cores)
 
 
-def configure_cpu_threads(device: torch.device, requested: int, num_params: int) -> ThreadPlan | None:
-    """Set torch's intra-op thread count for a CPU worker, and say what was chosen and why;
-    returns the plan the runner follows per step (None: leave the count as it is)."""
+def configure_cpu_threads(device: torch.device, requested: int, num_params: int, ranks: int = 1) -> ThreadPlan | None:
+    """Set torch's intra-op thread count for a CPU worker (one of ``ranks`` tensor-parallel ranks
+    sharing the machine's cores), and say what was chosen and why; returns the plan the runner
+    follows per step (None: leave the count as it is)."""
     if device.type != "cpu":
         return None
     if "OMP_NUM_THREADS" in os.environ:
         log.info("CPU threads: %d (OMP_NUM_THREADS)", torch.get_num_threads())
         return None
-    plan = choose_cpu_threads(requested, num_params)
+    cores = max(1, available_cores() // ranks)
+    plan = choose_cpu_threads(requested, num_params, cores)
     torch.set_num_threads(plan.small)
-    why = "--worker-threads" if requested > 0 else f"{available_cores()} cores, {num_params / 1e6:.0f}M parameters"
+    share = f" of {available_cores()} for {ranks} ranks" if ranks > 1 else ""
+    why = "--worker-threads" if requested > 0 else f"{cores} cores{share}, {num_params / 1e6:.0f}M parameters"
     if plan.small == plan.big:
         log.info("CPU threads: %d (%s)", plan.small, why)
     else:

@@ -33,6 +33,8 @@ from worker.model.loader import (
     resolve_model_dir,
     served_name,
 )
+from worker.model.sharding import ShardLayout
+from worker.parallel import TensorParallelGroup
 from worker.runner import ModelRunner
 from worker.sampling_defaults import sampling_defaults
 from worker.structured import GrammarEngine
@@ -43,9 +45,12 @@ WARMUP_RID = -1  # and -2: rids the frontend assigns are >= 0
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, group: TensorParallelGroup | None = None) -> None:
+        """``group``: this worker is one rank of a tensor-parallel group (``worker.parallel``),
+        which loads and runs its part of the model."""
         self.config = config
-        self.device = resolve_device(config.device)
+        self.group = group
+        self.device = resolve_device(config.device, config.rank if group is not None else None)
         if self.device.type == "cuda":
             # Events, streams and pinned-copy fences are made on the current device: without this,
             # a worker on cuda:1 records its staging events on cuda:0 while its copies run on
@@ -64,15 +69,28 @@ class Worker:
                  "; quantized weights stay quantized" if keep_quantized else "")
         for line in dtype_caveats(config.dtype, dtype, self.device, gguf.quantized_types() if gguf else []):
             log.warning("%s", line)
+        layout = ShardLayout(cfg, group.rank, group.size) if group is not None else None
+        if group is not None:
+            assert layout is not None
+            group.check_same({"model": f"{cfg.architecture}: {cfg.num_layers} layers, hidden size {cfg.hidden_size}, "
+                                       f"{cfg.num_heads} heads, vocabulary {cfg.vocab_size}",
+                              "dtype": str(dtype).removeprefix("torch.") + (" (quantized kept)" if keep_quantized else ""),
+                              "--block-size": str(config.block_size), "--max-model-len": str(self.max_model_len)})
+            log.info("tensor parallel: %s", layout.describe())
         reader = functools.partial(gguf.weights, keep_quantized=keep_quantized) if gguf is not None else None
-        model = load_model(source, cfg, dtype, self.device, max_positions=self.max_model_len, weights=reader)
+        model = load_model(source, cfg, dtype, self.device, max_positions=self.max_model_len, weights=reader,
+                           layout=layout)
         return_freed_memory()  # the checkpoint's separate parts, now fused
         self.num_params, weight_bytes = model.size()
         quantization = model.quantized_formats()
         if self.device.type == "cpu":
             model.use_cpu_kernels()
             log.info("linear layers: %s", cpu_matmul.prepare(model, dtype))
-            model.cpu_decoder = CpuDecoder.for_model(model)
+            if group is None:
+                model.cpu_decoder = CpuDecoder.for_model(model)
+        if group is not None:
+            assert layout is not None
+            model.use_tensor_parallel(group, layout.vocab_start, cfg.vocab_size)
         if gguf is not None:
             gguf.file.release_pages()  # every weight is copied out by now
         return_freed_memory()
@@ -80,10 +98,10 @@ class Worker:
                  cfg.architecture, self.num_params / 1e6, weight_bytes / 2**20, self.device,
                  str(dtype).removeprefix("torch.") + (f", {quantization} kept quantized" if quantization else ""),
                  time.perf_counter() - began)
-        per_block = bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        kv_heads = model.config.num_kv_heads  # this rank's, under tensor parallelism
+        per_block = bytes_per_block(cfg.num_layers, config.block_size, kv_heads, cfg.head_dim, dtype)
         def make_cache(num_blocks: int) -> KVCache:
-            return KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
-                           self.device)
+            return KVCache(cfg.num_layers, num_blocks, config.block_size, kv_heads, cfg.head_dim, dtype, self.device)
 
         if self.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory == "auto":
             def run_plan(trial: KVCache, plan: StepPlan) -> bool:
@@ -100,6 +118,11 @@ class Worker:
         else:
             num_blocks = num_blocks_for(config, per_block, self.max_model_len)
             sizing = sizing_reason(config)
+        if group is not None:  # the scheduler counts blocks for the whole group: each rank holds every one
+            fewest = group.min_int(num_blocks)
+            if fewest < num_blocks:
+                sizing += f"; {num_blocks} fit here, {fewest} on the group's smallest rank"
+            num_blocks = fewest
         cache = make_cache(num_blocks)
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", num_blocks, config.block_size,
                  num_blocks * config.block_size, cache.nbytes / 2**20, sizing)

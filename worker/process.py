@@ -2,7 +2,10 @@
 
 Sockets (connecting to the scheduler, which binds): PULL for commands, read by the main thread;
 PUSH for results, owned by the sender thread; a second PUSH owned by the heartbeat thread
-(ZeroMQ sockets are not thread-safe). The main thread runs plans; each step's tokens go to the
+(ZeroMQ sockets are not thread-safe). In a tensor-parallel group only rank 0 reads commands and
+sends tokens: it relays each command to the other ranks at the point where it acts on it
+(``worker.parallel``), and they act on it there too; every rank sends its own readiness,
+heartbeats and failures. The main thread runs plans; each step's tokens go to the
 sender thread, which encodes and sends them while the next step computes. Between steps the main
 thread reads its inbox without blocking: ``CancelRows`` applies at once, a next plan waits its
 turn. Any failure to load or to run a plan is reported as one ``WorkerFailed`` line, logged with
@@ -44,6 +47,8 @@ from protocol.transport import Endpoints, make_socket, scheduler_worker_codec, w
 from worker.cpu_threads import configure_cpu_threads
 from worker.engine import Worker
 from worker.model.config import ModelLoadError
+from worker.model.loader import resolve_device
+from worker.parallel import KEEPALIVE_S, TensorParallelGroup
 
 __all__ = ["Worker", "run"]
 
@@ -104,18 +109,23 @@ class WorkerProcess:
         self.endpoints = Endpoints.from_base(config.address)
         self.curve = CurveKeys.load(config.curve_keys, server=False)
         self.sender = Sender(ctx, self.endpoints.worker_to_scheduler, self.curve)
-        self.inbox = make_socket(ctx, zmq.PULL, self.endpoints.scheduler_to_worker, bind=None, curve=self.curve)
         self.recv_codec = worker_codec()
         self.backlog: deque[WorkerCommand] = deque()  # commands read mid-plan, run after it
         self.malformed_frames = 0
+        self.group: TensorParallelGroup | None = None  # set once joined (tensor parallel)
+        self.said_waiting = False
+        self.connected = False
+        self.inbox: zmq.Socket[bytes] | None = None
+        self.links: zmq.Socket[bytes] | None = None
+        if config.rank > 0:
+            return  # a tensor-parallel peer: its commands come from rank 0
+        self.inbox = make_socket(ctx, zmq.PULL, self.endpoints.scheduler_to_worker, bind=None, curve=self.curve)
         # Whether the scheduler's command socket is reachable, from the socket's own events: a
         # wrong or unreachable address is said in the log, not waited on in silence. The monitor
         # is attached before connecting: a connection made first would never be reported, and an
         # idle worker would then call a scheduler it is connected to unreachable every 5 s.
         self.links = self.inbox.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self.said_waiting = False
         self.inbox.connect(self.endpoints.scheduler_to_worker)
-        self.connected = False
 
     def fail(self, what: str, e: BaseException) -> int:
         if isinstance(e, ModelLoadError | ConfigError):  # a user's mistake, said in one line: no traceback
@@ -129,8 +139,18 @@ class WorkerProcess:
 
     def _wait_for_command(self) -> None:
         """Block until a command arrives. A scheduler unreachable for a while is said once (ZeroMQ
-        keeps reconnecting meanwhile), and its return once."""
-        while not self.inbox.poll(int(WAITING_LOG_INTERVAL_S * 1000)):
+        keeps reconnecting meanwhile), and its return once. Rank 0 of a tensor-parallel group
+        relays a keepalive to its peers every ``KEEPALIVE_S`` meanwhile."""
+        assert self.inbox is not None and self.links is not None
+        wait_s = KEEPALIVE_S if self.group is not None else WAITING_LOG_INTERVAL_S
+        waited = 0.0
+        while not self.inbox.poll(int(wait_s * 1000)):
+            if self.group is not None:
+                self.group.relay([])
+            waited += wait_s
+            if waited < WAITING_LOG_INTERVAL_S:
+                continue
+            waited = 0.0
             while self.links.poll(0):
                 self.connected = recv_monitor_message(self.links)["event"] == zmq.EVENT_CONNECTED
             if not self.connected and not self.said_waiting:
@@ -141,28 +161,55 @@ class WorkerProcess:
             self.said_waiting = False
             log.info("connected to the scheduler at %s", self.endpoints.scheduler_to_worker)
 
-    def _read(self, flags: int = 0) -> WorkerCommand:
-        """The next command; frames that do not decode are logged and skipped, never fatal."""
+    def _receive(self, flags: int = 0) -> tuple[WorkerCommand, bytes]:
+        """The scheduler's next command and its frame; frames that do not decode are logged and
+        skipped, never fatal."""
+        assert self.inbox is not None
         while True:
             if not flags & zmq.NOBLOCK:
                 self._wait_for_command()
             frame = self.inbox.recv(flags, copy=False)
             try:
                 cmd: WorkerCommand = self.recv_codec.decode(frame.buffer)
-                return cmd
+                return cmd, frame.bytes
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 self.malformed_frames += 1
                 if self.malformed_frames == 1 or self.malformed_frames % 1000 == 0:
                     log.warning("dropped a frame that is not a Sluice command (%s); %d so far", e,
                                 self.malformed_frames)
 
-    def _poll_inbox(self, worker: Worker) -> None:
-        """Between steps: apply cancels now, keep anything else for after the plan."""
+    def _read(self) -> WorkerCommand:
+        """The next command, waiting for it (relayed to, or from, the rest of the group)."""
+        if self.config.rank > 0:
+            assert self.group is not None
+            while not (frames := self.group.receive()):
+                pass  # rank 0's keepalive
+            return self.recv_codec.decode(frames[0])
+        cmd, frame = self._receive()
+        if self.group is not None:
+            self.group.relay([frame])
+        return cmd
+
+    def _read_available(self) -> list[WorkerCommand]:
+        """Between steps: the commands that have arrived, without waiting."""
+        if self.config.rank > 0:
+            assert self.group is not None
+            return [self.recv_codec.decode(frame) for frame in self.group.receive()]
+        cmds, frames = [], []
         while True:
             try:
-                cmd = self._read(zmq.NOBLOCK)
+                cmd, frame = self._receive(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
+            cmds.append(cmd)
+            frames.append(frame)
+        if self.group is not None:
+            self.group.relay(frames)
+        return cmds
+
+    def _poll_inbox(self, worker: Worker) -> None:
+        """Between steps: apply cancels now, keep anything else for after the plan."""
+        for cmd in self._read_available():
             if isinstance(cmd, CancelRows):
                 worker.runner.cancel(cmd)
             else:
@@ -185,7 +232,8 @@ class WorkerProcess:
             elif isinstance(cmd, StepPlan):
                 try:
                     for step in worker.runner.execute(cmd):
-                        self.sender.send(step)
+                        if self.config.rank == 0:
+                            self.sender.send(step)
                         if not step.last:
                             self._poll_inbox(worker)
                 except Exception as e:
@@ -193,9 +241,12 @@ class WorkerProcess:
 
     def close(self) -> None:
         self.sender.close()
-        self.inbox.disable_monitor()
-        self.links.close(linger=0)
-        self.inbox.close(linger=0)
+        if self.inbox is not None and self.links is not None:
+            self.inbox.disable_monitor()
+            self.links.close(linger=0)
+            self.inbox.close(linger=0)
+        if self.group is not None:
+            self.group.close()
 
 
 def run(config: WorkerConfig) -> int:
@@ -211,9 +262,17 @@ def run(config: WorkerConfig) -> int:
                                  daemon=True, name="heartbeat")
     told_to_stop = False  # SIGTERM or Shutdown, not a failure: the scheduler hears a goodbye
     try:
+        if config.tensor_parallel_size > 1:
+            try:
+                device = resolve_device(config.device, config.rank)
+                proc.group = TensorParallelGroup(config.rank, config.tensor_parallel_size, device, config.tp_master,
+                                                 config.tp_timeout)
+            except Exception as e:
+                return proc.fail("cannot join the tensor-parallel group", e)
         try:
-            worker = Worker(config)
-            worker.runner.threads = configure_cpu_threads(worker.device, config.worker_threads, worker.num_params)
+            worker = Worker(config, proc.group)
+            worker.runner.threads = configure_cpu_threads(worker.device, config.worker_threads, worker.num_params,
+                                                          config.tensor_parallel_size)
             worker.warm_up()
         except Exception as e:
             return proc.fail("cannot load the model", e)
@@ -221,7 +280,12 @@ def run(config: WorkerConfig) -> int:
         proc.sender.send(WorkerReady(config.rank, worker.info))
         log.info("ready: %s, max model len %d, %d KV blocks", worker.info.name, worker.max_model_len,
                  worker.info.num_kv_blocks)
-        status = proc.serve(worker)
+        try:
+            status = proc.serve(worker)
+        except RuntimeError as e:  # a collective between plans: a rank of the group is gone
+            if proc.group is None:
+                raise
+            return proc.fail("the tensor-parallel group broke", e)
         told_to_stop = status == 0
         return status
     except SystemExit:

@@ -339,4 +339,15 @@ class ModelRunner:
         logits = self.model(input_ids, meta)
         if sampling is None:
             return None
-        return self.sampler(logits, sampling.moved(moved))
+        group = self.model.group
+        if group is None:
+            assert logits is not None
+            return self.sampler(logits, sampling.moved(moved))
+        # Tensor parallel: rank 0 samples (it alone has the logits) and hands every rank the ids,
+        # the next step's input; the others need no logprobs, they send nothing.
+        if logits is not None:
+            out = self.sampler(logits, sampling.moved(moved))
+        else:
+            out = SamplerOutput(torch.empty(len(batch.samplers), dtype=torch.long, device=self.device), None)
+        group.broadcast_tokens(out.token_ids)
+        return out

@@ -18,14 +18,17 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 from tokenizers import Tokenizer
 
-from worker.gguf.file import GGUFFile, GGUFFormatError
+from worker.gguf.file import GGUFFile, GGUFFormatError, GGUFTensor
 from worker.gguf.quants import KEPT_LAYOUT, UnsupportedTensorType, block_codes, dequantize
 from worker.gguf.tokenizer import UnsupportedTokenizer, build_tokenizer
 from worker.model.config import LlamaConfig, ModelLoadError
 from worker.model.quantized import QuantizedWeight
+from worker.model.sharding import ShardLayout, Slice, pad, pad_quantized_rows, take_quantized
 
 log = logging.getLogger("sluice.worker")
 
@@ -122,11 +125,13 @@ class GGUFCheckpoint:
         return sorted(counts, key=lambda name: -counts[name])
 
     def weights(self, expected: dict[str, torch.Size], dtype: torch.dtype, device: torch.device,
-                keep_quantized: bool = False) -> dict[str, torch.Tensor | QuantizedWeight]:
+                layout: ShardLayout | None = None, keep_quantized: bool = False) -> dict[str, torch.Tensor | QuantizedWeight]:
         """Every tensor under its model name, dequantized and cast to ``dtype`` on ``device``; with
         ``keep_quantized``, matrices in a type ``block_codes`` reads stay quantized instead
         (``QuantizedWeight``: the model keeps the linear ones so and dequantizes the rest); the
-        matrices of any other type are dequantized, said once in the log per type."""
+        matrices of any other type are dequantized, said once in the log per type. With a
+        tensor-parallel ``layout``, this rank's part of each tensor, read from its own blocks
+        (``_part``)."""
         cfg = self.config
         state: dict[str, torch.Tensor | QuantizedWeight] = {}
         dequantized: dict[str, int] = {}
@@ -136,23 +141,38 @@ class GGUFCheckpoint:
             if target not in expected or t.shape != want:
                 raise ModelLoadError(f"{self.path}: tensor {name} has shape {t.shape}, the metadata implies "
                                      f"{want or 'no such tensor'}")
+            sl = layout.slice_for(target, t.shape) if layout is not None else None
+            part = _part(t, sl)
+            data, shape = part if part is not None else (t.data, t.shape)
+            after = sl if part is None else None  # a slice the blocks did not allow: taken once read
+            # q and k rows are permuted within each head: whole heads, however many this rank reads.
             heads = cfg.num_heads if name.endswith("attn_q.weight") else \
                 cfg.num_kv_heads if name.endswith("attn_k.weight") else None
-            codes = block_codes(t.data, t.qtype, t.shape) if keep_quantized else None
+            if heads is not None:
+                heads = shape[0] // (t.shape[0] // heads)
+            codes = block_codes(data, t.qtype, shape) if keep_quantized else None
             if codes is not None:
                 if heads is not None:
-                    codes = codes.rows(_unpermute(torch.arange(t.shape[0]).unsqueeze(1), heads).squeeze(1))
+                    codes = codes.rows(_unpermute(torch.arange(shape[0]).unsqueeze(1), heads).squeeze(1))
+                if after is not None:
+                    codes = take_quantized(codes, after)
+                elif sl is not None and sl.dim == 0:
+                    codes = pad_quantized_rows(codes, sl.size)
                 state[target] = codes
                 self.file.release(t)
                 continue
             if keep_quantized and len(t.shape) == 2 and t.qtype.name not in ("F32", "F16", "BF16"):
                 dequantized[t.qtype.name] = dequantized.get(t.qtype.name, 0) + 1
             try:
-                tensor = dequantize(t.data, t.qtype, t.shape)
+                tensor = dequantize(data, t.qtype, shape)
             except UnsupportedTensorType as e:
                 raise ModelLoadError(f"{self.path}: tensor {name}: {e}") from None
             if heads is not None:
                 tensor = _unpermute(tensor, heads)
+            if after is not None:
+                tensor = after.take(tensor)
+            elif sl is not None:
+                tensor = pad(tensor, sl.dim, sl.size)
             state[target] = tensor.to(device=device, dtype=dtype)
             self.file.release(t)  # a view of the map stays right: its pages fault back in from the file
         for qtype, count in dequantized.items():
@@ -180,6 +200,25 @@ class GGUFCheckpoint:
         transformers both start their prompts with BOS) and False for byte-level ones."""
         default = self.metadata.get("tokenizer.ggml.model") == "llama"
         return bool(self.metadata.get("tokenizer.ggml.add_bos_token", default))
+
+
+def _part(t: GGUFTensor, sl: Slice | None) -> tuple[np.ndarray, tuple[int, ...]] | None:
+    """The bytes and shape of a slice of a matrix, read from its own blocks alone: any rows, or
+    input columns that start and end on the type's blocks. None where that cannot be done (a
+    vector, or columns inside a block): the caller reads the whole tensor and slices it."""
+    if sl is None:
+        return t.data, t.shape
+    if len(t.shape) != 2:
+        return None
+    block, type_size = GGML_QUANT_SIZES[t.qtype]
+    rows, cols = t.shape
+    raw = t.data.reshape(rows, cols // block * type_size)
+    if sl.dim == 0:
+        return raw[sl.start : sl.stop], (sl.stop - sl.start, cols)
+    if sl.start % block or sl.stop % block:
+        return None
+    return np.ascontiguousarray(raw[:, sl.start // block * type_size : sl.stop // block * type_size]), \
+        (rows, sl.stop - sl.start)
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:

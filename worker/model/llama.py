@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,9 @@ from worker.kernels import cpu as cpu_kernels
 from worker.model.config import LlamaConfig
 from worker.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, StepRope
 from worker.model.quantized import QuantizedWeight
+
+if TYPE_CHECKING:
+    from worker.parallel import TensorParallelGroup
 
 
 class Attention(nn.Module):
@@ -37,6 +40,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias)
         self.scale = self.head_dim**-0.5
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum the ranks' o_proj
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: StepRope) -> torch.Tensor:
         t = x.shape[0]
@@ -45,8 +49,8 @@ class Attention(nn.Module):
         qk = rope.rotate(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = meta.attend(self.layer, q, k, v, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = self.o_proj(meta.attend(self.layer, q, k, v, self.scale).reshape(t, self.num_heads * self.head_dim))
+        return self.reduce(out) if self.reduce is not None else out
 
 
 class MLP(nn.Module):
@@ -57,13 +61,16 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(h, 2 * inter, bias=bias)
         self.down_proj = Linear(inter, h, bias=bias)
         self.silu_kernel: ctypes.CDLL | None = None  # the C kernels, on the CPU (LlamaForCausalLM.use_cpu_kernels)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum the ranks' down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.silu_kernel is not None and gate_up.dtype in (torch.float32, torch.bfloat16):
-            return self.down_proj(cpu_kernels.silu_mul(self.silu_kernel, gate_up, self.inter))
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+            out = self.down_proj(cpu_kernels.silu_mul(self.silu_kernel, gate_up, self.inter))
+        else:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            out = self.down_proj(F.silu(gate).mul_(up))
+        return self.reduce(out) if self.reduce is not None else out
 
 
 class DecoderLayer(nn.Module):
@@ -109,6 +116,19 @@ class LlamaForCausalLM(nn.Module):
         # (worker/model/cpu_decoder.py); set after the weights are packed.
         self.cpu_decoder: Callable[[torch.Tensor, AttentionMetadata, DecodeRows],
                                    tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Tensor parallel (``use_tensor_parallel``): this rank's part of the model and its group.
+        self.group: TensorParallelGroup | None = None
+        self.vocab_start, self.full_vocab = 0, cfg.vocab_size
+
+    def use_tensor_parallel(self, group: TensorParallelGroup, vocab_start: int, full_vocab: int) -> None:
+        """Built from a rank's ``ShardLayout.local_config()`` and loaded with its slices: sum the
+        row-parallel projections and the vocabulary-parallel embedding over the ranks, and gather
+        the logits on rank 0. The whole-stack decoder does not run (its one C call has no place
+        for the all-reduces)."""
+        self.group, self.vocab_start, self.full_vocab = group, vocab_start, full_vocab
+        self.cpu_decoder = None
+        for layer in self.model.decoder_layers():
+            layer.self_attn.reduce = layer.mlp.reduce = group.all_reduce
 
     def use_cpu_kernels(self) -> None:
         """RMSNorm, the rotary embedding and silu(gate) * up through the C kernels (float32 or
@@ -122,9 +142,10 @@ class LlamaForCausalLM(nn.Module):
             layer.input_layernorm.kernel = layer.post_attention_layernorm.kernel = kernels
             layer.mlp.silu_kernel = kernels
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits of the positions in ``meta.logits_indices`` only (the ones that sample)."""
-        x = self.model.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Logits of the positions in ``meta.logits_indices`` only (the ones that sample); None
+        on a tensor-parallel rank other than 0."""
+        x = self._embed(input_ids)
         decoding = meta.decode_only() if self.cpu_decoder is not None else None
         if decoding is not None:
             assert self.cpu_decoder is not None
@@ -136,7 +157,22 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = layer(x, residual, meta, rope)
         assert residual is not None
         x = self.model.norm(x[meta.logits_indices] + residual[meta.logits_indices])
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        if self.group is None:
+            return logits
+        if not len(logits):  # no row samples this step, on every rank alike
+            return logits.new_empty(0, self.full_vocab) if self.group.rank == 0 else None
+        gathered = self.group.gather_columns(logits)
+        return gathered[:, : self.full_vocab] if gathered is not None else None
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return self.model.embed_tokens(ids)
+        # This rank's vocabulary rows: ids outside them look up zeros, and the ranks' sum is the row.
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.config.vocab_size)
+        x = self.model.embed_tokens(local.masked_fill(outside, 0))
+        return self.group.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
     # ------------------------------------------------------------------ checkpoint names
 

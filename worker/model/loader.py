@@ -21,6 +21,7 @@ from worker.model import cpu_matmul
 from worker.model.config import LlamaConfig, ModelLoadError
 from worker.model.llama import LlamaForCausalLM
 from worker.model.quantized import QuantizedWeight
+from worker.model.sharding import ShardLayout, pad
 from worker.model.tiny import materialize_tiny
 
 log = logging.getLogger("sluice.worker")
@@ -106,16 +107,18 @@ def is_gguf(source: Path) -> bool:
     return source.is_file() and source.suffix == ".gguf"
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, tp_rank: int | None = None) -> torch.device:
     """The worker's device; a CUDA one always with its index (``cuda`` alone is the current
-    device), which ``torch.cuda.set_device`` and the streams and events made on it need."""
+    device; for tensor-parallel rank r, device r modulo the host's count), which
+    ``torch.cuda.set_device`` and the streams and events made on it need."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError(f"--device {name}: no CUDA device is available")
     device = torch.device(name)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        index = tp_rank % torch.cuda.device_count() if tp_rank is not None else torch.cuda.current_device()
+        device = torch.device("cuda", index)
     return device
 
 
@@ -163,7 +166,9 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def _read_weights(files: list[Path], expected: dict[str, torch.Size], dtype: torch.dtype,
-                  device: torch.device) -> dict[str, torch.Tensor]:
+                  device: torch.device, layout: ShardLayout | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of ``files`` (shapes as ``expected``), cast; with a ``layout``, only this
+    rank's part of each (``safe_open``'s slices read just those bytes)."""
     state: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -174,32 +179,42 @@ def _read_weights(files: list[Path], expected: dict[str, torch.Size], dtype: tor
                     if name not in expected:
                         raise ModelLoadError(f"{file}: unexpected tensor {name} (not part of this "
                                              f"architecture as config.json describes it)")
-                    tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(expected[name]):
-                        raise ModelLoadError(f"{file}: tensor {name} has shape {tuple(tensor.shape)}, "
+                    part = f.get_slice(name)
+                    shape = tuple(part.get_shape())
+                    if shape != tuple(expected[name]):
+                        raise ModelLoadError(f"{file}: tensor {name} has shape {shape}, "
                                              f"config.json implies {tuple(expected[name])}")
+                    sl = layout.slice_for(name, shape) if layout is not None else None
+                    if sl is None:
+                        tensor = f.get_tensor(name)
+                    else:
+                        tensor = pad(part[sl.start : sl.stop] if sl.dim == 0 else part[:, sl.start : sl.stop],
+                                     sl.dim, sl.size)
                     state[name] = tensor.to(device=device, dtype=dtype)
         except SafetensorError as e:
             raise ModelLoadError(f"{file}: unreadable safetensors file ({e})") from None
     return state
 
 
-WeightReader = Callable[[dict[str, torch.Size], torch.dtype, torch.device],
+WeightReader = Callable[[dict[str, torch.Size], torch.dtype, torch.device, ShardLayout | None],
                         dict[str, torch.Tensor | QuantizedWeight]]
 
 
 def load_model(model_dir: Path, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int, weights: WeightReader | None = None) -> LlamaForCausalLM:
+               max_positions: int, weights: WeightReader | None = None,
+               layout: ShardLayout | None = None) -> LlamaForCausalLM:
     """The model of ``model_dir`` with its weights, cast to ``dtype`` on ``device``, in eval mode.
-    ``weights`` reads them from another source (a GGUF file) instead of safetensors."""
+    ``weights`` reads them from another source (a GGUF file) instead of safetensors. With a
+    tensor-parallel ``layout``, this rank's part of the model (``worker.model.sharding``)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
-    expected = model.checkpoint_shapes()
+        model = LlamaForCausalLM(layout.local_config() if layout is not None else cfg, max_positions)
+        # The whole model's shapes, to check the checkpoint against before slicing it.
+        expected = (LlamaForCausalLM(cfg, 1) if layout is not None else model).checkpoint_shapes()
     state: dict[str, torch.Tensor | QuantizedWeight]
     if weights is None:
-        state = dict(_read_weights(weight_files(model_dir), expected, dtype, device))
+        state = dict(_read_weights(weight_files(model_dir), expected, dtype, device, layout))
     else:
-        state = weights(expected, dtype, device)
+        state = weights(expected, dtype, device, layout)
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]  # one tensor, as transformers ties them
     missing = sorted(set(expected) - set(state))
