@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from frontend import admin, openai_api, tokenize_api
 from frontend.body_limit import BodyLimit
 from frontend.engine_client import EngineClient
+from frontend.engines import EngineGroup
 from frontend.errors import APIError
 from frontend.sse import StreamWatchdog
 from frontend.state import AppState
@@ -88,7 +89,9 @@ class SluiceApp(Starlette):
 
 
 def build_app(config: FrontendConfig, client: EngineClient | None = None) -> Starlette:
-    engine = client or EngineClient(config.address, CurveKeys.load(config.curve_keys, server=False))
+    """The HTTP app over the engines ``config.address`` lists (or over ``client``, a test's)."""
+    curve = CurveKeys.load(config.curve_keys, server=False)
+    engine = EngineGroup([client]) if client is not None else EngineGroup.connect(config.addresses, curve)
     state = AppState(config, engine)
 
     watchdog = StreamWatchdog(lambda: (h.output for h in engine.handles), config.client_stall_timeout)

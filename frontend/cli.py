@@ -170,6 +170,10 @@ def build_parser(env_command: str | None = None) -> SluiceParser:
     serve = sub.add_parser("serve", help="run frontend, scheduler and one worker on this machine",
                            formatter_class=defaults)
     _add_flags(serve, {"frontend", "scheduler", "worker"})
+    serve.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engines (each a scheduler and its workers, each holding the whole model, or a "
+                            "tensor-parallel group's share) behind the one frontend, which routes each request "
+                            "by load and prompt prefix")
     server_parsers = {"serve": serve}
     for name, helptext in [
         ("frontend", "the HTTP frontend, connecting to a scheduler"),
@@ -306,10 +310,13 @@ def main(argv: list[str] | None = None) -> None:
             _check_default_model(args.model)
             from frontend.serve import serve
 
+            if args.data_parallel_size < 1:
+                raise ConfigError(f"--data-parallel-size must be a positive integer, got {args.data_parallel_size}")
             sys.exit(serve(
                 build_config(FrontendConfig, args, address="ipc://unset"),
                 build_config(SchedulerConfig, args, address="ipc://unset"),
                 build_config(WorkerConfig, args, address="ipc://unset"),
+                args.data_parallel_size,
             ))
         elif args.command == "frontend":
             from frontend.serve import run_frontend

@@ -20,7 +20,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import msgspec
@@ -58,7 +58,11 @@ WAITING_LOG_INTERVAL_S = 5.0
 
 
 class EngineClient:
-    def __init__(self, address: str, curve: CurveKeys | None = None) -> None:
+    def __init__(self, address: str, curve: CurveKeys | None = None, epoch: int | None = None,
+                 rids: Iterator[int] | None = None) -> None:
+        """``epoch`` and ``rids``: shared by the engines of one frontend (``frontend.engines``),
+        so its rids are unique across them; by default this client's own."""
+        self.address = address
         self._endpoints = Endpoints.from_base(address)
         self._curve = curve
         self._ctx = zmq.asyncio.Context()
@@ -70,8 +74,8 @@ class EngineClient:
         self._expected_seq = 1
         self._closing = False
         self._queries: dict[int, asyncio.Future[QueryReply]] = {}
-        self.epoch = new_epoch()
-        self._rids = itertools.count((self.epoch << RID_COUNTER_BITS) + 1)
+        self.epoch = new_epoch() if epoch is None else epoch
+        self._rids = itertools.count((self.epoch << RID_COUNTER_BITS) + 1) if rids is None else rids
         self._scheduler_epoch = 0
         self._query_ids = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []

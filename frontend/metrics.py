@@ -52,22 +52,32 @@ SCHEDULER_METRICS = {
 
 
 class _SchedulerCollector(Collector):
-    def __init__(self, snapshot: Callable[[], dict[str, Any] | None], model: Callable[[], str]) -> None:
+    """The schedulers' figures: one sample per family, or, with several engines (data
+    parallelism), one per engine, labelled ``engine``."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any] | None], model: Callable[[], str],
+                 per_engine: Callable[[], list[tuple[str, dict[str, Any]]]] | None = None) -> None:
         self._snapshot = snapshot
         self._model = model
+        self._per_engine = per_engine
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._snapshot() or {}
         model = self._model()
+        engines = self._per_engine() if self._per_engine is not None else []
+        several = len(engines) > 1
+        samples = [([model, engine], stats) for engine, stats in engines] if several \
+            else [([model], self._snapshot() or {})]
+        labels = ["model_name", "engine"] if several else ["model_name"]
         for key, (name, doc, kind) in SCHEDULER_METRICS.items():
             family: Metric
             if kind == "gauge":
-                family = GaugeMetricFamily(name, doc, labels=["model_name"])
+                family = GaugeMetricFamily(name, doc, labels=labels)
             else:
-                family = CounterMetricFamily(name, doc, labels=["model_name"])
-            value = stats.get(key)
-            if isinstance(value, (int, float)):
-                family.add_metric([model], float(value))
+                family = CounterMetricFamily(name, doc, labels=labels)
+            for values, stats in samples:
+                value = stats.get(key)
+                if isinstance(value, (int, float)):
+                    family.add_metric(values, float(value))
             yield family
 
 
@@ -103,7 +113,8 @@ class _GapHistogram(Collector):
 
 
 class Metrics:
-    def __init__(self, snapshot: Callable[[], dict[str, Any] | None], model: Callable[[], str]) -> None:
+    def __init__(self, snapshot: Callable[[], dict[str, Any] | None], model: Callable[[], str],
+                 per_engine: Callable[[], list[tuple[str, dict[str, Any]]]] | None = None) -> None:
         self.registry = CollectorRegistry()
         self._model = model
         label = ["model_name"]
@@ -124,7 +135,7 @@ class Metrics:
                                     "output was lost on the link to the scheduler", registry=r)
         self._per_token = _GapHistogram(model)
         self.registry.register(self._per_token)
-        self.registry.register(_SchedulerCollector(snapshot, model))
+        self.registry.register(_SchedulerCollector(snapshot, model, per_engine))
         self._recent_ttft: collections.deque[float] = collections.deque(maxlen=50)
 
     @property

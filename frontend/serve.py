@@ -128,9 +128,10 @@ class _Startup:
         state = self.app.state.sluice
         client = state.client
         exited_at: float | None = None
-        while not client.ready.is_set():
+        # Every engine: sluice serve starts them together, and says ready once all are.
+        while not all(engine.ready.is_set() for engine in client.engines):
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(client.ready.wait(), STARTUP_POLL_S)
+                await asyncio.wait_for(client.all_ready(), STARTUP_POLL_S)
                 break
             if client.engine_error is not None:
                 self._fail(client.engine_error)
@@ -143,6 +144,9 @@ class _Startup:
                     self._fail(f"the {dead[0].name} process exited with status {dead[0].exited()} "
                                "before the engine was ready")
                     return
+        if client.engine_error is not None:  # an engine came up with another model
+            self._fail(client.engine_error)
+            return
         print(f"Sluice is ready: serving {state.model_name} {where(self.config.host, self.config.port)} "
               "(OpenAI API under /v1)", flush=True)
         await self._supervise()
@@ -233,7 +237,8 @@ def run_frontend(config: FrontendConfig, children: Sequence[Child] = (), sock: s
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     app = build_app(config)
-    app.state.sluice.client.quiet_startup_errors = True  # _Startup says them, once
+    app.state.sluice.client.attach(app.state.sluice.metrics, config.request_timeout,
+                                   quiet_startup_errors=True)  # _Startup says them, once
     startup = _Startup(app, config, children)
     startup.install()
     deadline = stop_by if stop_by is not None else [float("inf")]
@@ -291,27 +296,37 @@ def _stop(children: Sequence[subprocess.Popen[bytes]], deadline: float) -> None:
             child.wait()
 
 
-def serve(frontend: FrontendConfig, scheduler: SchedulerConfig, worker: WorkerConfig) -> int:
-    """``sluice serve``: one machine, ipc:// sockets in a private temp dir removed at exit.
-    Returns the exit status (1 when the engine failed to start)."""
+def serve(frontend: FrontendConfig, scheduler: SchedulerConfig, worker: WorkerConfig,
+          data_parallel_size: int = 1) -> int:
+    """``sluice serve``: one machine, ipc:// sockets in a private temp dir removed at exit; with
+    ``data_parallel_size`` m, m engines (a scheduler and its worker ranks each) behind the
+    frontend, sharing the machine's cores. Returns the exit status (1 when the engine failed to start)."""
     try:
         sock = listen(frontend)
     except ListenError as e:
         print(f"sluice: error: {e}", file=sys.stderr, flush=True)
         return 1
     sock_dir = tempfile.mkdtemp(prefix="sluice-")
-    address = f"ipc://{sock_dir}/engine"
-    frontend = dataclasses.replace(frontend, address=address)
-    scheduler = dataclasses.replace(scheduler, address=address)
-    worker = dataclasses.replace(worker, address=address, served_model_name=frontend.served_model_name)
-    if worker.tensor_parallel_size > 1:
-        worker = dataclasses.replace(worker, tp_master=f"127.0.0.1:{_free_port()}")
-    children = [Child("scheduler", "scheduler", scheduler, SCHEDULER_RESTARTS)]
-    ranks = [Child(f"worker {rank}", "worker", dataclasses.replace(worker, rank=rank), scheduler.max_worker_restarts)
-             for rank in range(worker.tensor_parallel_size)]
-    for rank in ranks:
-        rank.group = ranks if len(ranks) > 1 else []
-    children += ranks
+    m = data_parallel_size
+    addresses = [f"ipc://{sock_dir}/engine" + (str(i) if m > 1 else "") for i in range(m)]
+    frontend = dataclasses.replace(frontend, address=",".join(addresses))
+    k = worker.tensor_parallel_size
+    if m > 1 and worker.worker_threads == 0:  # each engine's ranks get their share of the cores
+        worker = dataclasses.replace(worker, worker_threads=max(1, len(os.sched_getaffinity(0)) // (m * k)))
+    children = []
+    for i, address in enumerate(addresses):
+        engine = f" {i}" if m > 1 else ""
+        children.append(Child(f"scheduler{engine}", "scheduler", dataclasses.replace(scheduler, address=address),
+                              SCHEDULER_RESTARTS))
+        ranks_config = dataclasses.replace(worker, address=address, served_model_name=frontend.served_model_name)
+        if k > 1:
+            ranks_config = dataclasses.replace(ranks_config, tp_master=f"127.0.0.1:{_free_port()}")
+        ranks = [Child(f"worker{engine}" + (f" rank {rank}" if k > 1 else ""), "worker",
+                       dataclasses.replace(ranks_config, rank=rank), scheduler.max_worker_restarts)
+                 for rank in range(k)]
+        for rank in ranks:
+            rank.group = ranks if k > 1 else []
+        children += ranks
     stop_by = [float("inf")]
     try:
         for child in children:

@@ -7,7 +7,7 @@ import time
 
 from starlette.requests import Request
 
-from frontend.engine_client import EngineClient
+from frontend.engines import EngineGroup
 from frontend.errors import APIError
 from frontend.metrics import Metrics
 from frontend.structured import GrammarValidator
@@ -17,16 +17,15 @@ from protocol.messages import ModelInfo
 
 
 class AppState:
-    def __init__(self, config: FrontendConfig, client: EngineClient) -> None:
+    def __init__(self, config: FrontendConfig, client: EngineGroup) -> None:
         self.config = config
         self.client = client
         self.started = int(time.time())
         self._tokenizer: ModelTokenizer | None = None
         self.draining = False  # shutting down: no new requests
         self.grammars = GrammarValidator()
-        self.metrics = Metrics(lambda: client.stats, lambda: self.model_name)
-        client.outputs.metrics = self.metrics
-        client.request_timeout = config.request_timeout
+        self.metrics = Metrics(lambda: client.stats, lambda: self.model_name, client.engine_stats)
+        client.attach(self.metrics, config.request_timeout)
 
     @property
     def model_name(self) -> str:

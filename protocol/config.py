@@ -164,6 +164,7 @@ class WorkerConfig:
 
 @dataclasses.dataclass
 class FrontendConfig:
+    # The scheduler's base address; several, comma-separated: one engine each (data parallelism).
     address: str = "ipc:///tmp/sluice"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -179,7 +180,10 @@ class FrontendConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        check_link_security(self.address, self.curve_keys, self.insecure_zmq, binds=False)
+        for address in self.addresses:
+            check_link_security(address, self.curve_keys, self.insecure_zmq, binds=False)
+        if len(set(self.addresses)) != len(self.addresses):
+            raise ConfigError(f"--address names an engine twice: {self.address}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         _positive("--max-queued-requests", self.max_queued_requests)
@@ -190,6 +194,12 @@ class FrontendConfig:
             raise ConfigError("--client-stall-timeout must be > 0 seconds")
         if self.shutdown_grace < 0:
             raise ConfigError("--shutdown-grace must be >= 0 seconds")
+
+
+    @property
+    def addresses(self) -> list[str]:
+        """Each engine's scheduler address."""
+        return [a.strip() for a in self.address.split(",") if a.strip()] or [self.address]
 
 
 def to_json(config: object) -> str:

@@ -260,6 +260,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # The GGUF types of the weights kept quantized ("Q4_1, Q8_0"), "" where every weight is in
     # ``dtype``; activations and the KV cache are in ``dtype`` either way.
     quantization: str = ""
+    # The worker ranks that hold the model between them (tensor parallelism): the scheduler
+    # serves once that many have announced themselves.
+    tensor_parallel_size: int = 1
 
 
 class EngineReady(msgspec.Struct, tag=True, array_like=True):

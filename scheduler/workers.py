@@ -72,6 +72,13 @@ class Workers:
         """Rank ``rank`` is ready with ``model``; once every rank is, rank 0's model (the engine
         serves from now on: any outage or failure is over), else None."""
         self.heard(rank)
+        if model.tensor_parallel_size != self.size:
+            # The ranks know their group (their --tensor-parallel-size); the scheduler's flag only
+            # says how many to wait for before the first announces itself.
+            log.warning("worker %d is one of %d tensor-parallel ranks (--tensor-parallel-size here: %d): waiting for "
+                        "%d", rank, model.tensor_parallel_size, self.size, model.tensor_parallel_size)
+            self.size = model.tensor_parallel_size
+            self.ready = {r: m for r, m in self.ready.items() if r < self.size}
         self.ready[rank] = model
         self.was_ready = True
         if len(self.ready) < self.size:

@@ -121,7 +121,8 @@ def test_ranks_started_separately_over_tcp(kv2: Path, tmp_path: Path) -> None:
     worker = [*sluice, "worker", "--address", address, "--model", str(kv2), "--dtype", "float32",
               "--num-kv-blocks", "64", "--max-model-len", "512", "--tensor-parallel-size", "2",
               "--tp-master", f"127.0.0.1:{master}"]
-    commands = [[*sluice, "scheduler", "--address", address, "--tensor-parallel-size", "2"],
+    # The scheduler is not told the group's size: the ranks announce it.
+    commands = [[*sluice, "scheduler", "--address", address],
                 [*sluice, "frontend", "--address", address, "--port", str(http_port)],
                 [*worker, "--tp-rank", "1"], [*worker, "--tp-rank", "0"]]
     logs = [open(tmp_path / f"{i}.log", "wb") for i in range(len(commands))]  # noqa: SIM115

@@ -134,7 +134,8 @@ class Worker:
             self.info = build_model_info(source, cfg, name=name, max_model_len=self.max_model_len,
                                          num_kv_blocks=num_blocks, block_size=config.block_size)
         self.info = msgspec.structs.replace(self.info, dtype=str(dtype).removeprefix("torch."),
-                                            quantization=quantization)
+                                            quantization=quantization,
+                                            tensor_parallel_size=group.size if group is not None else 1)
         defaults, origin = sampling_defaults(config.model, source, config.generation_config)
         if defaults:
             self.info = msgspec.structs.replace(self.info, sampling_defaults=defaults, sampling_defaults_from=origin)
