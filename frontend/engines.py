@@ -42,6 +42,7 @@ from protocol.messages import (
 
 log = logging.getLogger("sluice.frontend")
 
+ENGINE_QUERY_TIMEOUT_S = 2.0
 RATIOS = ("kv_usage", "device_idle_ratio")  # averaged over engines; every other figure is summed
 
 
@@ -214,7 +215,10 @@ class EngineGroup:
         """A query about one request goes to its engine; stats and the request list come from
         every engine that answers, added up (``engines``: each one's own)."""
         if isinstance(msg, StatsQuery | RequestsQuery) and len(self.engines) > 1:
-            replies = await asyncio.gather(*(self._ask(i, type(msg)(), timeout) for i in range(len(self.engines))))
+            # An engine that does not answer soon is reported as such: one hung engine must not
+            # hold up the whole server's stats.
+            wait = min(timeout, ENGINE_QUERY_TIMEOUT_S)
+            replies = await asyncio.gather(*(self._ask(i, type(msg)(), wait) for i in range(len(self.engines))))
             if isinstance(msg, StatsQuery):
                 return QueryReply(0, True, self._stats(replies))
             data = [dict(item, engine=i) for i, reply in enumerate(replies) if reply is not None and reply.found

@@ -1,0 +1,172 @@
+"""Data parallelism through the real server: ``sluice serve --data-parallel-size 2`` runs two
+engines (a scheduler and a worker each) behind one frontend. Requests spread over them by load;
+prompts sharing a prefix land where it is cached; admin calls reach the engine holding the
+request; a killed worker's requests continue on its restarted worker; an engine whose scheduler
+hangs leaves the rotation within seconds (the other serves) and rejoins when it answers again."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sluice_server import SluiceServer, running_server
+from test_serve_worker_crash import Stream, complete, wait_until
+
+AUTH = {"Authorization": "Bearer t"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
+    with running_server("--data-parallel-size", "2", "--admin-token", "t", "--num-kv-blocks", "256",
+                        log_dir=tmp_path_factory.mktemp("dp")) as s:
+        yield s
+
+
+def _prompt(seed: int, n: int = 24) -> list[int]:
+    return [1, *((seed * 37 + 5 * j) % 250 + 3 for j in range(n - 1))]
+
+
+def _live(url: str) -> list[dict]:
+    return list(httpx.get(f"{url}/admin/requests", headers=AUTH).json()["data"])
+
+
+def _stats(url: str) -> dict:
+    return dict(httpx.get(f"{url}/admin/stats", headers=AUTH).json())
+
+
+def _component_pid(server: SluiceServer, module: bytes, engine: int) -> int:
+    """The ``module`` child (scheduler or worker) of engine ``engine`` (its address ends in engineN)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            if ppid == server.proc.pid and module in cmdline and f'/engine{engine}"'.encode() in cmdline[-2]:
+                return int(entry.name)
+    raise AssertionError(f"no {module.decode()} of engine {engine} found")
+
+
+def _stop_all(url: str) -> None:
+    for request in _live(url):
+        httpx.post(f"{url}/admin/requests/{request['id']}/abort", headers=AUTH)
+    wait_until(lambda: not _live(url), 30)
+
+
+def _quiet(url: str) -> None:
+    """Until every engine is idle as the router sees it (the loads come with pongs, every 0.5 s)."""
+    wait_until(lambda: all(e.get("running", 1) + e.get("waiting", 1) == 0 for e in _stats(url)["engines"]), 30)
+    time.sleep(1.0)
+
+
+@contextlib.contextmanager
+def _held(url: str) -> Iterator[None]:
+    """The whole server paused (every engine), from idle: requests sent meanwhile wait, and stay live."""
+    _quiet(url)
+    assert httpx.post(f"{url}/admin/pause", headers=AUTH).status_code == 200
+    try:
+        yield
+    finally:
+        httpx.post(f"{url}/admin/resume", headers=AUTH)
+
+
+def test_requests_spread_over_the_engines_by_load(server: SluiceServer) -> None:
+    with _held(server.url):
+        streams = [Stream(server.url, _prompt(i), 3000) for i in range(8)]
+        wait_until(lambda: len(_live(server.url)) == 8, 60)
+        engines = [r["engine"] for r in _live(server.url)]
+        assert sorted(engines) == [0, 0, 0, 0, 1, 1, 1, 1], engines
+        stats = _stats(server.url)
+        assert [e["running"] + e["waiting"] for e in stats["engines"]] == [4, 4]
+        assert stats["running"] + stats["waiting"] == 8  # the whole server's, added up
+        assert set(stats["process_memory"]) >= {"frontend", "engine 0 scheduler", "engine 1 worker 0"}
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'sluice_num_requests_waiting{engine="0",model_name="tiny"}' in metrics
+        assert 'sluice_num_requests_waiting{engine="1",model_name="tiny"}' in metrics
+        _stop_all(server.url)
+    for stream in streams:
+        stream.join()
+
+
+def test_prompts_sharing_a_prefix_land_on_the_engine_that_has_it(server: SluiceServer) -> None:
+    before = _stats(server.url)
+    shared = _prompt(99, 96)
+    for i in range(6):
+        complete(server.url, [*shared, 10 + i, 20 + i, 30 + i], 4)
+    after = _stats(server.url)
+    assert after["routed_by_prefix"] - before["routed_by_prefix"] == 5  # all but the first
+    hits = [a["prefix_cache_hits"] - b["prefix_cache_hits"]
+            for a, b in zip(after["engines"], before["engines"], strict=True)]
+    assert sorted(hits)[0] == 0 and sorted(hits)[1] >= 5 * 80, hits  # one engine served them all, from cache
+
+
+def test_admin_calls_reach_the_engine_that_holds_the_request(server: SluiceServer) -> None:
+    with _held(server.url):
+        streams = [Stream(server.url, _prompt(50 + i), 3000) for i in range(2)]
+        wait_until(lambda: len(_live(server.url)) == 2, 60)
+        live = _live(server.url)
+    assert sorted(r["engine"] for r in live) == [0, 1]
+    for request in live:  # running again, on their engines
+        base = f"{server.url}/admin/requests/{request['id']}"
+        assert httpx.get(base, headers=AUTH).status_code == 200
+        r = httpx.post(f"{base}/priority", headers=AUTH, json={"priority": 3})
+        assert r.status_code == 200 and r.json()["status"] == "applied", r.text
+        assert httpx.post(f"{base}/pause", headers=AUTH).status_code == 200
+        assert httpx.post(f"{base}/resume", headers=AUTH).status_code == 200
+        assert httpx.post(f"{base}/abort", headers=AUTH).status_code == 200
+    for stream in streams:
+        stream.join()
+        assert stream.finish_reason == "abort"
+
+
+def test_a_killed_worker_of_one_engine_loses_no_request(server: SluiceServer) -> None:
+    prompts = [_prompt(70), _prompt(71)]
+    want = [complete(server.url, p, 2000) for p in prompts]
+    with _held(server.url):
+        streams = [Stream(server.url, p, 2000) for p in prompts]
+        wait_until(lambda: len(_live(server.url)) == 2, 60)
+        assert sorted(r["engine"] for r in _live(server.url)) == [0, 1]
+
+    def started_on_engine_1() -> bool:
+        return any(r["engine"] == 1 and r["output_tokens"] >= 20 for r in _live(server.url))
+
+    wait_until(started_on_engine_1, 60)
+    os.kill(_component_pid(server, b"worker", 1), signal.SIGKILL)
+    for stream, text in zip(streams, want, strict=True):
+        stream.join()
+        assert stream.errors == [] and stream.finish_reason == "length"
+        assert stream.text == text
+
+
+def test_an_engine_whose_scheduler_hangs_leaves_the_rotation_and_rejoins(server: SluiceServer) -> None:
+    wait_until(lambda: all(e["in_rotation"] for e in _stats(server.url)["engines"]), 60)
+    scheduler = _component_pid(server, b"scheduler", 1)
+    os.kill(scheduler, signal.SIGSTOP)  # hung: alive, silent
+    try:
+        seen: list[dict] = []
+
+        def out_of_rotation() -> bool:
+            seen[:] = [_stats(server.url)["engines"][1]]
+            return not seen[0]["in_rotation"]
+
+        wait_until(out_of_rotation, 20)
+        assert "scheduler" in seen[0]["reason"] or "answer" in seen[0]["reason"], seen[0]
+        assert httpx.get(f"{server.url}/ready").status_code == 200  # the other engine serves
+        for i in range(4):  # every request goes to the engine in rotation, none waits on the hung one
+            assert complete(server.url, _prompt(80 + i), 4)
+    finally:
+        os.kill(scheduler, signal.SIGCONT)
+    wait_until(lambda: _stats(server.url)["engines"][1]["in_rotation"], 30)
+    with _held(server.url):  # back in rotation: it gets its share again
+        streams = [Stream(server.url, _prompt(90 + i), 3000) for i in range(4)]
+        wait_until(lambda: len(_live(server.url)) == 4, 60)
+        assert sorted(r["engine"] for r in _live(server.url)) == [0, 0, 1, 1]
+        _stop_all(server.url)
+    for stream in streams:
+        stream.join()
