@@ -89,6 +89,10 @@ class EngineClient:
         self.engine_error: str | None = None
         self.unhealthy_reason = ""  # the scheduler's word on why workers are not serving
         self.malformed_frames = 0
+        # Set by ``frontend.engines`` when other engines can take over: called with this client
+        # and the reason before its live requests would end with an error (what it moves on
+        # continues elsewhere).
+        self.failover: Callable[[EngineClient, str], None] | None = None
         self._last_pong = 0.0
         self._said_waiting = False  # "waiting for the scheduler" was logged, its end not yet
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -213,9 +217,7 @@ class EngineClient:
 
     def abort_soon(self, rid: int) -> None:
         """``abort`` from a place that cannot await (the output processor, a timer)."""
-        task = asyncio.get_running_loop().create_task(self._send(AbortRequest(rid)))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.send_soon(AbortRequest(rid))
 
     async def abort_all(self) -> None:
         """Abort every live request (shutting down): each ends with a ``Finish(abort)``."""
@@ -279,7 +281,7 @@ class EngineClient:
             # the scheduler keeps their requests and recomputes them.
             alive = self.scheduler_alive
             if was_alive and not alive and self.engine_error is None:
-                self._fail_all("the scheduler stopped answering")
+                self._fail_all("the scheduler stopped answering", recoverable=True)
             was_alive = alive
 
     def _on_tokens(self, batch: TokenBatch) -> None:
@@ -330,7 +332,7 @@ class EngineClient:
             log.warning("the scheduler restarted: ending %d live requests it never heard of", len(self.outputs))
             # Requests sent in the moment between its start and this pong may have reached the
             # new scheduler: they are aborted there too, or they would run on for nobody.
-            self._fail_all("the scheduler restarted; the request was lost")
+            self._fail_all("the scheduler restarted; the request was lost", recoverable=True)
             self._expected_seq = pong.last_batch + 1
         elif pong.last_batch >= self._expected_seq:
             # Batches sent before this pong that never arrived, with none after them to show it.
@@ -359,10 +361,31 @@ class EngineClient:
         quiet = self.quiet_startup_errors and not self.ready.is_set()
         log.log(logging.DEBUG if quiet else logging.ERROR, "engine failed: %s", msg.message)
         self.engine_error = msg.message
-        self._fail_all(msg.message)
+        self._fail_all(msg.message, recoverable=True)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, recoverable: bool = False) -> None:
         """Every live response ends with an error, and its requests are aborted in the scheduler
-        (it may be alive after all, only slow or cut off for a while: they must not run on)."""
+        (it may be alive after all, only slow or cut off for a while: they must not run on).
+        ``recoverable``: the engine lost them whole (it is gone, or restarted), so another engine
+        may take them over first (``failover``); not when tokens were lost on the way."""
+        if recoverable and self.failover is not None and len(self.outputs):
+            self.failover(self, message)
         for rid in self.outputs.fail_all(message):
             self.abort_soon(rid)
+
+    def hand_over(self, handle: RequestHandle, to: EngineClient) -> None:
+        """``handle``'s response continues on ``to`` (its choices already moved there): so does
+        its release, and its deadline."""
+        self.handles.discard(handle)
+        to.handles.add(handle)
+        handle.rebind(to._release)
+        timer = self._deadlines.pop(handle, None)
+        if timer is not None:
+            timer.cancel()
+            to._deadlines[handle] = asyncio.get_running_loop().call_at(timer.when(), to._timed_out, handle.output)
+
+    def send_soon(self, msg: FrontendMessage) -> None:
+        """``_send`` from a place that cannot await."""
+        task = asyncio.get_running_loop().create_task(self._send(msg))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

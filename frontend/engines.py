@@ -19,6 +19,8 @@ import itertools
 import logging
 from typing import Any
 
+import msgspec
+
 from frontend.engine_client import EngineClient
 from frontend.errors import APIError
 from frontend.metrics import Metrics
@@ -57,6 +59,10 @@ class EngineGroup:
         self.engines = engines
         self.router = Router(len(self.engines))
         self._said_refused: set[int] = set()
+        self.failed_over = 0  # requests that continued on another engine (/admin/stats)
+        if len(engines) > 1:
+            for engine in engines:
+                engine.failover = self._fail_over
 
     @classmethod
     def connect(cls, addresses: list[str], curve: CurveKeys | None = None) -> EngineGroup:
@@ -261,7 +267,44 @@ class EngineGroup:
         totals["engines"] = per_engine
         totals["routed_by_prefix"] = self.router.affinity_routed
         totals["routed_by_load"] = self.router.load_routed
+        totals["failed_over"] = self.failed_over
         return totals
+
+    # ----------------------------------------------------------------- failover
+
+    def _fail_over(self, lost: EngineClient, message: str) -> None:
+        """``lost`` lost its requests whole (its scheduler is gone, restarted or failed): each
+        that can continues on an engine in rotation, recomputed there from its prompt and the
+        tokens it has streamed (the text goes on where it stopped; greedy text is what one engine
+        would have given). Not moved, and ended with the error as before: a request with several
+        choices, or held to a grammar (the new engine would take its output so far for prompt)."""
+        outputs = list({id(c.output): c.output for c in lost.outputs.choices.values()}.values())
+        for output in outputs:
+            if len(output.choices) != 1 or output.request.sampling.grammar is not None or output.closed:
+                continue
+            choice = output.choices[0]
+            sampling = output.request.sampling
+            remaining = sampling.max_tokens - choice.completion_tokens
+            prompt = [*output.request.prompt_token_ids, *choice.generated]
+            loads = [self._load(i, e) if e is not lost else None for i, e in enumerate(self.engines)]
+            target_index = self.router.choose(prompt, loads) if remaining > 0 else None
+            if target_index is None:
+                continue
+            target = self.engines[target_index]
+            handle = next((h for h in lost.handles if h.output is output), None)
+            if handle is None:
+                continue
+            old_rid, rid = choice.rid, self.next_rids(1)
+            sampling = msgspec.structs.replace(sampling, max_tokens=remaining,
+                                               min_tokens=max(0, sampling.min_tokens - choice.completion_tokens))
+            lost.outputs.move(choice, target.outputs, rid)
+            lost.hand_over(handle, target)
+            lost.abort_soon(old_rid)  # in case the lost engine was only slow: it must not run on
+            target.send_soon(msgspec.structs.replace(output.request, rid=rid, prompt_token_ids=prompt,
+                                                     sampling=sampling, n=1))
+            self.failed_over += 1
+            log.warning("engine %d lost its requests (%s): %s continues on engine %d after %d tokens",
+                        self.engines.index(lost), message, choice.request_id, target_index, len(choice.generated))
 
     async def send_control(self, msg: FrontendMessage) -> None:
         """A control for the whole server (pause, resume, prefix-cache reset): to every engine."""
@@ -276,15 +319,15 @@ def _add_up(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
     total: dict[str, Any] = {}
     for key in snapshots[0]:
         values = [s.get(key) for s in snapshots]
-        if key in ("engine", "address") or not all(isinstance(v, int | float) and not isinstance(v, bool)
-                                                    for v in values):
+        numbers: list[int | float] = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+        if key in ("engine", "address") or len(numbers) != len(values):
             continue
         if key in RATIOS:
-            total[key] = sum(values) / len(values)  # type: ignore[arg-type]
+            total[key] = sum(numbers) / len(numbers)
         elif key in ("block_size", "frontends"):
-            total[key] = max(values)  # type: ignore[type-var]
+            total[key] = max(numbers)
         else:
-            total[key] = sum(values)  # type: ignore[arg-type]
+            total[key] = sum(numbers)
     if total.get("prefix_cache_queries"):
         total["prefix_cache_hit_rate"] = total.get("prefix_cache_hits", 0) / total["prefix_cache_queries"]
     return total

@@ -40,8 +40,8 @@ class Choice:
 
     __slots__ = (
         "abort_sent", "arrivals", "cached_tokens", "completion_tokens", "detok", "ended", "first_chunk",
-        "index", "logprobs", "output", "parts", "request_id", "rid", "silent_ids", "stops", "text_offset",
-        "token_ids", "unsent_ids", "unsent_text",
+        "generated", "index", "logprobs", "output", "parts", "request_id", "rid", "silent_ids", "stops",
+        "text_offset", "token_ids", "unsent_ids", "unsent_text",
     )  # fmt: skip
 
     def __init__(self, output: Output, index: int, rid: int, request_id: str, tokenizer: ModelTokenizer,
@@ -55,6 +55,7 @@ class Choice:
         if not sampling.ignore_eos:
             self.silent_ids.update(tokenizer.info.eos_token_ids)
         self.completion_tokens = 0
+        self.generated: list[int] = []  # every token id so far: what another engine continues from
         self.cached_tokens = 0
         self.arrivals: list[float] = []  # monotonic time each token reached the frontend
         self.first_chunk = True
@@ -238,6 +239,10 @@ class RequestHandle:
         self._release = release
         self._released = False
 
+    def rebind(self, release: Callable[[Output], Awaitable[None]]) -> None:
+        """The response moved to another engine (failover): leaving it releases it there."""
+        self._release = release
+
     async def __aenter__(self) -> RequestHandle:
         return self
 
@@ -280,6 +285,18 @@ class OutputProcessor:
                 live.append(choice.rid)
         return live
 
+    def move(self, choice: Choice, to: OutputProcessor, rid: int) -> None:
+        """``choice`` goes on under ``rid`` in ``to`` (another engine's): its tokens here are
+        void from now on, and its text continues with what arrives there."""
+        del self.choices[choice.rid]
+        self.rid_by_id.pop(choice.request_id, None)
+        if not choice.arrivals:
+            self.num_waiting_first_token -= 1
+            to.num_waiting_first_token += 1
+        choice.rid = rid
+        to.choices[rid] = choice
+        to.rid_by_id[choice.request_id] = rid
+
     def _drop(self, choice: Choice) -> None:
         """``choice`` leaves the live set (once): its tokens are void from now on."""
         if self.choices.pop(choice.rid, None) is None:
@@ -312,6 +329,7 @@ class OutputProcessor:
                 self.num_waiting_first_token -= 1
             c.arrivals.append(now)
             c.completion_tokens += 1
+            c.generated.append(token)
             finish = finishes.pop(rid) if finishes is not None and last is not None and last.get(rid) == i else None
             lp = logprobs.get(rid) if logprobs else None
             if finish is not None and finish.reason == FinishReason.STOP and token in c.silent_ids:

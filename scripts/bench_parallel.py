@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_serve import _free_port, run_load  # noqa: E402
+from bench_serve import _free_port, run_load
 
 TOKEN = "bench"
 

@@ -25,15 +25,15 @@ def test_the_least_loaded_engine_wins() -> None:
 def test_a_shared_prefix_stays_on_its_engine_until_that_engine_is_much_busier() -> None:
     router = Router(2)
     system = _prompt(0, 96)
-    first = router.choose(system + [5, 6], [0, 0])
+    first = router.choose([*system, 5, 6], [0, 0])
     assert first is not None
     other = 1 - first
     loads: list[float | None] = [0.0, 0.0]
     loads[first] = SLACK_ABS  # busier, but within the slack: still where its prefix is cached
-    assert router.choose(system + [7, 8, 9], loads) == first
+    assert router.choose([*system, 7, 8, 9], loads) == first
     assert router.affinity_routed == 1
     loads[first] = SLACK_ABS + 1.0
-    assert router.choose(system + [10], loads) == other  # too busy: the prefix goes elsewhere
+    assert router.choose([*system, 10], loads) == other  # too busy: the prefix goes elsewhere
 
 
 def test_a_prompt_that_shares_only_a_little_is_routed_by_load() -> None:

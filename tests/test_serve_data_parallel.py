@@ -170,3 +170,26 @@ def test_an_engine_whose_scheduler_hangs_leaves_the_rotation_and_rejoins(server:
         _stop_all(server.url)
     for stream in streams:
         stream.join()
+
+
+def test_a_killed_engines_streams_continue_on_the_other_engine(server: SluiceServer) -> None:
+    """The scheduler of one engine dies: its live requests are recomputed on the other engine from
+    their prompts and the tokens already streamed, and the streams go on with the text an
+    undisturbed run gives (greedy), without an error."""
+    prompts = [_prompt(110), _prompt(111)]
+    want = [complete(server.url, p, 2000) for p in prompts]
+    before = _stats(server.url)["failed_over"]
+    with _held(server.url):
+        streams = [Stream(server.url, p, 2000) for p in prompts]
+        wait_until(lambda: len(_live(server.url)) == 2, 60)
+
+    def started_on_engine_1() -> bool:
+        return any(r["engine"] == 1 and r["output_tokens"] >= 20 for r in _live(server.url))
+
+    wait_until(started_on_engine_1, 60)
+    os.kill(_component_pid(server, b"scheduler", 1), signal.SIGKILL)
+    for stream, text in zip(streams, want, strict=True):
+        stream.join()
+        assert stream.errors == [] and stream.finish_reason == "length"
+        assert stream.text == text
+    assert _stats(server.url)["failed_over"] == before + 1

@@ -79,10 +79,11 @@ class TensorParallelGroup:
             raise ConfigError(f"tensor-parallel rank {rank} of {size}: rendezvous at tcp://{self.master} failed "
                               f"within {timeout_s:g} s (--tp-timeout): {what} ({why})") from None
         own = local_address_towards(host, port)
-        options = dist.ProcessGroupGloo._Options()
+        # The constructor that takes devices (so the links bind where we say) has no public options type.
+        options: Any = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=own)]
         options._timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", self.store), rank, size, options)
+        self.control: Any = dist.ProcessGroupGloo(dist.PrefixStore("control", self.store), rank, size, options)
         self.tensors: Any = self.control
         if device.type == "cuda":
             nccl_options = dist.ProcessGroupNCCL.Options()
@@ -133,7 +134,7 @@ class TensorParallelGroup:
         """The smallest of every rank's ``value`` (the KV blocks every rank can hold)."""
         t = torch.tensor([value], dtype=torch.int64)
         options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
+        options.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
         self.control.allreduce([t], options).wait()
         return int(t.item())
 
