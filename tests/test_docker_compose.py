@@ -1,7 +1,9 @@
-"""`docker compose up` for real, on a Docker engine: the images are built, the stack comes up
+"""`docker compose up` for real, on a Docker engine, in the two-engine shape
+(compose.two-engines.yml over docker-compose.yml): the images are built, the stack comes up
 healthy, a chat completion streams from SmolLM2 through the published port, an admin route
-answers its token, a worker killed inside its container is restarted and the stack serves
-again, and `down` leaves no container, network or volume behind.
+answers its token, requests reach both engines, the second engine's worker killed inside its
+container mid-stream is restarted and its streams finish as if nothing happened, and `down`
+leaves no container, network or volume behind.
 
 Skipped, saying why, where no Docker engine answers or no compose command is installed (CI
 starts one where it can). The build's inputs come from docker/prepare-offline.sh, as the README
@@ -18,6 +20,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,7 +110,7 @@ def test_compose_up_serves_recovers_and_goes_down_clean(tmp_path: Path) -> None:
     port, token = free_port(), secrets.token_hex(16)
     env = os.environ | {"SLUICE_BASE_IMAGE": _base_image(), "SLUICE_HTTP_PORT": str(port),
                         "SLUICE_ADMIN_TOKEN": token, "SLUICE_IMAGE_TAG": "test"}
-    cmd = [*compose, "-p", project]
+    cmd = [*compose, "-p", project, "-f", "docker-compose.yml", "-f", "compose.two-engines.yml"]
     url = f"http://127.0.0.1:{port}"
     dangling = set(_run("docker", "volume", "ls", "-qf", "dangling=true").stdout.split())
     try:
@@ -138,12 +141,51 @@ def test_compose_up_serves_recovers_and_goes_down_clean(tmp_path: Path) -> None:
         held = set(_run("docker", "exec", frontend, "ls", "/keys").stdout.split())
         assert held == {"scheduler.key", "client.key", "client.key_secret"}, held
 
-        # The worker's process dies inside its container (not `docker kill`, which Docker treats
-        # as an operator's stop): the restart policy brings it back and it rejoins.
-        worker = _run(*cmd, "ps", "-q", "worker", env=env).stdout.split()[0]
+        # Requests reach both engines: distinct prompts go to the least loaded, in turn.
+        auth = {"Authorization": f"Bearer {token}"}
+        for i in range(4):
+            r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "model": "smollm2", "prompt": f"Question {i}: what is {i} + {i}?", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        engines = httpx.get(f"{url}/admin/stats", headers=auth).json()["engines"]
+        assert len(engines) == 2 and all(e["prefix_cache_queries"] > 0 for e in engines), engines
+
+        # The second engine's worker dies inside its container (not `docker kill`, which Docker
+        # treats as an operator's stop) while a stream runs on each engine: the restart policy
+        # brings it back, it rejoins, and its engine recomputes the stream, which goes on.
+        results: list[tuple[str | None, list[str]]] = []
+
+        def stream(i: int) -> None:
+            body = {"model": "smollm2", "prompt": f"Write a long story about a river, part {i}.",
+                    "max_tokens": 300, "ignore_eos": True, "temperature": 0, "stream": True}
+            reason, errors = None, []
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        data = json.loads(line[6:])
+                        if "error" in data:
+                            errors.append(data["error"]["message"])
+                        else:
+                            reason = data["choices"][0].get("finish_reason") or reason
+            results.append((reason, errors))
+
+        time.sleep(1.5)  # the engines' loads, as their last pongs said them, back to idle
+        streams = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for t in streams:
+            t.start()
+
+        def on_both_engines() -> bool:
+            live = httpx.get(f"{url}/admin/requests", headers=auth).json()["data"]
+            return sorted(r["engine"] for r in live if r["output_tokens"] >= 5) == [0, 1]
+
+        _wait(on_both_engines, 120, "a stream producing on each engine")
+        worker = _run(*cmd, "ps", "-q", "worker-2", env=env).stdout.split()[0]
         _run("docker", "exec", worker, "sh", "-c", "kill -KILL -1", check=False)
         _wait(lambda: int(_run("docker", "inspect", "-f", "{{.RestartCount}}", worker).stdout) >= 1, 120,
               "the worker's container to restart")
+        for t in streams:
+            t.join(600)
+        assert results == [("length", []), ("length", [])], results
         # /ready may still say 200 for a moment (the last word before the loss): what counts is
         # that completions are served again.
         def serves() -> bool:
