@@ -112,18 +112,33 @@ def test_a_killed_rank_restarts_the_group_and_streams_continue(server: SluiceSer
     assert stats["running"] == stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
 
 
+def _listening(port: int) -> list[str]:
+    """The local addresses a TCP socket listens on ``port`` at (IPv4, from /proc/net/tcp)."""
+    found = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        host, _, hex_port = local.partition(":")
+        if state == "0A" and int(hex_port, 16) == port:
+            found.append(".".join(str(b) for b in reversed(bytes.fromhex(host))))
+    return found
+
+
 def test_ranks_started_separately_over_tcp(kv2: Path, tmp_path: Path) -> None:
     """The way two hosts run it: a scheduler, a frontend, and each rank its own ``sluice worker``
-    with ``--tp-rank`` and the rendezvous address; rank 1 starts first and waits for rank 0."""
+    with ``--tp-rank`` and the rendezvous address, every ZeroMQ link with CurveZMQ keys; rank 1
+    starts first and waits for rank 0, whose rendezvous listens on the address given alone."""
     base, http_port, master = _free_port_block(4), free_port(), free_port()
     address = f"tcp://127.0.0.1:{base}"
+    keys = tmp_path / "keys"
+    subprocess.run([sys.executable, "-m", "frontend", "keys", str(keys)], check=True, capture_output=True)
+    client_keys = ["--curve-keys", str(keys / "client")]
     sluice = [sys.executable, "-m", "frontend"]
-    worker = [*sluice, "worker", "--address", address, "--model", str(kv2), "--dtype", "float32",
+    worker = [*sluice, "worker", "--address", address, *client_keys, "--model", str(kv2), "--dtype", "float32",
               "--num-kv-blocks", "64", "--max-model-len", "512", "--tensor-parallel-size", "2",
               "--tp-master", f"127.0.0.1:{master}"]
     # The scheduler is not told the group's size: the ranks announce it.
-    commands = [[*sluice, "scheduler", "--address", address],
-                [*sluice, "frontend", "--address", address, "--port", str(http_port)],
+    commands = [[*sluice, "scheduler", "--address", address, "--curve-keys", str(keys)],
+                [*sluice, "frontend", "--address", address, *client_keys, "--port", str(http_port)],
                 [*worker, "--tp-rank", "1"], [*worker, "--tp-rank", "0"]]
     logs = [open(tmp_path / f"{i}.log", "wb") for i in range(len(commands))]  # noqa: SIM115
     procs: list[subprocess.Popen[bytes]] = []
@@ -135,6 +150,7 @@ def test_ranks_started_separately_over_tcp(kv2: Path, tmp_path: Path) -> None:
         assert asyncio.run(_generate(url, PROMPTS[1])) == hf_greedy(kv2, PROMPTS[1:2], NEW_TOKENS)[0]
         rank0 = (tmp_path / "3.log").read_text()
         assert f"joined at tcp://127.0.0.1:{master} (this rank on 127.0.0.1" in rank0
+        assert _listening(master) == ["127.0.0.1"]  # never every interface
     finally:
         stop_processes(procs)
         for log in logs:
