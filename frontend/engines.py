@@ -77,7 +77,6 @@ class EngineGroup:
         for engine in self.engines:
             await engine.start()
 
-
     async def all_ready(self) -> None:
         """Until every engine has been ready once."""
         for engine in self.engines:
@@ -114,8 +113,7 @@ class EngineGroup:
 
     @property
     def model(self) -> ModelInfo | None:
-        return next((e.model for i, e in enumerate(self.engines) if e.model is not None and i not in self.refused),
-                    None)
+        return next((e.model for e in self._usable() if e.model is not None), None)
 
     @property
     def healthy(self) -> bool:
@@ -146,17 +144,21 @@ class EngineGroup:
     @property
     def stats(self) -> dict[str, Any] | None:
         """The engines' latest scheduler snapshots added up (ratios averaged)."""
+        if len(self.engines) == 1:
+            return self.engines[0].stats
         snapshots = [e.stats for e in self._usable() if e.stats is not None]
-        if not snapshots:
-            return None
-        return _add_up(snapshots)
+        return _add_up(snapshots) if snapshots else None
 
     def engine_stats(self) -> list[tuple[str, dict[str, Any]]]:
-        """Each engine's latest snapshot (empty before its first), by engine number (``/metrics``)."""
-        return [(str(i), e.stats or {}) for i, e in enumerate(self.engines)]
+        """Each engine's latest snapshot (empty before its first) and whether it is in rotation,
+        by engine number (``/metrics``)."""
+        return [(str(i), (e.stats or {}) | {"in_rotation": int(self._load(i, e) is not None)})
+                for i, e in enumerate(self.engines)]
 
     @property
     def handles(self) -> set[RequestHandle]:
+        if len(self.engines) == 1:
+            return self.engines[0].handles
         return set().union(*(e.handles for e in self.engines))
 
     @property

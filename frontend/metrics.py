@@ -46,6 +46,8 @@ SCHEDULER_METRICS = {
                         "the request it concerned was ended with an error)", "counter"),
     "malformed_frames": ("sluice_malformed_frames", "Frames on the scheduler's sockets that were not Sluice "
                          "messages (dropped)", "counter"),
+    "in_rotation": ("sluice_engine_in_rotation", "1 while the engine takes new requests, 0 while it is out of "
+                    "the rotation (down, hung or refused); with several engines only", "gauge"),
     "lost_batches": ("sluice_scheduler_undeliverable_batches", "Token batches the scheduler could not send to "
                      "a frontend (its link was down); their running requests were aborted", "counter"),
 }

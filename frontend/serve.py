@@ -90,9 +90,10 @@ class Child:
     # The ranks of a tensor-parallel group (this one among them): they stop and start together,
     # since a group that lost a rank cannot go on, and a new rank joins only a new group.
     group: list[Child] = dataclasses.field(default_factory=list)
+    log_name: str | None = None  # what its log lines say they come from (several engines: which one)
 
     def start(self) -> None:
-        self.proc = _spawn(self.module, self.config)
+        self.proc = _spawn(self.module, self.config, self.log_name)
 
     def exited(self) -> int | None:
         return self.proc.poll() if self.proc is not None else None
@@ -260,10 +261,10 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _spawn(module: str, config: object) -> subprocess.Popen[bytes]:
+def _spawn(module: str, config: object, log_name: str | None = None) -> subprocess.Popen[bytes]:
     preexec = _die_with_parent if sys.platform.startswith("linux") else None
     return subprocess.Popen(
-        [sys.executable, "-m", module, "--config", to_json(config)],
+        [sys.executable, "-m", module, "--config", to_json(config), *(["--log-name", log_name] if log_name else [])],
         preexec_fn=preexec,
         process_group=0,
         # Ctrl-C reaches the whole process group: the children leave it to this process, which
@@ -317,12 +318,13 @@ def serve(frontend: FrontendConfig, scheduler: SchedulerConfig, worker: WorkerCo
     for i, address in enumerate(addresses):
         engine = f" {i}" if m > 1 else ""
         children.append(Child(f"scheduler{engine}", "scheduler", dataclasses.replace(scheduler, address=address),
-                              SCHEDULER_RESTARTS))
+                              SCHEDULER_RESTARTS, log_name=f"scheduler[{i}]" if m > 1 else None))
         ranks_config = dataclasses.replace(worker, address=address, served_model_name=frontend.served_model_name)
         if k > 1:
             ranks_config = dataclasses.replace(ranks_config, tp_master=f"127.0.0.1:{_free_port()}")
         ranks = [Child(f"worker{engine}" + (f" rank {rank}" if k > 1 else ""), "worker",
-                       dataclasses.replace(ranks_config, rank=rank), scheduler.max_worker_restarts)
+                       dataclasses.replace(ranks_config, rank=rank), scheduler.max_worker_restarts,
+                       log_name=f"worker[{i}.{rank}]" if m > 1 else None)
                  for rank in range(k)]
         for rank in ranks:
             rank.group = ranks if k > 1 else []

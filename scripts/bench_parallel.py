@@ -62,8 +62,10 @@ def server(model: str, k: int, m: int, flags: list[str], log: Path) -> Iterator[
 
 
 def per_rank(log: str, pattern: str) -> dict[int, float]:
-    """A figure each rank logged: ``worker[r]: ...`` lines matching ``pattern`` (one group)."""
-    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"worker\[(\d+)\]: " + pattern, log)}
+    """A figure each worker logged: ``worker[r]`` (or, with several engines, ``worker[e.r]``) lines
+    matching ``pattern`` (one group), by the worker's order in the log."""
+    found = re.finditer(r"worker\[([\d.]+)\]: " + pattern, log)
+    return {i: float(m.group(2)) for i, m in enumerate(found)}
 
 
 def cell(model: str, k: int, m: int, args: argparse.Namespace, log: Path) -> dict[str, object]:

@@ -48,7 +48,7 @@ def _component_pid(server: SluiceServer, module: bytes, engine: int) -> int:
         with contextlib.suppress(OSError, IndexError, ValueError):
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            if ppid == server.proc.pid and module in cmdline and f'/engine{engine}"'.encode() in cmdline[-2]:
+            if ppid == server.proc.pid and module in cmdline and any(f'/engine{engine}"'.encode() in arg for arg in cmdline):
                 return int(entry.name)
     raise AssertionError(f"no {module.decode()} of engine {engine} found")
 
@@ -89,6 +89,7 @@ def test_requests_spread_over_the_engines_by_load(server: SluiceServer) -> None:
         metrics = httpx.get(f"{server.url}/metrics").text
         assert 'sluice_num_requests_waiting{engine="0",model_name="tiny"}' in metrics
         assert 'sluice_num_requests_waiting{engine="1",model_name="tiny"}' in metrics
+        assert 'sluice_engine_in_rotation{engine="1",model_name="tiny"} 1.0' in metrics
         _stop_all(server.url)
     for stream in streams:
         stream.join()
@@ -157,6 +158,8 @@ def test_an_engine_whose_scheduler_hangs_leaves_the_rotation_and_rejoins(server:
 
         wait_until(out_of_rotation, 20)
         assert "scheduler" in seen[0]["reason"] or "answer" in seen[0]["reason"], seen[0]
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'sluice_engine_in_rotation{engine="1",model_name="tiny"} 0.0' in metrics
         assert httpx.get(f"{server.url}/ready").status_code == 200  # the other engine serves
         for i in range(4):  # every request goes to the engine in rotation, none waits on the hung one
             assert complete(server.url, _prompt(80 + i), 4)
