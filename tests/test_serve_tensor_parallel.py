@@ -103,14 +103,15 @@ def _rank_pid(server: SluiceServer, rank: int) -> int:
 
 def test_a_killed_rank_restarts_the_group_and_streams_continue(server: SluiceServer) -> None:
     prompt = [1, *((5 * j) % 250 + 3 for j in range(20))]
-    want = complete(server.url, prompt, 300)
-    stream = Stream(server.url, prompt, 300)
+    want = complete(server.url, prompt, 480)
+    stream = Stream(server.url, prompt, 480)
     wait_until(lambda: stream.tokens >= 10, 60)
     old = _rank_pid(server, 0)
     os.kill(_rank_pid(server, 1), signal.SIGKILL)
     stream.join()
     assert stream.errors == [] and stream.finish_reason == "length"
     assert stream.text == want
+    assert "1 live requests will be recomputed" in server.log()  # the kill hit the stream
     assert _rank_pid(server, 0) != old  # the whole group started again
     stats = httpx.get(f"{server.url}/admin/stats", headers=AUTH).json()
     assert stats["running"] == stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
