@@ -276,37 +276,39 @@ class EngineGroup:
 
     def _fail_over(self, lost: EngineClient, message: str) -> None:
         """``lost`` lost its requests whole (its scheduler is gone, restarted or failed): each
-        that can continues on an engine in rotation, recomputed there from its prompt and the
-        tokens it has streamed (the text goes on where it stopped; greedy text is what one engine
-        would have given). Not moved, and ended with the error as before: a request with several
-        choices, or held to a grammar (the new engine would take its output so far for prompt)."""
+        response continues on an engine in rotation, each unfinished choice recomputed there from
+        its prompt and the tokens it has streamed (``AddRequest.output_token_ids``: they count as
+        its output, so max_tokens, stop rules, penalties and a grammar's state carry on). The text
+        goes on where it stopped; greedy text is what one engine would have given."""
         outputs = list({id(c.output): c.output for c in lost.outputs.choices.values()}.values())
         for output in outputs:
-            if len(output.choices) != 1 or output.request.sampling.grammar is not None or output.closed:
-                continue
-            choice = output.choices[0]
-            sampling = output.request.sampling
-            remaining = sampling.max_tokens - choice.completion_tokens
-            prompt = [*output.request.prompt_token_ids, *choice.generated]
-            loads = [self._load(i, e) if e is not lost else None for i, e in enumerate(self.engines)]
-            target_index = self.router.choose(prompt, loads) if remaining > 0 else None
-            if target_index is None:
-                continue
-            target = self.engines[target_index]
             handle = next((h for h in lost.handles if h.output is output), None)
-            if handle is None:
+            moving = [c for c in output.choices if c.rid in lost.outputs.choices]
+            if handle is None or output.closed or not moving:
                 continue
-            old_rid, rid = choice.rid, self.next_rids(1)
-            sampling = msgspec.structs.replace(sampling, max_tokens=remaining,
-                                               min_tokens=max(0, sampling.min_tokens - choice.completion_tokens))
-            lost.outputs.move(choice, target.outputs, rid)
+            loads = [self._load(i, e) if e is not lost else None for i, e in enumerate(self.engines)]
+            choice = moving[0]
+            target_index = self.router.choose([*output.request.prompt_token_ids, *choice.generated], loads)
+            if target_index is None:
+                return  # no engine to take them: they end with the error
+            target = self.engines[target_index]
+            sampling = output.request.sampling
+            continued = []
+            for c in moving:
+                old_rid, rid = c.rid, self.next_rids(1)
+                seed = (sampling.seed + c.index) % 2**63 if sampling.seed is not None else None
+                continued.append(msgspec.structs.replace(
+                    output.request, rid=rid, request_id=c.request_id, n=1, output_token_ids=list(c.generated),
+                    sampling=msgspec.structs.replace(sampling, seed=seed)))
+                lost.outputs.move(c, target.outputs, rid)
+                lost.abort_soon(old_rid)  # in case the lost engine was only slow: it must not run on
             lost.hand_over(handle, target)
-            lost.abort_soon(old_rid)  # in case the lost engine was only slow: it must not run on
-            target.send_soon(msgspec.structs.replace(output.request, rid=rid, prompt_token_ids=prompt,
-                                                     sampling=sampling, n=1))
+            for add in continued:
+                target.send_soon(add)
             self.failed_over += 1
             log.warning("engine %d lost its requests (%s): %s continues on engine %d after %d tokens",
-                        self.engines.index(lost), message, choice.request_id, target_index, len(choice.generated))
+                        self.engines.index(lost), message, output.request.request_id, target_index,
+                        len(choice.generated))
 
     async def send_control(self, msg: FrontendMessage) -> None:
         """A control for the whole server (pause, resume, prefix-cache reset): to every engine."""

@@ -121,6 +121,10 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     # The later ones wait until the first has computed the prompt, then start on its KV blocks
     # through the prefix cache (shared, copied at the first divergent one).
     n: int = 1
+    # A request continued from another engine (the frontend's failover): the tokens it has
+    # generated there. They are computed with the prompt, and count as its output (max_tokens,
+    # stop rules, penalties and its grammar's state see them so); n is 1.
+    output_token_ids: list[int] = []
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):

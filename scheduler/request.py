@@ -79,7 +79,8 @@ class Request:
         """Choice ``choice`` of ``msg`` (``msg.n`` > 1 makes several requests of one prompt)."""
         self.rid = msg.rid + choice
         self.request_id = f"{msg.request_id}-{choice}" if choice else msg.request_id
-        self.token_ids: list[int] = list(msg.prompt_token_ids)  # its own: outputs are appended
+        # Its own list: outputs are appended (after those a continued request brings).
+        self.token_ids: list[int] = [*msg.prompt_token_ids, *msg.output_token_ids]
         self.num_prompt_tokens = len(msg.prompt_token_ids)
         sampling = msg.sampling
         if choice and sampling.seed is not None:

@@ -111,6 +111,8 @@ class Scheduler:
                       f"raise --num-kv-blocks or lower max_tokens")
         elif any(rid in self.requests for rid in rids):
             reason = f"duplicate request rid {msg.rid}"
+        elif msg.output_token_ids and (msg.n != 1 or len(msg.output_token_ids) >= msg.sampling.max_tokens):
+            reason = "a continued request has one choice and fewer output tokens than max_tokens"
         if reason:
             return [Finish(rid, FinishReason.ERROR, num_prompt, 0, 0, reason) for rid in rids]
         first = Request(msg)

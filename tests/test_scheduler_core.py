@@ -399,3 +399,30 @@ def test_block_pool_touches_a_new_block_only_when_no_written_uncached_one_is_fre
             pool.register(block, f"link{block}".encode(), b"key")
         most = max(most, pool.num_used + pool.num_cached_free)
         assert pool.num_touched <= most
+
+
+def test_a_continued_request_counts_the_tokens_it_brings_as_output() -> None:
+    """Failover from another engine (``AddRequest.output_token_ids``): the tokens already generated
+    are computed with the prompt and count against max_tokens; a continued request has one choice
+    and fewer outputs than max_tokens, or it is refused."""
+    sched, worker = make()
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    prompt, outputs = [5, 6, 7, 8], [9, 10, 11]
+    assert sched.add(AddRequest(1, "req-1", prompt, params, output_token_ids=outputs)) == []
+    req = sched.requests[1]
+    assert req.token_ids == prompt + outputs and req.num_prompt_tokens == 4 and req.num_outputs == 3
+    new = None
+    generated, reasons = 0, []
+    for _ in range(100):
+        plan, batches = step(sched, worker)
+        if plan is None:
+            break
+        new = new or (plan.new_requests[0] if plan.new_requests else None)
+        generated += sum(len(b.rids) for b in batches)
+        reasons += [f.reason for b in batches for f in b.finished]
+    assert new is not None and new.token_ids[:7] == prompt + outputs and new.num_prompt_tokens == 4
+    assert generated == 7 and reasons == ["length"]  # 10 in all, 3 of them brought along
+    for bad in (AddRequest(2, "req-2", prompt, params, n=2, output_token_ids=outputs),
+                AddRequest(4, "req-4", prompt, params, output_token_ids=list(range(3, 13)))):
+        refused = sched.add(bad)
+        assert refused and all(f.reason == "error" and "continued request" in f.message for f in refused)
