@@ -19,46 +19,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_serve import _free_port, run_load
+from bench_serve import run_load, serving
 
 TOKEN = "bench"
-
-
-@contextlib.contextmanager
-def server(model: str, k: int, m: int, flags: list[str], log: Path) -> Iterator[str]:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "frontend", "serve", "--port", str(port), "--model", model,
-           "--tensor-parallel-size", str(k), "--data-parallel-size", str(m), "--admin-token", TOKEN, *flags]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 600
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"sluice serve exited with {proc.returncode}: see {log}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                        break
-                time.sleep(0.3)
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
 
 
 def per_rank(log: str, pattern: str) -> dict[int, float]:
@@ -69,8 +42,9 @@ def per_rank(log: str, pattern: str) -> dict[int, float]:
 
 
 def cell(model: str, k: int, m: int, args: argparse.Namespace, log: Path) -> dict[str, object]:
-    flags = ["--num-kv-blocks", str(args.num_kv_blocks), *args.serve_args.split()]
-    with server(model, k, m, flags, log) as url:
+    flags = ["--tensor-parallel-size", str(k), "--data-parallel-size", str(m), "--admin-token", TOKEN,
+             "--num-kv-blocks", str(args.num_kv_blocks), *args.serve_args.split()]
+    with serving(None, model, flags, log) as url:
         load = asyncio.run(run_load(url, args.concurrency, args.prompt_tokens, args.output_tokens))
         memory = httpx.get(f"{url}/admin/stats", headers={"Authorization": f"Bearer {TOKEN}"}).json()["process_memory"]
     text = log.read_text(errors="replace")

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 
@@ -114,29 +115,31 @@ def bare_forward_loop(model: str, batch: int, prompt_tokens: int, output_tokens:
 
 
 @contextlib.contextmanager
-def serving(url: str | None, model: str, flags: list[str]) -> Iterator[str]:
-    """``url`` if given, else a fresh `sluice serve` on a free port, stopped afterwards."""
+def serving(url: str | None, model: str, flags: list[str], log: Path | None = None) -> Iterator[str]:
+    """``url`` if given, else a fresh `sluice serve` on a free port, stopped afterwards (its
+    output to ``log`` when given, else warnings only, to this terminal)."""
     if url is not None:
         yield url
         return
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "frontend", "serve", "--port", str(port), "--model", model,
-           "--log-level", "warning", *flags]
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"sluice serve exited with {proc.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()  # as Ctrl-C would: `sluice serve` stops its children itself
-        proc.wait(timeout=30)
+           *(["--log-level", "warning"] if log is None else []), *flags]
+    with open(log, "wb") if log is not None else contextlib.nullcontext() as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"sluice serve exited with {proc.returncode}" + (f": see {log}" if log else ""))
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                        break
+                time.sleep(0.3)
+            yield url
+        finally:
+            proc.terminate()  # as Ctrl-C would: `sluice serve` stops its children itself
+            proc.wait(timeout=60)
 
 
 def main() -> None:

@@ -78,6 +78,22 @@ class SluiceServer:
         return self.proc.returncode
 
 
+def child_pid(server: SluiceServer, module: bytes, config_contains: bytes = b"") -> int:
+    """A child of ``sluice serve`` running ``-m module`` (scheduler, worker) whose command line
+    contains ``config_contains`` (a rank, an engine's address)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == server.proc.pid and module in cmdline and any(config_contains in arg for arg in cmdline):
+            return int(entry.name)
+    raise AssertionError(f"no {module.decode()} process found" + (f" with {config_contains!r}" if config_contains else ""))
+
+
 def stop_processes(procs: list[subprocess.Popen[bytes]], timeout: float = 10.0) -> list[int]:
     """SIGTERM to each (the last started first), then wait; SIGKILL whatever is still running
     after ``timeout``. Returns the exit statuses, in ``procs``' order."""

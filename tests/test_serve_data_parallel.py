@@ -14,11 +14,10 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from sluice_server import SluiceServer, running_server
+from sluice_server import SluiceServer, child_pid, running_server
 from test_serve_worker_crash import Stream, complete, wait_until
 
 AUTH = {"Authorization": "Bearer t"}
@@ -45,15 +44,7 @@ def _stats(url: str) -> dict:
 
 def _component_pid(server: SluiceServer, module: bytes, engine: int) -> int:
     """The ``module`` child (scheduler or worker) of engine ``engine`` (its address ends in engineN)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            if ppid == server.proc.pid and module in cmdline and any(f'/engine{engine}"'.encode() in arg for arg in cmdline):
-                return int(entry.name)
-    raise AssertionError(f"no {module.decode()} of engine {engine} found")
+    return child_pid(server, module, f'/engine{engine}"'.encode())
 
 
 def _wait_producing(streams: list[Stream]) -> None:

@@ -8,7 +8,6 @@ ranks started unlike each other are start-up errors that say so."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from checkpoints import hf_greedy, save_llama_checkpoint
-from sluice_server import SluiceServer, free_port, running_server, stop_processes
+from sluice_server import SluiceServer, child_pid, free_port, running_server, stop_processes
 from test_components_tcp import _free_port_block
 from test_serve_worker_crash import Stream, complete, wait_until
 
@@ -90,15 +89,7 @@ def test_one_replicated_kv_head_and_a_padded_vocabulary(kv1: Path, tmp_path: Pat
 
 
 def _rank_pid(server: SluiceServer, rank: int) -> int:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            if ppid == server.proc.pid and b"worker" in cmdline and any(f'"rank":{rank},'.encode() in a for a in cmdline):
-                return int(entry.name)
-    raise AssertionError(f"no worker rank {rank} found")
+    return child_pid(server, b"worker", f'"rank":{rank},'.encode())
 
 
 def test_a_killed_rank_restarts_the_group_and_streams_continue(server: SluiceServer) -> None:

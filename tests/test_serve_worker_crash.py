@@ -12,31 +12,15 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from sluice_server import SluiceServer, running_server
+from sluice_server import SluiceServer, child_pid, running_server
 
 AUTH = {"Authorization": "Bearer t"}
 SHORT = [1, *((5 * j) % 250 + 3 for j in range(20))]
 LONG_PROMPT = [1, *((11 * j + 7) % 250 + 3 for j in range(700))]
-
-
-def child_pid(server: SluiceServer, component: bytes) -> int:
-    """The ``component`` child of ``sluice serve`` (a direct child running ``-m scheduler|worker``)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == server.proc.pid and component in cmdline:
-            return int(entry.name)
-    raise AssertionError(f"no {component.decode()} process found")
 
 
 def worker_pid(server: SluiceServer) -> int:
