@@ -7,11 +7,9 @@ hangs leaves the rotation within seconds (the other serves) and rejoins when it 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
-import threading
 import time
 from collections.abc import Iterator
 
@@ -197,43 +195,12 @@ def test_a_killed_engines_streams_continue_on_the_other_engine(server: SluiceSer
     assert _stats(server.url)["failed_over"] == before + 1
 
 
-class ChoicesStream:
-    """A streaming completion of any body, read in a thread: each choice's text and finish reason."""
-
-    def __init__(self, url: str, body: dict) -> None:
-        self.texts: dict[int, str] = {}
-        self.finish: dict[int, str] = {}
-        self.errors: list[str] = []
-        self.chunks = 0
-        self._thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
-        self._thread.start()
-
-    def _run(self, url: str, body: dict) -> None:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=180) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    self.errors.append(data["error"]["message"])
-                    continue
-                choice = data["choices"][0]
-                self.chunks += 1
-                self.texts[choice["index"]] = self.texts.get(choice["index"], "") + choice["text"]
-                if choice.get("finish_reason"):
-                    self.finish[choice["index"]] = choice["finish_reason"]
-
-    def join(self) -> None:
-        self._thread.join(180)
-        assert not self._thread.is_alive()
-
-
 def test_a_constrained_request_with_two_choices_fails_over_whole(server: SluiceServer) -> None:
     """Failover carries each choice's output so far as output (``output_token_ids``): the grammar
     goes on from where it was, both choices continue, and the text is the undisturbed run's."""
     # 600 pairs exactly: the grammar lets the output end only there, well after the kill.
-    bodies = [{"prompt": _prompt(120 + i), "max_tokens": 1500, "temperature": 0, "n": 2,
-               "structured_outputs": {"regex": "(ab|cd){600}"}} for i in range(2)]
+    bodies: list[dict] = [{"prompt": _prompt(120 + i), "max_tokens": 1500, "temperature": 0, "n": 2,
+                           "structured_outputs": {"regex": "(ab|cd){600}"}} for i in range(2)]
     want, reasons = [], []
     for body in bodies:
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=180)
@@ -242,14 +209,15 @@ def test_a_constrained_request_with_two_choices_fails_over_whole(server: SluiceS
         reasons.append({c["index"]: c["finish_reason"] for c in r.json()["choices"]})
     before = _stats(server.url)["failed_over"]
     with _held(server.url):
-        streams = [ChoicesStream(server.url, body) for body in bodies]
+        streams = [Stream(server.url, body["prompt"], body["max_tokens"], ignore_eos=None, n=2,
+                          structured_outputs=body["structured_outputs"]) for body in bodies]
         wait_until(lambda: len(_live(server.url)) == 4, 60)  # two choices each
         assert sorted(r["engine"] for r in _live(server.url)) == [0, 0, 1, 1]
-    wait_until(lambda: all(s.chunks >= 40 for s in streams), 60)
+    wait_until(lambda: all(s.tokens >= 40 for s in streams), 60)
     os.kill(_component_pid(server, b"scheduler", 1), signal.SIGKILL)
     for stream, expected, reason in zip(streams, want, reasons, strict=True):
         stream.join()
-        assert stream.errors == [] and stream.finish == reason == {0: "stop", 1: "stop"}
+        assert stream.errors == [] and stream.finishes == reason == {0: "stop", 1: "stop"}
         assert stream.texts == expected
         assert all(re.fullmatch("(ab|cd){600}", text) for text in stream.texts.values())
     assert _stats(server.url)["failed_over"] == before + 1

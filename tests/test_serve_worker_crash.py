@@ -32,15 +32,21 @@ def scheduler_pid(server: SluiceServer) -> int:
 
 
 class Stream:
-    """A greedy streaming completion read in a thread: its text, token count and any error."""
+    """A greedy streaming completion read in a thread: its text, token count and any error. ``body``
+    replaces fields of the request (a None value drops one); with several choices, ``texts`` and
+    ``finishes`` hold each one's by index (``text`` and ``finish_reason`` are all of them together)."""
 
-    def __init__(self, url: str, prompt: list[int], max_tokens: int) -> None:
+    def __init__(self, url: str, prompt: list[int], max_tokens: int, **body: object) -> None:
         self.text, self.tokens, self.errors, self.finish_reason = "", 0, [], None
-        self._thread = threading.Thread(target=self._run, args=(url, prompt, max_tokens), daemon=True)
+        self.texts: dict[int, str] = {}
+        self.finishes: dict[int, str] = {}
+        request = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                   "stream": True} | body
+        request = {k: v for k, v in request.items() if v is not None}
+        self._thread = threading.Thread(target=self._run, args=(url, request), daemon=True)
         self._thread.start()
 
-    def _run(self, url: str, prompt: list[int], max_tokens: int) -> None:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    def _run(self, url: str, body: dict[str, object]) -> None:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=180) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: {"):
@@ -51,8 +57,11 @@ class Stream:
                     continue
                 choice = data["choices"][0]
                 self.text += choice["text"]
+                self.texts[choice["index"]] = self.texts.get(choice["index"], "") + choice["text"]
                 self.tokens += 1 if choice["text"] or choice.get("finish_reason") is None else 0
                 self.finish_reason = choice.get("finish_reason") or self.finish_reason
+                if choice.get("finish_reason"):
+                    self.finishes[choice["index"]] = choice["finish_reason"]
 
     def join(self) -> None:
         self._thread.join(180)
