@@ -59,6 +59,8 @@ class EngineGroup:
         self.engines = engines
         self.router = Router(len(self.engines))
         self._said_refused: set[int] = set()
+        self._refused_for: tuple[int, ...] = ()  # the announced models ``_refused`` was worked out for
+        self._refused: dict[int, str] = {}
         self.failed_over = 0  # requests that continued on another engine (/admin/stats)
         if len(engines) > 1:
             for engine in engines:
@@ -85,10 +87,17 @@ class EngineGroup:
     @property
     def refused(self) -> dict[int, str]:
         """Engines never used, by index, and why: each whose model differs from the first
-        engine's that announced one (checked on every use, so no request races the check)."""
+        engine's that announced one (read on every use, so no request races the check; worked
+        out again only when an engine announces a model: the tokenizers compared are large)."""
         announced = [(i, e.model) for i, e in enumerate(self.engines) if e.model is not None]
         if len(announced) < 2:
             return {}
+        key = tuple(id(model) for _, model in announced)
+        if key != self._refused_for:
+            self._refused_for, self._refused = key, self._compare(announced)
+        return self._refused
+
+    def _compare(self, announced: list[tuple[int, ModelInfo]]) -> dict[int, str]:
         base, first = announced[0]
         refused = {}
         for i, model in announced[1:]:

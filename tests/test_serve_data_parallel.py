@@ -51,6 +51,21 @@ def _wait_producing(streams: list[Stream]) -> None:
     wait_until(lambda: all(s.tokens >= 20 for s in streams), 60)
 
 
+def _kill_mid_stream(server: SluiceServer, module: bytes, prompts: list[list[int]]
+                     ) -> tuple[list[Stream], list[str], list[dict]]:
+    """Each prompt's undisturbed greedy text; then the prompts streamed at once (one per engine:
+    routed while the server is held, so the live list is returned), and engine 1's ``module``
+    killed once every stream has had 20 tokens. Returns the streams, the texts and that list."""
+    want = [complete(server.url, p, 3000) for p in prompts]
+    with _held(server.url):
+        streams = [Stream(server.url, p, 3000) for p in prompts]
+        wait_until(lambda: len(_live(server.url)) == len(prompts), 60)
+        live = _live(server.url)
+    _wait_producing(streams)
+    os.kill(_component_pid(server, module, 1), signal.SIGKILL)
+    return streams, want, live
+
+
 def _stop_all(url: str) -> None:
     for request in _live(url):
         httpx.post(f"{url}/admin/requests/{request['id']}/abort", headers=AUTH)
@@ -129,15 +144,8 @@ def test_admin_calls_reach_the_engine_that_holds_the_request(server: SluiceServe
 
 
 def test_a_killed_worker_of_one_engine_loses_no_request(server: SluiceServer) -> None:
-    prompts = [_prompt(70), _prompt(71)]
-    want = [complete(server.url, p, 3000) for p in prompts]
-    with _held(server.url):
-        streams = [Stream(server.url, p, 3000) for p in prompts]
-        wait_until(lambda: len(_live(server.url)) == 2, 60)
-        assert sorted(r["engine"] for r in _live(server.url)) == [0, 1]
-
-    _wait_producing(streams)
-    os.kill(_component_pid(server, b"worker", 1), signal.SIGKILL)
+    streams, want, live = _kill_mid_stream(server, b"worker", [_prompt(70), _prompt(71)])
+    assert sorted(r["engine"] for r in live) == [0, 1]
     for stream, text in zip(streams, want, strict=True):
         stream.join()
         assert stream.errors == [] and stream.finish_reason == "length"
@@ -179,15 +187,8 @@ def test_a_killed_engines_streams_continue_on_the_other_engine(server: SluiceSer
     """The scheduler of one engine dies: its live requests are recomputed on the other engine from
     their prompts and the tokens already streamed, and the streams go on with the text an
     undisturbed run gives (greedy), without an error."""
-    prompts = [_prompt(110), _prompt(111)]
-    want = [complete(server.url, p, 3000) for p in prompts]
     before = _stats(server.url)["failed_over"]
-    with _held(server.url):
-        streams = [Stream(server.url, p, 3000) for p in prompts]
-        wait_until(lambda: len(_live(server.url)) == 2, 60)
-
-    _wait_producing(streams)
-    os.kill(_component_pid(server, b"scheduler", 1), signal.SIGKILL)
+    streams, want, _ = _kill_mid_stream(server, b"scheduler", [_prompt(110), _prompt(111)])
     for stream, text in zip(streams, want, strict=True):
         stream.join()
         assert stream.errors == [] and stream.finish_reason == "length"

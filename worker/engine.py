@@ -69,9 +69,9 @@ class Worker:
                  "; quantized weights stay quantized" if keep_quantized else "")
         for line in dtype_caveats(config.dtype, dtype, self.device, gguf.quantized_types() if gguf else []):
             log.warning("%s", line)
-        layout = ShardLayout(cfg, group.rank, group.size) if group is not None else None
+        layout = None
         if group is not None:
-            assert layout is not None
+            layout = ShardLayout(cfg, group.rank, group.size)
             group.check_same({"model": f"{cfg.architecture}: {cfg.num_layers} layers, hidden size {cfg.hidden_size}, "
                                        f"{cfg.num_heads} heads, vocabulary {cfg.vocab_size}",
                               "dtype": str(dtype).removeprefix("torch.") + (" (quantized kept)" if keep_quantized else ""),
@@ -88,8 +88,7 @@ class Worker:
             log.info("linear layers: %s", cpu_matmul.prepare(model, dtype))
             if group is None:
                 model.cpu_decoder = CpuDecoder.for_model(model)
-        if group is not None:
-            assert layout is not None
+        if group is not None and layout is not None:
             model.use_tensor_parallel(group, layout.vocab_start, cfg.vocab_size)
         if gguf is not None:
             gguf.file.release_pages()  # every weight is copied out by now

@@ -65,7 +65,7 @@ class TensorParallelGroup:
     def __init__(self, rank: int, size: int, device: torch.device, master: str, timeout_s: float) -> None:
         if not 0 <= rank < size:
             raise ConfigError(f"--tp-rank {rank} is not in 0..{size - 1} (--tensor-parallel-size {size})")
-        self.rank, self.size, self.device = rank, size, device
+        self.rank, self.size = rank, size
         host, port = split_address(master)
         self.master = f"{host}:{port}"
         rendezvous = datetime.timedelta(seconds=timeout_s)
@@ -91,6 +91,8 @@ class TensorParallelGroup:
             self.tensors = dist.ProcessGroupNCCL(dist.PrefixStore("tensors", self.store), rank, size, nccl_options)
         self._root = dist.BroadcastOptions()
         self._root.rootRank = 0
+        self._to_root = dist.GatherOptions()
+        self._to_root.rootRank = 0
         log.info("tensor-parallel rank %d of %d: joined at tcp://%s (this rank on %s, %s)", rank, size, self.master,
                  own, "NCCL + gloo" if device.type == "cuda" else "gloo")
 
@@ -118,11 +120,9 @@ class TensorParallelGroup:
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's ``x`` [n, c], side by side ([n, k*c]) on rank 0; None on the others."""
-        options = dist.GatherOptions()
-        options.rootRank = 0
         x = x.contiguous()
         parts = [[torch.empty_like(x) for _ in range(self.size)]] if self.rank == 0 else []
-        self.tensors.gather(parts, [x], options).wait()
+        self.tensors.gather(parts, [x], self._to_root).wait()
         return torch.cat(parts[0], dim=1) if self.rank == 0 else None
 
     def broadcast_tokens(self, ids: torch.Tensor) -> torch.Tensor:
@@ -154,7 +154,8 @@ class TensorParallelGroup:
     # ------------------------------------------------------------------ the command relay
 
     def relay_bytes(self, data: bytes | None) -> bytes:
-        """Rank 0's ``data`` on every rank (the others pass None)."""
+        """Rank 0's ``data`` on every rank (the others pass None). Host tensors over the gloo
+        group, on CUDA too: reading their size never waits for the device."""
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
         self.control.broadcast([size], self._root).wait()
         n = int(size.item())
