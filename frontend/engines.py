@@ -305,7 +305,8 @@ class EngineGroup:
             continued = []
             for c in moving:
                 old_rid, rid = c.rid, self.next_rids(1)
-                seed = (sampling.seed + c.index) % 2**63 if sampling.seed is not None else None
+                choice_offset = c.index - output.choices[0].index  # as the scheduler seeded it
+                seed = (sampling.seed + choice_offset) % 2**63 if sampling.seed is not None else None
                 continued.append(msgspec.structs.replace(
                     output.request, rid=rid, request_id=c.request_id, n=1, output_token_ids=list(c.generated),
                     sampling=msgspec.structs.replace(sampling, seed=seed)))

@@ -10,6 +10,7 @@ step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from starlette.responses import Response
 
 from frontend.errors import APIError, bad_request
 from frontend.output import Output
-from frontend.render import ChatRenderer, CompletionRenderer, Renderer
+from frontend.render import ChatRenderer, CompletionRenderer, Renderer, usage_dict
 from frontend.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -30,7 +31,7 @@ from frontend.schemas import (
     decode,
     unsupported_message_fields,
 )
-from frontend.sse import StreamResponse, collect
+from frontend.sse import StreamResponse, collect, collect_all
 from frontend.state import AppState
 from frontend.structured import Constraint, constraint_of
 from frontend.tokenizer import ChatTemplateError, ModelTokenizer, PromptTooLong
@@ -186,12 +187,10 @@ def _check_capacity(state: AppState) -> None:
 # ------------------------------------------------------------------------------------ running
 
 
-async def _run(state: AppState, request: Request, body: SamplingFields, prompt_ids: list[int],
-               sampling: SamplingParams, request_id: str, renderer: Renderer) -> Response | StreamResponse:
-    """Shared by both endpoints: one engine request per choice (``n``, sent as one message),
-    their output rendered by ``renderer`` as it arrives — streamed as SSE chunks, or collected
-    into one body."""
-    _check_capacity(state)
+def _output(state: AppState, body: SamplingFields, prompt_ids: list[int], sampling: SamplingParams,
+            request_id: str, renderer: Renderer, first_index: int = 0) -> Output:
+    """One prompt's engine request (its ``n`` choices, sent as one message) and the ``Output``
+    its answers are rendered into."""
     add = AddRequest(
         rid=state.client.next_rids(body.n),
         request_id=request_id,
@@ -203,12 +202,40 @@ async def _run(state: AppState, request: Request, body: SamplingFields, prompt_i
         n=body.n,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    output = Output(add, state.require_tokenizer(), body.stop_strings(), renderer, body.stream, include_usage)
+    return Output(add, state.require_tokenizer(), body.stop_strings(), renderer, body.stream, include_usage,
+                  first_index)
+
+
+async def _run(state: AppState, request: Request, body: SamplingFields, prompt_ids: list[int],
+               sampling: SamplingParams, request_id: str, renderer: Renderer) -> Response | StreamResponse:
+    """Shared by both endpoints: one engine request per choice (``n``, sent as one message),
+    their output rendered by ``renderer`` as it arrives — streamed as SSE chunks, or collected
+    into one body."""
+    _check_capacity(state)
+    output = _output(state, body, prompt_ids, sampling, request_id, renderer)
     handle = await state.client.add(output)
     if body.stream:
         return StreamResponse(handle, {"X-Request-Id": request_id})
     await collect(handle, request.receive)
     return _json_response(output.body(), request_id)
+
+
+async def _run_batch(state: AppState, request: Request, body: CompletionRequest,
+                     prompts: list[tuple[list[int], SamplingParams, Renderer]], request_id: str) -> Response:
+    """Several prompts in one completion request: one engine request each, run together, their
+    choices numbered across the prompts (prompt p's choice j is ``p * n + j``) in one body."""
+    _check_capacity(state)
+    outputs = [_output(state, body, ids, sampling, request_id if p == 0 else f"{request_id}-p{p}", renderer,
+                       first_index=p * body.n) for p, (ids, sampling, renderer) in enumerate(prompts)]
+    async with contextlib.AsyncExitStack() as handles:  # leaving it aborts what still runs
+        for output in outputs:
+            await handles.enter_async_context(await state.client.add(output))
+        await collect_all(outputs, request.receive)
+    usage = usage_dict(sum(len(output.request.prompt_token_ids) for output in outputs),
+                       sum(c.completion_tokens for output in outputs for c in output.choices),
+                       sum(output.choices[0].cached_tokens for output in outputs))
+    answers = [answer for output in outputs for answer in output.answers()]
+    return _json_response(prompts[0][2].body(answers, usage), request_id)
 
 
 # ------------------------------------------------------------------------------------ endpoints
@@ -224,25 +251,37 @@ async def completions(request: Request) -> Response | StreamResponse:
         raise bad_request("echo is not supported", "echo")
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    if not body.prompt:
-        raise bad_request("the prompt is empty", "prompt")
-    if isinstance(body.prompt, str):
-        max_chars = tokenizer.max_text_chars(state.require_model().max_model_len - 1)
-        try:
-            prompt_ids = await _tokenize(len(body.prompt), tokenizer.encode_prompt, body.prompt, max_chars)
-        except PromptTooLong as e:
-            raise bad_request(str(e), "prompt") from None
-    else:
-        prompt_ids = list(body.prompt)
-    # The length checks come before the id check: a million ids is refused for its length.
+    prompts = body.prompts()
+    if len(prompts) > 1 and body.stream:
+        raise bad_request("a stream answers one prompt: send several prompts without stream, or one request "
+                          "per prompt", "stream")
     grammar = await _constraint(state, body)
-    sampling = _sampling(state, body, len(prompt_ids), body.max_tokens, body.logprobs, default_max_tokens=16,
-                         grammar=grammar)
-    _check_token_ids(prompt_ids, tokenizer.vocab_size, "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    renderer = CompletionRenderer(request_id, int(time.time()), state.model_name, tokenizer, prompt_ids,
-                                  body.return_token_ids, body.logprobs)
-    return await _run(state, request, body, prompt_ids, sampling, request_id, renderer)
+    created = int(time.time())
+    runs = []
+    for p, prompt in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
+        if isinstance(prompt, str):
+            if not prompt:
+                raise bad_request("the prompt is empty", param)
+            max_chars = tokenizer.max_text_chars(state.require_model().max_model_len - 1)
+            try:
+                prompt_ids = await _tokenize(len(prompt), tokenizer.encode_prompt, prompt, max_chars)
+            except PromptTooLong as e:
+                raise bad_request(str(e), param) from None
+        else:
+            prompt_ids = list(prompt)
+        # The length checks come before the id check: a million ids is refused for its length.
+        sampling = _sampling(state, body, len(prompt_ids), body.max_tokens, body.logprobs, default_max_tokens=16,
+                             grammar=grammar, prompt_param=param)
+        _check_token_ids(prompt_ids, tokenizer.vocab_size, param)
+        renderer = CompletionRenderer(request_id, created, state.model_name, tokenizer, prompt_ids,
+                                      body.return_token_ids, body.logprobs)
+        runs.append((prompt_ids, sampling, renderer))
+    if len(runs) == 1:
+        prompt_ids, sampling, renderer = runs[0]
+        return await _run(state, request, body, prompt_ids, sampling, request_id, renderer)
+    return await _run_batch(state, request, body, runs, request_id)
 
 
 async def chat_prompt_ids(tokenizer: ModelTokenizer, messages: list[ChatMessage], use: ToolUse | None,

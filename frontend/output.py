@@ -77,15 +77,17 @@ class Output:
     at once. Not streaming: ``done`` is set when every choice has ended."""
 
     def __init__(self, request: AddRequest, tokenizer: ModelTokenizer, stop_strings: list[str],
-                 renderer: Renderer, streaming: bool, include_usage: bool) -> None:
+                 renderer: Renderer, streaming: bool, include_usage: bool, first_index: int = 0) -> None:
         self.request = request
         self.renderer = renderer
         self.streaming = streaming
         self.include_usage = include_usage
         self.started = time.monotonic()
+        # ``first_index``: a completion with several prompts numbers its choices across them
+        # (prompt p's choice j is index p * n + j), one ``Output`` per prompt.
         rid, request_id = request.rid, request.request_id
-        self.choices = [Choice(self, i, rid + i, request_id if i == 0 else f"{request_id}-{i}", tokenizer, request,
-                               stop_strings) for i in range(request.n)]
+        self.choices = [Choice(self, first_index + i, rid + i, request_id if i == 0 else f"{request_id}-{i}",
+                               tokenizer, request, stop_strings) for i in range(request.n)]
         self.finishes: dict[int, Finish] = {}  # by choice index: the scheduler's word on how it ended
         self.reasons: dict[int, str] = {}  # by choice index: how it ended, as the client sees it
         self.error: str | None = None  # an engine error ended the response
@@ -220,11 +222,14 @@ class Output:
         return usage_dict(len(self.request.prompt_token_ids), sum(c.completion_tokens for c in self.choices),
                           self.choices[0].cached_tokens)
 
+    def answers(self) -> list[dict[str, Any]]:
+        """Each choice's whole non-streaming answer."""
+        return [self.renderer.answer(c, "".join(c.parts), c.token_ids, c.logprobs, self.reasons[c.index],
+                                     self.abort_reason) for c in self.choices]
+
     def body(self) -> dict[str, Any]:
         """The whole non-streaming answer."""
-        answers = [self.renderer.answer(c, "".join(c.parts), c.token_ids, c.logprobs, self.reasons[c.index],
-                                        self.abort_reason) for c in self.choices]
-        return self.renderer.body(answers, self.usage())
+        return self.renderer.body(self.answers(), self.usage())
 
 
 class RequestHandle:

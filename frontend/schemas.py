@@ -23,6 +23,7 @@ from msgspec import Meta
 from frontend.errors import bad_request, from_decode_error
 
 MAX_N = 128  # choices per request
+MAX_PROMPTS = 1024  # prompts of one completion request (a batch, as OpenAI's and vLLM's APIs take)
 MAX_STOP = 64  # stop strings: each is searched for in the text after every token
 MAX_STOP_TOKEN_IDS = 1024  # the scheduler and the worker test every token against the list
 MAX_LOGIT_BIAS = 1024  # entries: the worker adds each one on every step
@@ -100,11 +101,41 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
-    prompt: str | list[TokenId]
+    # A text, a list of token ids, or a batch of either (``prompts``).
+    prompt: str | list[Any]
     echo: bool = False
     suffix: str | None = None
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     best_of: Annotated[int, Meta(ge=1, le=1)] | None = None  # OpenAI's; only 1 (the default) is served
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or a batch, each a text or token ids, as OpenAI's API reads ``prompt``:
+        a string, a list of token ids, a list of strings, or a list of lists of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise bad_request("the prompt is empty", "prompt")
+        if all(type(t) is int for t in prompt):
+            _check_ids(prompt, "prompt")
+            return [prompt]
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts in one request; this one has {len(prompt)}", "prompt")
+        for i, item in enumerate(prompt):
+            if isinstance(item, list) and all(type(t) is int for t in item):
+                _check_ids(item, f"prompt[{i}]")
+            elif not isinstance(item, str):
+                raise bad_request("prompt must be a string, a list of token ids, or a list of either (a batch); "
+                                  f"prompt[{i}] is neither", f"prompt[{i}]")
+        return list(prompt)
+
+
+def _check_ids(ids: list[int], param: str) -> None:
+    bad = next((i for i, t in enumerate(ids) if t < 0), None)
+    if bad is not None:
+        raise bad_request(f"token ids are never negative; {param}[{bad}] is {ids[bad]}", param)
+
+
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -57,11 +57,12 @@ _expected = _ExpectedIncomplete()
 logging.getLogger("uvicorn.error").addFilter(_expected)
 
 
-async def _watch_disconnect(receive: Receive, output: Output) -> None:
+async def _watch_disconnect(receive: Receive, outputs: Output | list[Output]) -> None:
     """The client hung up: the response stops (``take`` returns None, ``done`` is set)."""
     while (await receive())["type"] != "http.disconnect":
         pass
-    output.hang_up()
+    for output in outputs if isinstance(outputs, list) else [outputs]:
+        output.hang_up()
 
 
 class StreamResponse:
@@ -123,20 +124,29 @@ class StreamResponse:
 async def collect(handle: RequestHandle, receive: Receive) -> Output:
     """A non-streaming response's whole output, or a 400 nobody reads if the client hangs up
     first (the handle aborts the request either way)."""
-    output = handle.output
-    watcher = asyncio.create_task(_watch_disconnect(receive, output))
+    async with handle:
+        await collect_all([handle.output], receive)
+    return handle.output
+
+
+async def collect_all(outputs: list[Output], receive: Receive) -> None:
+    """Wait until every output is complete (the caller holds their handles); a 400 nobody reads
+    if the client hangs up first, a 503 if the engine failed any of them."""
+    watcher = asyncio.create_task(_watch_disconnect(receive, outputs))
     try:
-        async with handle:
+        for output in outputs:
             await output.done.wait()
+            if output.gone or output.error is not None:
+                break
     finally:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
-    if output.gone:
+    if any(output.gone for output in outputs):
         raise APIError(400, "client disconnected")
-    if output.error is not None:
-        raise APIError(503, output.error, code="engine_error")
-    return output
+    error = next((output.error for output in outputs if output.error is not None), None)
+    if error is not None:
+        raise APIError(503, error, code="engine_error")
 
 
 class StreamWatchdog:

@@ -219,11 +219,16 @@ SAMPLING_BAD: dict[str, st.SearchStrategy[Any]] = {
         st.dictionaries(st.sampled_from(["0", "1", "511"]),
                         st.one_of(floats_outside(-100.0, 100.0), wrong_kind({"float"})), min_size=1)),
 }
+BAD_BATCH_ITEM = {"text": "a prompt is a string or token ids"}
 COMPLETION_BAD = SAMPLING_BAD | {
     "prompt": st.one_of(st.just(""), st.just([]), st.lists(bad_ids, min_size=1, max_size=4),
                         st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4).map(lambda ids: [*ids, -1]),
-                        st.lists(st.text(max_size=3), min_size=1, max_size=3),
-                        st.lists(st.lists(st.integers(0, 9), max_size=2), min_size=1, max_size=2)),
+                        # A batch (a list of texts or of token-id lists) with one bad prompt in it.
+                        st.lists(st.text(min_size=1, max_size=3), max_size=3).map(lambda ps: [*ps, ""]),
+                        st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=2), max_size=2).map(
+                            lambda ps: [*ps, BAD_BATCH_ITEM]),
+                        st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=2), max_size=2).map(
+                            lambda ps: [*ps, [1, VOCAB]])),
     "echo": st.just(True),
     "suffix": st.text(min_size=1, max_size=10),
     "logprobs": ints_outside(0, 20),
