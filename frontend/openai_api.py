@@ -258,7 +258,7 @@ async def completions(request: Request) -> Response | StreamResponse:
     grammar = await _constraint(state, body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    runs = []
+    runs: list[tuple[list[int], SamplingParams, Renderer]] = []
     for p, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
         if isinstance(prompt, str):
@@ -279,8 +279,7 @@ async def completions(request: Request) -> Response | StreamResponse:
                                       body.return_token_ids, body.logprobs)
         runs.append((prompt_ids, sampling, renderer))
     if len(runs) == 1:
-        prompt_ids, sampling, renderer = runs[0]
-        return await _run(state, request, body, prompt_ids, sampling, request_id, renderer)
+        return await _run(state, request, body, *runs[0][:2], request_id, runs[0][2])
     return await _run_batch(state, request, body, runs, request_id)
 
 
