@@ -91,7 +91,8 @@ async def _constraint(state: AppState, body: SamplingFields, calls: Constraint |
 
 def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens: int | None,
               logprobs: int | None, default_max_tokens: int | None, grammar: str | None = None,
-              prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> SamplingParams:
+              prompt_param: str = "prompt", max_tokens_param: str = "max_tokens",
+              prompt_logprobs: int | None = None) -> SamplingParams:
     """``prompt_param``, ``max_tokens_param``: the fields the prompt and ``max_tokens`` came from
     (errors name them)."""
     model = state.require_model()
@@ -142,6 +143,7 @@ def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens
         frequency_penalty=body.frequency_penalty,
         logit_bias=logit_bias,
         grammar=grammar,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -247,8 +249,6 @@ async def completions(request: Request) -> Response | StreamResponse:
     tokenizer = state.require_tokenizer()
     _check_model(state, body.model)
     _check_priority(state, request, body.priority)
-    if body.echo:
-        raise bad_request("echo is not supported", "echo")
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     prompts = body.prompts()
@@ -272,11 +272,13 @@ async def completions(request: Request) -> Response | StreamResponse:
         else:
             prompt_ids = list(prompt)
         # The length checks come before the id check: a million ids is refused for its length.
+        # Echo with logprobs: the worker scores every prompt token too.
+        prompt_logprobs = body.logprobs if body.echo else None
         sampling = _sampling(state, body, len(prompt_ids), body.max_tokens, body.logprobs, default_max_tokens=16,
-                             grammar=grammar, prompt_param=param)
+                             grammar=grammar, prompt_param=param, prompt_logprobs=prompt_logprobs)
         _check_token_ids(prompt_ids, tokenizer.vocab_size, param)
         renderer = CompletionRenderer(request_id, created, state.model_name, tokenizer, prompt_ids,
-                                      body.return_token_ids, body.logprobs)
+                                      body.return_token_ids, body.logprobs, echo=body.echo)
         runs.append((prompt_ids, sampling, renderer))
     if len(runs) == 1:
         return await _run(state, request, body, *runs[0][:2], request_id, runs[0][2])

@@ -27,7 +27,15 @@ from typing import Any
 from frontend.metrics import Metrics
 from frontend.render import SSE_DONE, Renderer, error_chunk, usage_dict
 from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopStringMatcher
-from protocol.messages import AddRequest, Finish, FinishReason, Logprob, TokenBatch, unpack_logprobs
+from protocol.messages import (
+    AddRequest,
+    Finish,
+    FinishReason,
+    Logprob,
+    TokenBatch,
+    unpack_logprobs,
+    unpack_prompt_logprobs,
+)
 
 # Unsent chunks of one response beyond which its choices' text is merged (a stalled or slow
 # client). Well above a window of jitter: a busy event loop can find a few dozen tokens at once,
@@ -69,6 +77,11 @@ class Choice:
         self.unsent_text: list[str] = []
         self.unsent_ids: list[int] = []
 
+    @property
+    def prompt_logprobs(self) -> list[Logprob] | None:
+        """The prompt's logprobs (entry i for prompt token i + 1), once they arrived."""
+        return self.output.prompt_logprobs
+
 
 class Output:
     """One HTTP response: its choices, and what its writer has yet to send.
@@ -89,6 +102,8 @@ class Output:
         self.choices = [Choice(self, first_index + i, rid + i, request_id if i == 0 else f"{request_id}-{i}",
                                tokenizer, request, stop_strings) for i in range(request.n)]
         self.finishes: dict[int, Finish] = {}  # by choice index: the scheduler's word on how it ended
+        # Echo with logprobs: the prompt's, computed by the first choice, reported for every choice.
+        self.prompt_logprobs: list[Logprob] | None = None
         self.reasons: dict[int, str] = {}  # by choice index: how it ended, as the client sees it
         self.error: str | None = None  # an engine error ended the response
         self.abort_reason: str | None = None  # why the server aborted it (``--request-timeout``)
@@ -321,6 +336,11 @@ class OutputProcessor:
             if c is not None:
                 c.cached_tokens = cached
         logprobs = unpack_logprobs(batch.logprobs) if len(batch.logprobs) > 1 else None
+        if len(batch.prompt_logprobs) > 1:  # they come with a request's first token, before it
+            for rid, entries in unpack_prompt_logprobs(batch.prompt_logprobs).items():
+                c = choices.get(rid)
+                if c is not None and c.output.prompt_logprobs is None:
+                    c.output.prompt_logprobs = list(entries)
         # A batch may carry several steps of a request (the scheduler merges the steps it gets
         # at once): a finish goes with the request's last token in it.
         last = {rid: i for i, rid in enumerate(batch.rids) if rid in finishes} if finishes else None

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from frontend.tokenizer import ModelTokenizer
+from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer
 from frontend.tools import ToolCallParser, ToolUse, parse_llama3_call
 from protocol.messages import Logprob
 
@@ -45,6 +45,9 @@ class Piece(Protocol):
     index: int
     text_offset: int
     first_chunk: bool
+
+    @property
+    def prompt_logprobs(self) -> list[Logprob] | None: ...
 
 
 class Renderer(Protocol):
@@ -96,21 +99,43 @@ def _with_abort_reason(choice: dict[str, Any], finish_reason: str | None, abort_
 
 
 class CompletionRenderer(_Base):
+    """``echo``: each choice's text starts with the prompt's (its tokens decoded), and with
+    ``logprobs`` its logprobs start with the prompt tokens' (the first token has none), as
+    OpenAI's legacy completions gave them: what evaluation harnesses score prompts by."""
+
     object_name = "text_completion"
     chunk_object = "text_completion"
 
     def __init__(self, request_id: str, created: int, model: str, tokenizer: ModelTokenizer, prompt_ids: list[int],
-                 return_token_ids: bool, logprobs: int | None) -> None:
+                 return_token_ids: bool, logprobs: int | None, echo: bool = False) -> None:
         super().__init__(request_id, created, model, tokenizer, prompt_ids, return_token_ids)
         self.logprobs = logprobs
-        self.plain = logprobs is None and not return_token_ids
+        self.echo = echo
+        self.plain = logprobs is None and not return_token_ids and not echo
         self._prefixes: dict[int, bytes] = {}
+        self._prompt_pieces: list[str] | None = None
 
     def token(self, choice: Piece, text: str) -> bytes:
         prefix = self._prefixes.get(choice.index)
         if prefix is None:
             prefix = self._prefixes[choice.index] = self._head + b'%d,"text":' % choice.index
         return prefix + _json.encode(text) + b',"finish_reason":null,"logprobs":null}]}\n\n'
+
+    def _pieces(self) -> list[str]:
+        """The prompt's text, token by token, special tokens included (as ``/detokenize``
+        gives it; decoded once, for every choice)."""
+        if self._prompt_pieces is None:
+            detok = IncrementalDetokenizer(self.tokenizer, [], skip_special_tokens=False)
+            self._prompt_pieces = [detok.push(t) for t in self.prompt_ids]
+        return self._prompt_pieces
+
+    def _echoed(self, choice: Piece, text: str, token_ids: list[int], entries: list[Logprob],
+                texts: list[str]) -> tuple[str, list[int], list[Logprob], list[str]]:
+        """The prompt before a choice's first output: its text, and its tokens for logprobs."""
+        pieces = self._pieces()
+        prompt_entries = choice.prompt_logprobs or [None] * (len(self.prompt_ids) - 1)
+        return ("".join(pieces) + text, self.prompt_ids + token_ids, [None, *prompt_entries, *entries],
+                pieces + texts)
 
     def _logprobs(self, choice: Piece, token_ids: list[int], entries: list[Logprob],
                   texts: list[str]) -> dict[str, Any] | None:
@@ -132,8 +157,11 @@ class CompletionRenderer(_Base):
         # A chunk's text offsets: its text counts once, at its first token (a backlog's merged
         # chunk never has logprobs, so one text per token is what a logprobs chunk holds).
         texts = [text] + [""] * (len(token_ids) - 1) if token_ids else []
+        shown_ids = token_ids
+        if self.echo and choice.first_chunk:
+            text, shown_ids, logprobs, texts = self._echoed(choice, text, token_ids, logprobs, texts)
         body = {"index": choice.index, "text": text, "finish_reason": finish_reason,
-                "logprobs": self._logprobs(choice, token_ids, logprobs, texts)}
+                "logprobs": self._logprobs(choice, shown_ids, logprobs, texts)}
         if self.return_token_ids:
             body["token_ids"] = token_ids
             if choice.first_chunk:
@@ -144,8 +172,11 @@ class CompletionRenderer(_Base):
     def answer(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
                finish_reason: str, abort_reason: str | None) -> dict[str, Any]:
         texts = [self.tokenizer.decode([t]) for t in token_ids] if self.logprobs is not None else []
+        shown_ids = token_ids
+        if self.echo:
+            text, shown_ids, logprobs, texts = self._echoed(choice, text, token_ids, logprobs, texts)
         body = {"index": choice.index, "text": text, "finish_reason": finish_reason,
-                "logprobs": self._logprobs(choice, token_ids, logprobs, texts)}
+                "logprobs": self._logprobs(choice, shown_ids, logprobs, texts)}
         if self.return_token_ids:
             body.update(token_ids=token_ids, prompt_token_ids=self.prompt_ids)
         return _with_abort_reason(body, finish_reason, abort_reason)

@@ -223,9 +223,9 @@ class IncrementalDetokenizer:
     CONTEXT_TOKENS = 5
     __slots__ = ("_stream", "_tok")
 
-    def __init__(self, tokenizer: ModelTokenizer, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer: ModelTokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer.raw
-        self._stream = DecodeStream(ids=prompt_ids[-self.CONTEXT_TOKENS :], skip_special_tokens=True)
+        self._stream = DecodeStream(ids=prompt_ids[-self.CONTEXT_TOKENS :], skip_special_tokens=skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         return self._stream.step(self._tok, token_id) or ""

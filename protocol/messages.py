@@ -57,6 +57,10 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     # Structured output: an llguidance grammar (its JSON text: a JSON schema, regex, choice or
     # Lark grammar compiled by the frontend, which validated it). None: unconstrained.
     grammar: str | None = None
+    # vLLM's prompt_logprobs: the logprob of every prompt token after the first, and this many
+    # alternatives each (0: none); None = off. Only the choice that computes the prompt carries
+    # it, and only until its first output token (``scheduler/request.py``).
+    prompt_logprobs: int | None = None
 
     @property
     def reads_history(self) -> bool:
@@ -103,6 +107,21 @@ def pack_logprobs(pairs: list[tuple[int, tuple[float, list[int], list[float]]]])
 def unpack_logprobs(raw: msgspec.Raw) -> dict[int, tuple[float, list[int], list[float]]]:
     """The entries ``pack_logprobs`` packed, by rid; empty for ``NO_LOGPROBS``."""
     return dict(_logprob_pairs.decode(raw)) if len(raw) > 1 else {}
+
+
+# A request's prompt logprobs travel the same way, whole, with its first output token: a list of
+# (rid, entries), entry i for prompt token i + 1 (the first token has none).
+_prompt_logprob_pairs = msgspec.msgpack.Decoder(list[tuple[int, list[tuple[float, list[int], list[float]]]]])
+
+
+def pack_prompt_logprobs(pairs: list[tuple[int, list[tuple[float, list[int], list[float]]]]]) -> msgspec.Raw:
+    """``(rid, prompt logprob entries)`` pairs as the opaque field of ``StepTokens`` and ``TokenBatch``."""
+    return msgspec.Raw(msgspec.msgpack.encode(pairs)) if pairs else NO_LOGPROBS
+
+
+def unpack_prompt_logprobs(raw: msgspec.Raw) -> dict[int, list[tuple[float, list[int], list[float]]]]:
+    """The entries ``pack_prompt_logprobs`` packed, by rid; empty for ``NO_LOGPROBS``."""
+    return dict(_prompt_logprob_pairs.decode(raw)) if len(raw) > 1 else {}
 
 # --------------------------------------------------------------------------------------------
 # frontend -> scheduler
@@ -237,6 +256,7 @@ class TokenBatch(msgspec.Struct, tag=True, array_like=True):
     logprobs: msgspec.Raw = NO_LOGPROBS
     started: list[tuple[int, int]] = []
     seq: int = 0
+    prompt_logprobs: msgspec.Raw = NO_LOGPROBS  # ``pack_prompt_logprobs``, passed through like ``logprobs``
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
@@ -389,6 +409,7 @@ class StepTokens(msgspec.Struct, tag=True, array_like=True):
     last: bool
     busy_s: float = 0.0
     logprobs: msgspec.Raw = NO_LOGPROBS  # ``pack_logprobs`` of the rows that asked
+    prompt_logprobs: msgspec.Raw = NO_LOGPROBS  # ``pack_prompt_logprobs``: rows whose first output this is
 
 
 class WorkerReady(msgspec.Struct, tag=True, array_like=True):

@@ -114,7 +114,7 @@ class Frontends:
         def part(dest: bytes) -> TokenBatch:
             if dest not in parts:
                 # Each part carries the step's logprobs whole: a frontend reads its own rids'.
-                parts[dest] = TokenBatch([], [], [], batch.logprobs)
+                parts[dest] = TokenBatch([], [], [], batch.logprobs, prompt_logprobs=batch.prompt_logprobs)
             return parts[dest]
 
         started = dict(batch.started)

@@ -280,7 +280,7 @@ class SchedulerProcess:
             self._send_to_owners(batch)
             return
         pending = self._outgoing
-        if pending is not None and len(pending.logprobs) <= 1 and len(batch.logprobs) <= 1:
+        if pending is not None and not _carries_logprobs(pending) and not _carries_logprobs(batch):
             # In order: a request's tokens, then its finish (nothing of it follows a finish).
             pending.rids += batch.rids
             pending.token_ids += batch.token_ids
@@ -557,7 +557,7 @@ class SchedulerProcess:
         self.busy_total_s += msg.busy_s
         if self.core is None or msg.plan_id not in self.plans_in_flight:
             return
-        batch = TokenBatch([], [], [], msg.logprobs)
+        batch = TokenBatch([], [], [], msg.logprobs, prompt_logprobs=msg.prompt_logprobs)
         failed = False
         try:
             self.core.update(msg, batch)
@@ -621,3 +621,8 @@ def run(config: SchedulerConfig) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # already stopping: a second signal changes nothing
     return 0
+
+
+def _carries_logprobs(batch: TokenBatch) -> bool:
+    """Its logprobs travel as one opaque field per batch: such a batch is not merged."""
+    return len(batch.logprobs) > 1 or len(batch.prompt_logprobs) > 1

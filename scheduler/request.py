@@ -85,6 +85,9 @@ class Request:
         sampling = msg.sampling
         if choice and sampling.seed is not None:
             sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + choice) % 2**63)
+        if (choice or msg.output_token_ids) and sampling.prompt_logprobs is not None:
+            # The first choice computes them for all; a continued request has reported them.
+            sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
         self.sampling: SamplingParams = sampling
         self.priority = msg.priority
         self.user = msg.user
@@ -159,6 +162,10 @@ class Request:
         rule, the worker's too."""
         self.token_ids.append(token)
         num_tokens = len(self.token_ids)
+        if self.sampling.prompt_logprobs is not None:
+            # They came with this first output: a recompute need not compute them again, and may
+            # take its prompt from the prefix cache.
+            self.sampling = msgspec.structs.replace(self.sampling, prompt_logprobs=None)
         return stop_reason(token, num_tokens - self.num_prompt_tokens, num_tokens, self.sampling, eos_token_ids,
                            max_model_len)
 
@@ -222,7 +229,10 @@ class Request:
 
     def cached_prefix(self, pool: BlockPool, block_size: int) -> list[int]:
         """The pool's blocks holding the longest cached prefix of these tokens, found by their
-        links; their keys are the pool's, so no sha256 is computed here."""
+        links; their keys are the pool's, so no sha256 is computed here. None for a request
+        that wants its prompt's logprobs: every position's logits must be computed."""
+        if self.sampling.prompt_logprobs is not None:
+            return []
         keys, tokens, pack = self.block_keys, self.token_ids, _packer(block_size)
         found: list[int] = []
         parent = ROOT_KEY

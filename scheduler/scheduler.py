@@ -121,7 +121,9 @@ class Scheduler:
         for choice in range(1, msg.n):
             req = Request(msg, choice)
             self.requests[req.rid] = req
-            if self.pool.enable_caching:  # it waits to find the first choice's prompt blocks cached
+            # It waits to find the first choice's prompt blocks cached (or, without caching, for
+            # the first choice's prompt logprobs, which every choice reports, to be out first).
+            if self.pool.enable_caching or msg.sampling.prompt_logprobs is not None:
                 self._held.setdefault(first.rid, []).append(req)
             else:
                 self.queue.push(req)

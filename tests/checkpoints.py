@@ -66,6 +66,17 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
     return outputs
 
 
+def hf_prompt_logprobs(path: Path, prompt: list[int], k: int) -> tuple[list[float], list[list[float]]]:
+    """``transformers``' logprob of each prompt token after the first, and the ``k`` largest there."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+    chosen = logprobs.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+    return chosen.tolist(), logprobs.topk(k).values.tolist()
+
+
 def _save_hf(path: Path, config: Any, model_cls: Any, tokenizer_config: dict[str, Any], **save: Any) -> Path:
     torch.manual_seed(3)
     model_cls(config).eval().save_pretrained(path, **save)

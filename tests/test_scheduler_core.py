@@ -378,6 +378,33 @@ def test_a_held_choice_can_be_aborted_and_is_released_if_its_first_sibling_goes(
     assert sched.pool.num_free == sched.pool.num_blocks
 
 
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_prompt_logprobs_are_computed_once_by_the_first_choice_without_the_prefix_cache(caching: bool) -> None:
+    """Echo with logprobs: every prompt position's logits are needed, so the first choice takes
+    no prefix hit; the other choices wait for it (with or without caching) and do not compute
+    them again; once its first output is out, a recompute may use the cache like any request."""
+    sched, worker = make(num_scheduler_steps=1, enable_prefix_caching=caching)
+    prompt = [(j * 13) % 300 + 3 for j in range(4 * BS + 3)]
+    warm = SamplingParams(max_tokens=2, ignore_eos=True)
+    assert sched.add(AddRequest(9, "warm", prompt, warm, 0, "", 0.0)) == []
+    assert run_to_end(sched, worker) == {9: "length"}  # the prompt's blocks are cached now (with caching)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    assert sched.add(AddRequest(0, "c", prompt, params, 0, "", 0.0, n=2)) == []
+    assert sched.requests[1].sampling.prompt_logprobs is None
+    plan, _ = step(sched, worker)
+    assert plan is not None and plan.rids == [0] and plan.num_tokens == [len(prompt)]  # no hit
+    assert plan.new_requests[0].sampling.prompt_logprobs == 2
+    assert sched.requests[0].sampling.prompt_logprobs is None  # its first output came with them
+    plan, _ = step(sched, worker)
+    assert plan is not None and sorted(plan.rids) == [0, 1]
+    assert dict(zip(plan.rids, plan.num_tokens, strict=True))[1] == (3 if caching else len(prompt))
+    assert run_to_end(sched, worker) == {0: "length", 1: "length"}
+    continued = AddRequest(5, "d", prompt, params, 0, "", 0.0, output_token_ids=[7])
+    assert sched.add(continued) == [] and sched.requests[5].sampling.prompt_logprobs is None
+    assert run_to_end(sched, worker) == {5: "length"}
+    assert sched.pool.num_free == sched.pool.num_blocks
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["allocate", "free", "cache"]), st.integers(0, 7)), max_size=60))
 def test_block_pool_touches_a_new_block_only_when_no_written_uncached_one_is_free(ops: list[tuple[str, int]]) -> None:

@@ -1,14 +1,19 @@
 """What evaluation harnesses (lm-evaluation-harness's ``local-completions``) send to
 ``/v1/completions``, through a real ``sluice serve``: a batch of prompts in one request, texts or
-token ids, answered as the same requests one at a time would be."""
+token ids, answered as the same requests one at a time would be; and ``echo`` with ``logprobs``,
+which scores every prompt token (checked against ``transformers``), however the prompt is
+chunked, cached or shared by choices."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
+from checkpoints import hf_prompt_logprobs, save_llama_checkpoint
 from sluice_server import SluiceServer, running_server
 
 TOKEN = "evaluation-admin"
@@ -77,3 +82,86 @@ def test_a_stream_of_several_prompts_is_refused_and_one_prompt_in_a_list_streams
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
     r = _complete(server.url, prompt=[[1, 72, 101]], max_tokens=2, stream=True)
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+
+
+# ------------------------------------------------------------------------------------ echo
+
+
+PROMPT = [1, *(t % 300 + 3 for t in range(69))]  # 70 tokens: three chunks of a 32-token step
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_llama_checkpoint(tmp_path_factory.mktemp("llama") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
+    # A 32-token step budget: the prompt is prefilled in three chunks, each scoring its part.
+    flags = ["--model", str(checkpoint), "--max-num-batched-tokens", "32", "--admin-token", TOKEN]
+    with running_server(*flags, log_dir=tmp_path_factory.mktemp("llama-logs")) as s:
+        yield s
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(llama: SluiceServer, checkpoint: Path) -> None:
+    # What lm-evaluation-harness sends for a loglikelihood request: a batch of token-id prompts.
+    body = {"prompt": [PROMPT, PROMPT[:9]], "max_tokens": 1, "logprobs": 3, "echo": True, "temperature": 0,
+            "seed": 1234}
+    out = _ok(_complete(llama.url, **body))
+    for choice, prompt in zip(out["choices"], [PROMPT, PROMPT[:9]], strict=True):
+        want, want_top = hf_prompt_logprobs(checkpoint, prompt, 3)
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(prompt) + 1  # the prompt's tokens, then the one generated
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1 : len(prompt)] == pytest.approx(want, abs=1e-4)
+        for top, values in zip(lp["top_logprobs"][1 : len(prompt)], want_top, strict=True):
+            assert sorted(top.values(), reverse=True) == pytest.approx(values, abs=1e-4)
+        # The generated token's logprob follows, as without echo; the text starts with the prompt's.
+        alone = _ok(_complete(llama.url, prompt=prompt, max_tokens=1, logprobs=3, temperature=0))["choices"][0]
+        assert lp["token_logprobs"][-1] == pytest.approx(alone["logprobs"]["token_logprobs"][0], abs=1e-5)
+        prompt_text = httpx.post(f"{llama.url}/detokenize", json={"tokens": prompt}, timeout=30).json()["prompt"]
+        assert choice["text"] == prompt_text + alone["text"]
+        offsets = lp["text_offset"]
+        assert offsets == sorted(offsets) and offsets[len(prompt)] == len(prompt_text)
+
+
+def test_echoed_logprobs_ignore_the_prefix_cache_and_every_choice_reports_them(llama: SluiceServer) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 2, "logprobs": 0, "echo": True, "temperature": 0}
+    first = _ok(_complete(llama.url, **body))
+    # The same prompt again: its blocks are cached, but every position's logits are needed.
+    again = _ok(_complete(llama.url, **body, n=2))
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    want = first["choices"][0]["logprobs"]["token_logprobs"][: len(PROMPT)]
+    for choice in again["choices"]:
+        assert choice["logprobs"]["token_logprobs"][: len(PROMPT)] == pytest.approx(want, abs=1e-5)
+        assert all(top == {} for top in choice["logprobs"]["top_logprobs"][1:])  # logprobs 0: no alternatives
+    _assert_every_block_comes_back(llama)
+
+
+def test_echo_streams_the_prompt_in_each_choice_first_chunk(llama: SluiceServer) -> None:
+    body = {"prompt": PROMPT[:20], "max_tokens": 4, "logprobs": 1, "echo": True, "temperature": 0, "n": 2,
+            "stream": True}
+    whole = _ok(_complete(llama.url, **body | {"stream": False}))
+    texts: dict[int, str] = {0: "", 1: ""}
+    logprobs: dict[int, list[float | None]] = {0: [], 1: []}
+    with httpx.stream("POST", f"{llama.url}/v1/completions", json={"temperature": 0, "ignore_eos": True} | body,
+                      timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[len("data: "):])["choices"][0]
+                texts[choice["index"]] += choice["text"]
+                if choice["logprobs"] is not None:
+                    logprobs[choice["index"]] += choice["logprobs"]["token_logprobs"]
+    for i in (0, 1):
+        assert texts[i] == whole["choices"][i]["text"]
+        assert logprobs[i] == pytest.approx(whole["choices"][i]["logprobs"]["token_logprobs"], abs=1e-5)
+
+
+def test_echo_without_logprobs_returns_the_prompt_text_and_scores_nothing(llama: SluiceServer) -> None:
+    prompt_text = httpx.post(f"{llama.url}/detokenize", json={"tokens": PROMPT}, timeout=30).json()["prompt"]
+    out = _ok(_complete(llama.url, prompt=PROMPT, max_tokens=3, echo=True))
+    alone = _ok(_complete(llama.url, prompt=PROMPT, max_tokens=3))
+    assert out["choices"][0]["text"] == prompt_text + alone["choices"][0]["text"]
+    assert out["choices"][0]["logprobs"] is None
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # nothing to score: the cache serves it

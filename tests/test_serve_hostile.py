@@ -229,7 +229,6 @@ COMPLETION_BAD = SAMPLING_BAD | {
                             lambda ps: [*ps, BAD_BATCH_ITEM]),
                         st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=2), max_size=2).map(
                             lambda ps: [*ps, [1, VOCAB]])),
-    "echo": st.just(True),
     "suffix": st.text(min_size=1, max_size=10),
     "logprobs": ints_outside(0, 20),
 }

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from checkpoints import hf_greedy, save_llama_checkpoint
+from checkpoints import hf_greedy, hf_prompt_logprobs, save_llama_checkpoint
 from sluice_server import SluiceServer, child_pid, free_port, running_server, stop_processes
 from test_components_tcp import _free_port_block
 from test_serve_worker_crash import Stream, complete, wait_until
@@ -78,6 +78,18 @@ def test_two_ranks_generate_what_one_worker_and_transformers_generate(server: Sl
     assert "rank 0 of 2: heads 0-1 of 4, KV heads 0-0 of 2" in log and "rank 1 of 2: heads 2-3 of 4" in log
     memory = httpx.get(f"{server.url}/admin/stats", headers=AUTH).json()["process_memory"]
     assert {"worker 0", "worker 1"} <= set(memory), memory  # each rank reports its own
+
+
+def test_two_ranks_score_an_echoed_prompt_as_transformers_does(server: SluiceServer, kv2: Path) -> None:
+    prompt = PROMPTS[1]  # 41 tokens: three chunks of the 16-token budget, every rank computing its part
+    body = {"prompt": prompt, "max_tokens": 1, "logprobs": 2, "echo": True, "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    want, want_top = hf_prompt_logprobs(kv2, prompt, 2)
+    assert lp["token_logprobs"][1 : len(prompt)] == pytest.approx(want, abs=1e-4)
+    for top, values in zip(lp["top_logprobs"][1 : len(prompt)], want_top, strict=True):
+        assert sorted(top.values(), reverse=True) == pytest.approx(values, abs=1e-4)
 
 
 def test_one_replicated_kv_head_and_a_padded_vocabulary(kv1: Path, tmp_path: Path) -> None:

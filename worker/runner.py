@@ -39,7 +39,7 @@ from collections.abc import Iterator
 
 import torch
 
-from protocol.messages import CancelRows, StepPlan, StepTokens, pack_logprobs
+from protocol.messages import CancelRows, StepPlan, StepTokens, pack_logprobs, pack_prompt_logprobs
 from worker.attention import select_backend
 from worker.cpu_threads import ThreadPlan
 from worker.host_copy import HostCopier, PendingCopy
@@ -68,6 +68,30 @@ class StepBatch:
     host_ids: torch.Tensor | None = None  # [T] flattened tokens of every row
     device_ids: torch.Tensor | None = None
     keep: torch.Tensor | None = None
+    prompt: PromptPositions | None = None  # positions whose logits score the next prompt token
+
+
+@dataclasses.dataclass
+class PromptPositions:
+    """The positions of a step's prefill chunks whose rows asked for prompt logprobs: each
+    position's logits score the prompt token after it (``targets``); ``counts[i]`` of them are
+    ``seqs[i]``'s, in order."""
+
+    indices: list[int] = dataclasses.field(default_factory=list)  # flat token indices
+    targets: list[int] = dataclasses.field(default_factory=list)
+    seqs: list[SequenceState] = dataclasses.field(default_factory=list)
+    counts: list[int] = dataclasses.field(default_factory=list)
+
+    def add(self, seq: SequenceState, first_index: int, start: int, length: int) -> None:
+        """``seq``'s chunk of ``length`` tokens from position ``start``, at flat ``first_index``:
+        every position before the prompt's last scores a prompt token (the last one's logits
+        sample the first output instead)."""
+        count = min(start + length, seq.num_prompt_tokens - 1) - start
+        if count > 0:
+            self.indices.extend(range(first_index, first_index + count))
+            self.targets.extend(seq.token_ids[start + 1 : start + 1 + count])
+            self.seqs.append(seq)
+            self.counts.append(count)
 
 
 @dataclasses.dataclass
@@ -213,6 +237,7 @@ class ModelRunner:
         rids: list[int] = []
         kept: list[int] = []
         logprobs = []
+        prompt_logprobs = []
         for i, (seq, token) in enumerate(zip(launched.samplers, tokens, strict=True)):
             if seq.stopped:
                 continue
@@ -220,6 +245,9 @@ class ModelRunner:
             kept.append(token)
             if asked is not None and i in asked:
                 logprobs.append((seq.rid, asked[i]))
+            if seq.prompt_logprobs:  # its first output: they go with it
+                prompt_logprobs.append((seq.rid, seq.prompt_logprobs))
+                seq.prompt_logprobs = []
             if seq.grammar is not None:
                 seq.grammar.consume(token)
             if seq.append(token, self.eos_token_ids, self.max_model_len):
@@ -232,7 +260,8 @@ class ModelRunner:
                     if seq.append(forced, self.eos_token_ids, self.max_model_len):
                         self.forget(seq.rid)
                         break
-        return StepTokens(plan_id, launched.step, rids, kept, False, 0.0, pack_logprobs(logprobs))
+        return StepTokens(plan_id, launched.step, rids, kept, False, 0.0, pack_logprobs(logprobs),
+                          pack_prompt_logprobs(prompt_logprobs))
 
     def _jumps(self, seq: SequenceState) -> bool:
         """Whether a constrained row may jump forward: not when it asked for logprobs (a forced
@@ -264,6 +293,7 @@ class ModelRunner:
             raise PlanError(f"plan {plan.plan_id}: a request appears twice")
         ids: list[int] = []
         seqs, starts, lengths, samplers, logits_indices = [], [], [], [], []
+        prompt: PromptPositions | None = None
         for rid, n, new_blocks in zip(plan.rids, plan.num_tokens, plan.new_block_ids, strict=True):
             seq = self.seqs.get(rid)
             if seq is None:
@@ -274,6 +304,9 @@ class ModelRunner:
             if plan.speculative and rid in self.cancelled:
                 continue  # paused after this plan was made
             start = seq.schedule(n, self.cache.block_size, self.batch.blocks_of(rid))
+            if seq.sampling.prompt_logprobs is not None:
+                prompt = prompt or PromptPositions()
+                prompt.add(seq, len(ids), start, n)
             ids.extend(seq.token_ids[start : start + n])
             seqs.append(seq)
             starts.append(start)
@@ -284,7 +317,8 @@ class ModelRunner:
                 seq.window_end = self.batch.blocks_of(rid) * self.cache.block_size
         if not seqs:
             return None
-        return StepBatch(seqs, starts, lengths, samplers, logits_indices, host_ids=torch.tensor(ids, dtype=torch.long))
+        return StepBatch(seqs, starts, lengths, samplers, logits_indices, host_ids=torch.tensor(ids, dtype=torch.long),
+                         prompt=prompt)
 
     def _decode_batch(self, prev: LaunchedStep, keep: list[int]) -> StepBatch:
         """The next multi-step step: rows ``keep`` of the previous step each compute the token
@@ -327,7 +361,9 @@ class ModelRunner:
             for s in batch.samplers], params) if batch.samplers else None
         ids = batch.host_ids if batch.host_ids is not None else batch.keep
         host = ([ids] if ids is not None else []) + (sampling.tensors() if sampling is not None else [])
-        meta = self.attention.build(self.cache, tables, batch.starts, batch.lengths, batch.logits_indices, host)
+        prompt = batch.prompt
+        logits_indices = batch.logits_indices if prompt is None else batch.logits_indices + prompt.indices
+        meta = self.attention.build(self.cache, tables, batch.starts, batch.lengths, logits_indices, host)
         moved = meta.extra
         if batch.host_ids is not None:
             input_ids, moved = moved[0], moved[1:]
@@ -337,6 +373,10 @@ class ModelRunner:
             if batch.keep is not None:
                 input_ids, moved = input_ids[moved[0]], moved[1:]
         logits = self.model(input_ids, meta)
+        if prompt is not None and logits is not None:  # (on rank 0 alone under tensor parallelism)
+            num_samplers = len(batch.samplers)
+            _score_prompt(prompt, logits[num_samplers:])
+            logits = logits[:num_samplers]
         if sampling is None:
             return None
         group = self.model.group
@@ -351,3 +391,26 @@ class ModelRunner:
             out = SamplerOutput(torch.empty(len(batch.samplers), dtype=torch.long, device=self.device), None)
         group.broadcast_tokens(out.token_ids)
         return out
+
+
+def _score_prompt(prompt: PromptPositions, logits: torch.Tensor) -> None:
+    """Each prompt position's logprob of the token after it, and its row's ``prompt_logprobs``
+    most likely alternatives, appended to its sequence (raw logprobs, as sampled tokens'
+    are). Read on the host at once: only evaluation requests ask for them, and a step that
+    does waits for its copy."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    targets = torch.tensor(prompt.targets, dtype=torch.long, device=logprobs.device)
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    most = max(int(seq.sampling.prompt_logprobs or 0) for seq in prompt.seqs)
+    top_logprobs: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if most:
+        top = logprobs.topk(min(most, logprobs.shape[-1]), dim=-1)
+        top_logprobs, top_ids = top.values.tolist(), top.indices.tolist()
+    first = 0
+    for seq, count in zip(prompt.seqs, prompt.counts, strict=True):
+        k = int(seq.sampling.prompt_logprobs or 0)
+        seq.prompt_logprobs.extend(
+            (chosen[i], top_ids[i][:k] if k else [], top_logprobs[i][:k] if k else [])
+            for i in range(first, first + count))
+        first += count

@@ -39,6 +39,9 @@ class SequenceState:
     # than they can hold, and a row whose blocks are full leaves its window. (Without jumps, the
     # scheduler's lookahead blocks always reach past the window's last step.)
     window_end: int = 0
+    # Prompt logprobs computed so far (``sampling.prompt_logprobs``), chunk by chunk: entry i for
+    # prompt token i + 1. They leave with the first output token.
+    prompt_logprobs: list[tuple[float, list[int], list[float]]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_new(cls, new: NewRequest) -> SequenceState:
