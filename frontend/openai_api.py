@@ -31,7 +31,7 @@ from frontend.schemas import (
     decode,
     unsupported_message_fields,
 )
-from frontend.sse import StreamResponse, collect, collect_all
+from frontend.sse import BatchStreamResponse, StreamResponse, collect, collect_all
 from frontend.state import AppState
 from frontend.structured import Constraint, constraint_of
 from frontend.tokenizer import ChatTemplateError, ModelTokenizer, PromptTooLong
@@ -190,7 +190,7 @@ def _check_capacity(state: AppState) -> None:
 
 
 def _output(state: AppState, body: SamplingFields, prompt_ids: list[int], sampling: SamplingParams,
-            request_id: str, renderer: Renderer, first_index: int = 0) -> Output:
+            request_id: str, renderer: Renderer, first_index: int = 0, terminal: bool = True) -> Output:
     """One prompt's engine request (its ``n`` choices, sent as one message) and the ``Output``
     its answers are rendered into."""
     add = AddRequest(
@@ -205,7 +205,7 @@ def _output(state: AppState, body: SamplingFields, prompt_ids: list[int], sampli
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Output(add, state.require_tokenizer(), body.stop_strings(), renderer, body.stream, include_usage,
-                  first_index)
+                  first_index, terminal)
 
 
 async def _run(state: AppState, request: Request, body: SamplingFields, prompt_ids: list[int],
@@ -223,27 +223,37 @@ async def _run(state: AppState, request: Request, body: SamplingFields, prompt_i
 
 
 async def _run_batch(state: AppState, request: Request, body: CompletionRequest,
-                     prompts: list[tuple[list[int], SamplingParams, Renderer]], request_id: str) -> Response:
+                     prompts: list[tuple[list[int], SamplingParams, Renderer]],
+                     request_id: str) -> Response | BatchStreamResponse:
     """Several prompts in one completion request: one engine request each, run together, their
-    choices numbered across the prompts (prompt p's choice j is ``p * n + j``) in one body."""
+    choices numbered across the prompts (prompt p's choice j is ``p * n + j``), in one body or
+    one stream."""
     _check_capacity(state)
     outputs = [_output(state, body, ids, sampling, request_id if p == 0 else f"{request_id}-p{p}", renderer,
-                       first_index=p * body.n) for p, (ids, sampling, renderer) in enumerate(prompts)]
-    async with contextlib.AsyncExitStack() as handles:  # leaving it aborts what still runs
-        for output in outputs:
-            await handles.enter_async_context(await state.client.add(output))
+                       first_index=p * body.n, terminal=False) for p, (ids, sampling, renderer) in enumerate(prompts)]
+
+    def usage() -> dict[str, object]:
+        return usage_dict(sum(len(output.request.prompt_token_ids) for output in outputs),
+                          sum(c.completion_tokens for output in outputs for c in output.choices),
+                          sum(output.choices[0].cached_tokens for output in outputs))
+
+    renderer = prompts[0][2]
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    async with contextlib.AsyncExitStack() as stack:  # leaving it aborts what still runs
+        handles = [await stack.enter_async_context(await state.client.add(output)) for output in outputs]
+        if body.stream:
+            stack.pop_all()  # the stream's writer holds them from now on
+            return BatchStreamResponse(handles, {"X-Request-Id": request_id},
+                                       lambda: renderer.usage_chunk(usage()) if include_usage else b"")
         await collect_all(outputs, request.receive)
-    usage = usage_dict(sum(len(output.request.prompt_token_ids) for output in outputs),
-                       sum(c.completion_tokens for output in outputs for c in output.choices),
-                       sum(output.choices[0].cached_tokens for output in outputs))
-    answers = [answer for output in outputs for answer in output.answers()]
-    return _json_response(prompts[0][2].body(answers, usage), request_id)
+    return _json_response(renderer.body([answer for output in outputs for answer in output.answers()], usage()),
+                          request_id)
 
 
 # ------------------------------------------------------------------------------------ endpoints
 
 
-async def completions(request: Request) -> Response | StreamResponse:
+async def completions(request: Request) -> Response | StreamResponse | BatchStreamResponse:
     state: AppState = request.app.state.sluice
     body: CompletionRequest = decode(await request.body(), CompletionRequest)
     tokenizer = state.require_tokenizer()
@@ -252,9 +262,6 @@ async def completions(request: Request) -> Response | StreamResponse:
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     prompts = body.prompts()
-    if len(prompts) > 1 and body.stream:
-        raise bad_request("a stream answers one prompt: send several prompts without stream, or one request "
-                          "per prompt", "stream")
     grammar = await _constraint(state, body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())

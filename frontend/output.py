@@ -84,20 +84,24 @@ class Choice:
 
 
 class Output:
-    """One HTTP response: its choices, and what its writer has yet to send.
+    """One HTTP response (or one prompt's part of a completion with several): its choices, and
+    what its writer has yet to send.
 
     Streaming: ``buffer`` holds SSE bytes in order; ``take`` waits for some and returns them all
     at once. Not streaming: ``done`` is set when every choice has ended."""
 
     def __init__(self, request: AddRequest, tokenizer: ModelTokenizer, stop_strings: list[str],
-                 renderer: Renderer, streaming: bool, include_usage: bool, first_index: int = 0) -> None:
+                 renderer: Renderer, streaming: bool, include_usage: bool, first_index: int = 0,
+                 terminal: bool = True) -> None:
         self.request = request
         self.renderer = renderer
         self.streaming = streaming
         self.include_usage = include_usage
         self.started = time.monotonic()
-        # ``first_index``: a completion with several prompts numbers its choices across them
-        # (prompt p's choice j is index p * n + j), one ``Output`` per prompt.
+        # A completion with several prompts has one ``Output`` per prompt: ``first_index``
+        # numbers their choices across them (prompt p's choice j is index p * n + j), and a
+        # stream's usage chunk and [DONE] are its writer's to send once for all (``terminal``).
+        self.terminal = terminal
         rid, request_id = request.rid, request.request_id
         self.choices = [Choice(self, first_index + i, rid + i, request_id if i == 0 else f"{request_id}-{i}",
                                tokenizer, request, stop_strings) for i in range(request.n)]
@@ -224,9 +228,10 @@ class Output:
 
     def _complete(self) -> None:
         if self.streaming:
-            if self.include_usage:
+            if self.terminal and self.include_usage:
                 self.put(self.renderer.usage_chunk(self.usage()))
-            self.put(SSE_DONE)
+            if self.terminal:
+                self.put(SSE_DONE)
             self.closed = True
         self.done.set()
 

@@ -31,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from frontend.errors import APIError
 from frontend.output import Output, RequestHandle
+from frontend.render import SSE_DONE
 
 log = logging.getLogger("sluice.frontend")
 
@@ -119,6 +120,73 @@ class StreamResponse:
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
         return b""  # nothing yet: headers now, output as it comes
+
+
+class BatchStreamResponse:
+    """Several prompts' streams as one SSE response: each prompt's ``Output`` renders its own
+    chunks (choices numbered across the prompts) and this writer interleaves them as they come,
+    then ends with one usage chunk (``trailer``) and one [DONE]. An engine error in any part ends
+    the whole response after its error chunk; leaving the handles aborts the rest."""
+
+    def __init__(self, handles: list[RequestHandle], headers: dict[str, str],
+                 trailer: Callable[[], bytes]) -> None:
+        self.handles = handles
+        self.trailer = trailer
+        self.headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                        *((k.lower().encode(), v.encode()) for k, v in headers.items())]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        outputs = [handle.output for handle in self.handles]
+        writer = asyncio.current_task()
+        for output in outputs:
+            output.writer = writer
+        watcher = asyncio.create_task(_watch_disconnect(receive, outputs))
+        write = scope.get("sluice.send", send)
+        takes: dict[asyncio.Future[bytes | None], Output] = {}
+
+        async def put(data: bytes) -> None:
+            started = time.monotonic()
+            for output in outputs:  # what the stall watchdog reads
+                output.write_started = started
+            await write({"type": "http.response.body", "body": data, "more_body": True})
+            for output in outputs:
+                output.last_write, output.write_started = started, 0.0
+
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                for handle in self.handles:
+                    await stack.enter_async_context(handle)
+                takes = {asyncio.ensure_future(output.take()): output for output in outputs}
+                # Headers wait for the first output, so that a refusal is a 503 (``StreamResponse``).
+                await asyncio.wait(takes, timeout=HEADERS_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+                refused = next((o.error for o in outputs if o.error is not None), None)
+                if refused is not None and not any(o.produced for o in outputs):
+                    await APIError(503, refused, code="engine_error").response()(scope, receive, send)
+                    return
+                await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+                failed = False
+                while takes and not failed:
+                    ready, _ = await asyncio.wait(takes, return_when=asyncio.FIRST_COMPLETED)
+                    for take in ready:
+                        output = takes.pop(take)
+                        data = take.result()
+                        if data is None:
+                            continue  # that prompt's stream is complete (or the client is gone)
+                        await put(data)
+                        failed = failed or output.error is not None
+                        takes[asyncio.ensure_future(output.take())] = output
+                if not any(output.gone for output in outputs):
+                    await put((b"" if failed else self.trailer()) + SSE_DONE)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not any(output.stalled for output in outputs):
+                raise
+            if writer is not None:  # dropped by the watchdog, as ``StreamResponse``
+                writer.uncancel()
+        finally:
+            for take in takes:
+                take.cancel()
+            watcher.cancel()
 
 
 async def collect(handle: RequestHandle, receive: Receive) -> Output:

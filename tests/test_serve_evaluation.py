@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from checkpoints import hf_prompt_logprobs, save_llama_checkpoint
+from prometheus_client.parser import text_string_to_metric_families
 from sluice_server import SluiceServer, running_server
 
 TOKEN = "evaluation-admin"
@@ -77,11 +78,66 @@ def test_a_bad_prompt_in_a_batch_is_a_400_naming_it(server: SluiceServer, prompt
     assert _ok(_complete(server.url, prompt="still serving", max_tokens=2))["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_stream_of_several_prompts_is_refused_and_one_prompt_in_a_list_streams(server: SluiceServer) -> None:
-    r = _complete(server.url, prompt=["a", "b"], max_tokens=2, stream=True)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
-    r = _complete(server.url, prompt=[[1, 72, 101]], max_tokens=2, stream=True)
-    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+def _stream(url: str, body: dict) -> tuple[dict[int, list[int]], dict[int, str], list[dict], str]:
+    """A stream's token ids and finish reason by choice index, its usage chunks, and its text."""
+    ids: dict[int, list[int]] = {}
+    finishes: dict[int, str] = {}
+    usage: list[dict] = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={"temperature": 0, "ignore_eos": True} | body,
+                      timeout=120) as r:
+        assert r.status_code == 200
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith("data: {"):
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("usage"):
+                usage.append(chunk["usage"])
+            for choice in chunk["choices"]:
+                ids.setdefault(choice["index"], []).extend(choice["token_ids"])
+                if choice["finish_reason"] is not None:
+                    finishes[choice["index"]] = choice["finish_reason"]
+    return ids, finishes, usage, text
+
+
+def test_a_batch_of_prompts_streams_its_choices_interleaved_then_one_usage_and_done(server: SluiceServer) -> None:
+    prompts = [[1, 72, 101], [1, 84] * 9, [5, 6, 7, 8]]
+    httpx.post(f"{server.url}/admin/prefix-cache/reset", headers=AUTH)
+    whole = _ok(_complete(server.url, prompt=prompts, max_tokens=40, n=2, return_token_ids=True))
+    httpx.post(f"{server.url}/admin/prefix-cache/reset", headers=AUTH)  # the same cached_tokens
+    ids, finishes, usage, text = _stream(server.url, {
+        "prompt": prompts, "max_tokens": 40, "n": 2, "return_token_ids": True, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert ids == {c["index"]: c["token_ids"] for c in whole["choices"]}
+    assert finishes == {i: "length" for i in range(6)}
+    assert usage == [whole["usage"]]
+    assert text.count("data: [DONE]") == 1 and text.rstrip().endswith("data: [DONE]")
+    # Streamed as they come: the prompts' tokens interleave instead of one prompt after another
+    # (40 tokens take five windows of 8 steps; the other prompts join by the second).
+    order = [json.loads(line[6:])["choices"][0]["index"] for line in text.splitlines()
+             if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+    assert order.index(4) < len(order) - 1 - order[::-1].index(0)
+    _assert_every_block_comes_back(server)
+
+
+def _aborted(server: SluiceServer) -> float:
+    """The frontend's count of requests that ended aborted."""
+    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "sluice_request_success_total" and sample.labels["finished_reason"] == "abort":
+                return sample.value
+    return 0.0
+
+
+def test_a_client_that_leaves_a_batch_stream_aborts_every_prompt(server: SluiceServer) -> None:
+    before = _aborted(server)
+    body = {"prompt": [[1, 72, 101], [5, 6, 7]], "max_tokens": 400, "stream": True, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # and hang up
+    _assert_every_block_comes_back(server)
+    assert _aborted(server) - before == 2
 
 
 # ------------------------------------------------------------------------------------ echo
