@@ -112,6 +112,7 @@ def build_app(config: FrontendConfig, client: EngineClient | None = None) -> Sta
         Route("/v1/models", openai_api.list_models, methods=["GET"]),
         Route("/tokenize", tokenize_api.tokenize, methods=["POST"]),
         Route("/detokenize", tokenize_api.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenize_api.tokenizer_info, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -8,7 +8,9 @@ template and tokenized as ``/v1/chat/completions`` does (with its ``tools`` and 
 which change the prompt). The answer is
 ``{"tokens", "count", "max_model_len"}``; a prompt longer than the model's context is counted all
 the same (that is often what the client wants to know). ``/detokenize`` decodes the ids as they
-are, special tokens included, so it inverts ``/tokenize``.
+are, special tokens included, so it inverts ``/tokenize``. ``GET /tokenizer_info`` gives the
+special tokens and the chat template (vLLM's endpoint of that name): with the two above, a client
+such as lm-evaluation-harness tokenizes through the server instead of fetching the tokenizer.
 """
 
 from __future__ import annotations
@@ -54,3 +56,24 @@ async def detokenize(request: Request) -> Response:
     _check_token_ids(body.tokens, tokenizer.vocab_size, "tokens")
     text = tokenizer.decode(body.tokens, skip_special_tokens=False)
     return Response(_json.encode({"prompt": text}), media_type="application/json")
+
+
+async def tokenizer_info(request: Request) -> Response:
+    state: AppState = request.app.state.sluice
+    tokenizer = state.require_tokenizer()
+    model = state.require_model()
+
+    def text(token_id: int | None) -> str | None:
+        return tokenizer.token_str(token_id) if token_id is not None else None
+
+    body = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": text(model.bos_token_id),
+        "eos_token": text(model.eos_token_ids[0] if model.eos_token_ids else None),
+        "pad_token": None,
+        "add_bos_token": model.add_bos_token,
+        "chat_template": model.chat_template,
+        "model_max_length": model.max_model_len,
+        "vocab_size": model.vocab_size,
+    }
+    return Response(_json.encode(body), media_type="application/json")

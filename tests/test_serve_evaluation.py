@@ -221,3 +221,17 @@ def test_echo_without_logprobs_returns_the_prompt_text_and_scores_nothing(llama:
     assert out["choices"][0]["text"] == prompt_text + alone["choices"][0]["text"]
     assert out["choices"][0]["logprobs"] is None
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # nothing to score: the cache serves it
+
+
+def test_tokenizer_info_lets_a_client_tokenize_through_the_server(server: SluiceServer) -> None:
+    """lm-evaluation-harness's remote tokenizer: it finds the special tokens and the template
+    here, and reads each special token's id back through ``/tokenize``."""
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=30).json()
+    model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
+    assert info["model_max_length"] == model["max_model_len"] and info["chat_template"]
+    for name in ("bos_token", "eos_token"):
+        r = httpx.post(f"{server.url}/tokenize", json={"prompt": info[name], "add_special_tokens": False}, timeout=30)
+        ids = r.json()["tokens"]
+        assert len(ids) == 1
+        back = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+        assert back == info[name]
