@@ -214,6 +214,18 @@ def test_echo_streams_the_prompt_in_each_choice_first_chunk(llama: SluiceServer)
         assert logprobs[i] == pytest.approx(whole["choices"][i]["logprobs"]["token_logprobs"], abs=1e-5)
 
 
+def test_echo_goes_on_past_a_window_and_scores_a_one_token_prompt(llama: SluiceServer) -> None:
+    # 40 tokens: later plans decode the row again (no prompt position left to score); a prompt
+    # of one token has nothing to score at all.
+    for prompt in (PROMPT[:5], PROMPT[:1]):
+        body = {"prompt": prompt, "max_tokens": 40, "logprobs": 2, "echo": True, "temperature": 0}
+        out = _ok(_complete(llama.url, **body))
+        lp = out["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == len(prompt) + 40 and out["usage"]["completion_tokens"] == 40
+        assert lp["token_logprobs"][0] is None and None not in lp["token_logprobs"][1:]
+    assert _ok(_complete(llama.url, prompt=PROMPT, max_tokens=2))["choices"][0]["finish_reason"] == "length"
+
+
 def test_echo_without_logprobs_returns_the_prompt_text_and_scores_nothing(llama: SluiceServer) -> None:
     prompt_text = httpx.post(f"{llama.url}/detokenize", json={"tokens": PROMPT}, timeout=30).json()["prompt"]
     out = _ok(_complete(llama.url, prompt=PROMPT, max_tokens=3, echo=True))

@@ -83,15 +83,14 @@ class PromptPositions:
     counts: list[int] = dataclasses.field(default_factory=list)
 
     def add(self, seq: SequenceState, first_index: int, start: int, length: int) -> None:
-        """``seq``'s chunk of ``length`` tokens from position ``start``, at flat ``first_index``:
-        every position before the prompt's last scores a prompt token (the last one's logits
-        sample the first output instead)."""
+        """``seq``'s chunk of ``length`` tokens from position ``start`` (before the prompt's
+        last), at flat ``first_index``: every position before the prompt's last scores a prompt
+        token (the last one's logits sample the first output instead)."""
         count = min(start + length, seq.num_prompt_tokens - 1) - start
-        if count > 0:
-            self.indices.extend(range(first_index, first_index + count))
-            self.targets.extend(seq.token_ids[start + 1 : start + 1 + count])
-            self.seqs.append(seq)
-            self.counts.append(count)
+        self.indices.extend(range(first_index, first_index + count))
+        self.targets.extend(seq.token_ids[start + 1 : start + 1 + count])
+        self.seqs.append(seq)
+        self.counts.append(count)
 
 
 @dataclasses.dataclass
@@ -304,7 +303,7 @@ class ModelRunner:
             if plan.speculative and rid in self.cancelled:
                 continue  # paused after this plan was made
             start = seq.schedule(n, self.cache.block_size, self.batch.blocks_of(rid))
-            if seq.sampling.prompt_logprobs is not None:
+            if seq.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 prompt = prompt or PromptPositions()
                 prompt.add(seq, len(ids), start, n)
             ids.extend(seq.token_ids[start : start + n])
