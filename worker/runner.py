@@ -392,20 +392,26 @@ class ModelRunner:
         return out
 
 
+SCORE_ROWS = 256  # prompt positions scored at once: a slice of log-softmax, not one per position of the chunk
+
+
 def _score_prompt(prompt: PromptPositions, logits: torch.Tensor) -> None:
     """Each prompt position's logprob of the token after it, and its row's ``prompt_logprobs``
     most likely alternatives, appended to its sequence (raw logprobs, as sampled tokens'
     are). Read on the host at once: only evaluation requests ask for them, and a step that
     does waits for its copy."""
-    logprobs = logits.float().log_softmax(dim=-1)
-    targets = torch.tensor(prompt.targets, dtype=torch.long, device=logprobs.device)
-    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-    most = max(int(seq.sampling.prompt_logprobs or 0) for seq in prompt.seqs)
+    targets = torch.tensor(prompt.targets, dtype=torch.long, device=logits.device)
+    most = min(max(int(seq.sampling.prompt_logprobs or 0) for seq in prompt.seqs), logits.shape[-1])
+    chosen: list[float] = []
     top_logprobs: list[list[float]] = []
     top_ids: list[list[int]] = []
-    if most:
-        top = logprobs.topk(min(most, logprobs.shape[-1]), dim=-1)
-        top_logprobs, top_ids = top.values.tolist(), top.indices.tolist()
+    for first in range(0, len(targets), SCORE_ROWS):
+        logprobs = logits[first : first + SCORE_ROWS].float().log_softmax(dim=-1)
+        chosen += logprobs.gather(1, targets[first : first + SCORE_ROWS].unsqueeze(1)).squeeze(1).tolist()
+        if most:
+            top = logprobs.topk(most, dim=-1)
+            top_logprobs += top.values.tolist()
+            top_ids += top.indices.tolist()
     first = 0
     for seq, count in zip(prompt.seqs, prompt.counts, strict=True):
         k = int(seq.sampling.prompt_logprobs or 0)
