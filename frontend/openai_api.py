@@ -279,13 +279,15 @@ async def completions(request: Request) -> Response | StreamResponse | BatchStre
         else:
             prompt_ids = list(prompt)
         # The length checks come before the id check: a million ids is refused for its length.
-        # Echo with logprobs: the worker scores every prompt token too.
-        prompt_logprobs = body.logprobs if body.echo else None
+        # Echo with logprobs, or vLLM's prompt_logprobs: the worker scores every prompt token too.
+        asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+        prompt_logprobs = max(asked) if asked else None
         sampling = _sampling(state, body, len(prompt_ids), body.max_tokens, body.logprobs, default_max_tokens=16,
                              grammar=grammar, prompt_param=param, prompt_logprobs=prompt_logprobs)
         _check_token_ids(prompt_ids, tokenizer.vocab_size, param)
         renderer = CompletionRenderer(request_id, created, state.model_name, tokenizer, prompt_ids,
-                                      body.return_token_ids, body.logprobs, echo=body.echo)
+                                      body.return_token_ids, body.logprobs, echo=body.echo,
+                                      prompt_logprobs=body.prompt_logprobs)
         runs.append((prompt_ids, sampling, renderer))
     if len(runs) == 1:
         return await _run(state, request, body, *runs[0][:2], request_id, runs[0][2])
@@ -325,10 +327,11 @@ async def chat_completions(request: Request) -> Response | StreamResponse:
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     grammar = await _constraint(state, body, calls_constraint(use))
     sampling = _sampling(state, body, len(prompt_ids), max_tokens, top_logprobs, default_max_tokens=None,
-                         grammar=grammar, prompt_param="messages", max_tokens_param=max_tokens_param)
+                         grammar=grammar, prompt_param="messages", max_tokens_param=max_tokens_param,
+                         prompt_logprobs=body.prompt_logprobs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     renderer = ChatRenderer(request_id, int(time.time()), state.model_name, tokenizer, prompt_ids,
-                            body.return_token_ids, top_logprobs, tools=use)
+                            body.return_token_ids, top_logprobs, tools=use, prompt_logprobs=body.prompt_logprobs)
     return await _run(state, request, body, prompt_ids, sampling, request_id, renderer)
 
 

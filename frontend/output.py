@@ -32,6 +32,7 @@ from protocol.messages import (
     Finish,
     FinishReason,
     Logprob,
+    PromptLogprob,
     TokenBatch,
     unpack_logprobs,
     unpack_prompt_logprobs,
@@ -78,7 +79,7 @@ class Choice:
         self.unsent_ids: list[int] = []
 
     @property
-    def prompt_logprobs(self) -> list[Logprob] | None:
+    def prompt_logprobs(self) -> list[PromptLogprob] | None:
         """The prompt's logprobs (entry i for prompt token i + 1), once they arrived."""
         return self.output.prompt_logprobs
 
@@ -106,8 +107,9 @@ class Output:
         self.choices = [Choice(self, first_index + i, rid + i, request_id if i == 0 else f"{request_id}-{i}",
                                tokenizer, request, stop_strings) for i in range(request.n)]
         self.finishes: dict[int, Finish] = {}  # by choice index: the scheduler's word on how it ended
-        # Echo with logprobs: the prompt's, computed by the first choice, reported for every choice.
-        self.prompt_logprobs: list[Logprob] | None = None
+        # Echo with logprobs, or vLLM's prompt_logprobs: the prompt's, computed by the first
+        # choice, reported for every choice.
+        self.prompt_logprobs: list[PromptLogprob] | None = None
         self.reasons: dict[int, str] = {}  # by choice index: how it ended, as the client sees it
         self.error: str | None = None  # an engine error ended the response
         self.abort_reason: str | None = None  # why the server aborted it (``--request-timeout``)
@@ -249,7 +251,7 @@ class Output:
 
     def body(self) -> dict[str, Any]:
         """The whole non-streaming answer."""
-        return self.renderer.body(self.answers(), self.usage())
+        return self.renderer.body(self.answers(), self.usage(), self.prompt_logprobs)
 
 
 class RequestHandle:

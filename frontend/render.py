@@ -14,7 +14,7 @@ import msgspec
 
 from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer
 from frontend.tools import ToolCallParser, ToolUse, parse_llama3_call
-from protocol.messages import Logprob
+from protocol.messages import Logprob, PromptLogprob
 
 _json = msgspec.json.Encoder()
 SSE_DONE = b"data: [DONE]\n\n"
@@ -47,7 +47,7 @@ class Piece(Protocol):
     first_chunk: bool
 
     @property
-    def prompt_logprobs(self) -> list[Logprob] | None: ...
+    def prompt_logprobs(self) -> list[PromptLogprob] | None: ...
 
 
 class Renderer(Protocol):
@@ -61,7 +61,8 @@ class Renderer(Protocol):
     def answer(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
                finish_reason: str, abort_reason: str | None) -> dict[str, Any]: ...
 
-    def body(self, choices: list[dict[str, Any]], usage: dict[str, object]) -> dict[str, Any]: ...
+    def body(self, choices: list[dict[str, Any]], usage: dict[str, object],
+             prompt_logprobs: list[PromptLogprob] | None = None) -> dict[str, Any]: ...
 
     def usage_chunk(self, usage: dict[str, object]) -> bytes: ...
 
@@ -71,11 +72,13 @@ class _Base:
     chunk_object = ""
 
     def __init__(self, request_id: str, created: int, model: str, tokenizer: ModelTokenizer,
-                 prompt_ids: list[int], return_token_ids: bool) -> None:
+                 prompt_ids: list[int], return_token_ids: bool, prompt_logprobs: int | None = None) -> None:
         self.request_id, self.created, self.model = request_id, created, model
         self.tokenizer = tokenizer
         self.prompt_ids = prompt_ids
         self.return_token_ids = return_token_ids
+        self.prompt_logprobs = prompt_logprobs  # vLLM's field: how many alternatives per prompt token
+        self._scored: list[dict[str, dict[str, Any]] | None] | None = None
         self._head = (b'data: {"id":' + _json.encode(request_id) + b',"object":"' + self.chunk_object.encode()
                       + b'","created":%d,"model":' % created + _json.encode(model) + b',"choices":[{"index":')
 
@@ -83,9 +86,27 @@ class _Base:
         return {"id": self.request_id, "object": self.chunk_object, "created": self.created, "model": self.model,
                 "choices": [choice]}
 
-    def body(self, choices: list[dict[str, Any]], usage: dict[str, object]) -> dict[str, Any]:
+    def body(self, choices: list[dict[str, Any]], usage: dict[str, object],
+             prompt_logprobs: list[PromptLogprob] | None = None) -> dict[str, Any]:
         return {"id": self.request_id, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage}
+
+    def _vllm_prompt_logprobs(self, entries: list[PromptLogprob] | None) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs``: None for the first prompt token, then for each one a map
+        from token id to ``{logprob, rank, decoded_token}`` holding the token itself and the
+        ``prompt_logprobs`` most likely ones (rendered once; every choice shows the same)."""
+        if self._scored is None:
+            if entries is None:  # never computed (the request ended before its first token)
+                return [None] * len(self.prompt_ids)
+            token_str, k = self.tokenizer.token_str, self.prompt_logprobs or 0
+            scored: list[dict[str, dict[str, Any]] | None] = [None]
+            for token, (logprob, rank, ids, logprobs) in zip(self.prompt_ids[1:], entries, strict=True):
+                position = {str(token): {"logprob": logprob, "rank": rank, "decoded_token": token_str(token)}}
+                for j, (t, lp) in enumerate(zip(ids[:k], logprobs[:k], strict=True)):
+                    position.setdefault(str(t), {"logprob": lp, "rank": j + 1, "decoded_token": token_str(t)})
+                scored.append(position)
+            self._scored = scored
+        return self._scored
 
     def usage_chunk(self, usage: dict[str, object]) -> bytes:
         return sse({"id": self.request_id, "object": "usage", "choices": [], "usage": usage})
@@ -107,11 +128,12 @@ class CompletionRenderer(_Base):
     chunk_object = "text_completion"
 
     def __init__(self, request_id: str, created: int, model: str, tokenizer: ModelTokenizer, prompt_ids: list[int],
-                 return_token_ids: bool, logprobs: int | None, echo: bool = False) -> None:
-        super().__init__(request_id, created, model, tokenizer, prompt_ids, return_token_ids)
+                 return_token_ids: bool, logprobs: int | None, echo: bool = False,
+                 prompt_logprobs: int | None = None) -> None:
+        super().__init__(request_id, created, model, tokenizer, prompt_ids, return_token_ids, prompt_logprobs)
         self.logprobs = logprobs
         self.echo = echo
-        self.plain = logprobs is None and not return_token_ids and not echo
+        self.plain = logprobs is None and not return_token_ids and not echo and prompt_logprobs is None
         self._prefixes: dict[int, bytes] = {}
         self._prompt_pieces: list[str] | None = None
 
@@ -133,7 +155,9 @@ class CompletionRenderer(_Base):
                 texts: list[str]) -> tuple[str, list[int], list[Logprob], list[str]]:
         """The prompt before a choice's first output: its text, and its tokens for logprobs."""
         pieces = self._pieces()
-        prompt_entries = choice.prompt_logprobs or [None] * (len(self.prompt_ids) - 1)
+        scored = choice.prompt_logprobs
+        prompt_entries: list[Logprob] = [(lp, ids, lps) for lp, _, ids, lps in scored] if scored is not None \
+            else [None] * (len(self.prompt_ids) - 1)
         return ("".join(pieces) + text, self.prompt_ids + token_ids, [None, *prompt_entries, *entries],
                 pieces + texts)
 
@@ -166,6 +190,8 @@ class CompletionRenderer(_Base):
             body["token_ids"] = token_ids
             if choice.first_chunk:
                 body["prompt_token_ids"] = self.prompt_ids
+        if self.prompt_logprobs is not None and choice.first_chunk:
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(choice.prompt_logprobs)
         choice.first_chunk = False
         return sse(self._envelope(_with_abort_reason(body, finish_reason, abort_reason)))
 
@@ -179,6 +205,8 @@ class CompletionRenderer(_Base):
                 "logprobs": self._logprobs(choice, shown_ids, logprobs, texts)}
         if self.return_token_ids:
             body.update(token_ids=token_ids, prompt_token_ids=self.prompt_ids)
+        if self.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(choice.prompt_logprobs)
         return _with_abort_reason(body, finish_reason, abort_reason)
 
 
@@ -187,12 +215,13 @@ class ChatRenderer(_Base):
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, request_id: str, created: int, model: str, tokenizer: ModelTokenizer, prompt_ids: list[int],
-                 return_token_ids: bool, top_logprobs: int | None, tools: ToolUse | None = None) -> None:
-        super().__init__(request_id, created, model, tokenizer, prompt_ids, return_token_ids)
+                 return_token_ids: bool, top_logprobs: int | None, tools: ToolUse | None = None,
+                 prompt_logprobs: int | None = None) -> None:
+        super().__init__(request_id, created, model, tokenizer, prompt_ids, return_token_ids, prompt_logprobs)
         self.top_logprobs = top_logprobs
         # With tools the model may call, each choice's text goes through its call parser.
         self.tools = tools if tools is not None and tools.parses else None
-        self.plain = top_logprobs is None and self.tools is None
+        self.plain = top_logprobs is None and self.tools is None and prompt_logprobs is None
         self._prefixes: dict[tuple[int, bool], bytes] = {}
         self._parsers: dict[int, ToolCallParser] = {}
 
@@ -226,14 +255,18 @@ class ChatRenderer(_Base):
               finish_reason: str | None, abort_reason: str | None) -> bytes:
         if self.tools is not None:
             return self._tool_chunks(choice, text, token_ids, logprobs, finish_reason, abort_reason)
-        if choice.first_chunk:
+        first = choice.first_chunk
+        if first:
             delta: dict[str, Any] = {"role": "assistant", "content": text}
         else:
             delta = {"content": text} if text or finish_reason is None else {}
         choice.first_chunk = False
         body = {"index": choice.index, "delta": delta, "logprobs": self._logprobs(token_ids, logprobs),
                 "finish_reason": finish_reason}
-        return sse(self._envelope(_with_abort_reason(body, finish_reason, abort_reason)))
+        envelope = self._envelope(_with_abort_reason(body, finish_reason, abort_reason))
+        if self.prompt_logprobs is not None and first:
+            envelope["prompt_logprobs"] = self._vllm_prompt_logprobs(choice.prompt_logprobs)
+        return sse(envelope)
 
     def _tool_chunks(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
                      finish_reason: str | None, abort_reason: str | None) -> bytes:
@@ -264,6 +297,13 @@ class ChatRenderer(_Base):
                     "finish_reason": finish_reason if last else None}
             out.append(sse(self._envelope(_with_abort_reason(body, finish_reason if last else None, abort_reason))))
         return b"".join(out)
+
+    def body(self, choices: list[dict[str, Any]], usage: dict[str, object],
+             prompt_logprobs: list[PromptLogprob] | None = None) -> dict[str, Any]:
+        body = super().body(choices, usage)
+        if self.prompt_logprobs is not None:  # vLLM's place for them in a chat answer
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_logprobs)
+        return body
 
     def answer(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
                finish_reason: str, abort_reason: str | None) -> dict[str, Any]:

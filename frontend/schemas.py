@@ -75,6 +75,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
                           Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     # vLLM's extension: also return the prompt's and the output's token ids.
     return_token_ids: bool = False
+    # vLLM's extension: score every prompt token, with this many alternatives each.
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     # Structured output (``frontend/structured.py``): OpenAI's, vLLM's, and vLLM's older aliases.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -110,16 +110,18 @@ def unpack_logprobs(raw: msgspec.Raw) -> dict[int, tuple[float, list[int], list[
 
 
 # A request's prompt logprobs travel the same way, whole, with its first output token: a list of
-# (rid, entries), entry i for prompt token i + 1 (the first token has none).
-_prompt_logprob_pairs = msgspec.msgpack.Decoder(list[tuple[int, list[tuple[float, list[int], list[float]]]]])
+# (rid, entries), entry i for prompt token i + 1 (the first token has none): its logprob, its rank
+# in the vocabulary (1: the most likely), then the most likely ids and their logprobs.
+PromptLogprob = tuple[float, int, list[int], list[float]]
+_prompt_logprob_pairs = msgspec.msgpack.Decoder(list[tuple[int, list[PromptLogprob]]])
 
 
-def pack_prompt_logprobs(pairs: list[tuple[int, list[tuple[float, list[int], list[float]]]]]) -> msgspec.Raw:
+def pack_prompt_logprobs(pairs: list[tuple[int, list[PromptLogprob]]]) -> msgspec.Raw:
     """``(rid, prompt logprob entries)`` pairs as the opaque field of ``StepTokens`` and ``TokenBatch``."""
     return msgspec.Raw(msgspec.msgpack.encode(pairs)) if pairs else NO_LOGPROBS
 
 
-def unpack_prompt_logprobs(raw: msgspec.Raw) -> dict[int, list[tuple[float, list[int], list[float]]]]:
+def unpack_prompt_logprobs(raw: msgspec.Raw) -> dict[int, list[PromptLogprob]]:
     """The entries ``pack_prompt_logprobs`` packed, by rid; empty for ``NO_LOGPROBS``."""
     return dict(_prompt_logprob_pairs.decode(raw)) if len(raw) > 1 else {}
 

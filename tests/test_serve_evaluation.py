@@ -226,6 +226,37 @@ def test_echo_goes_on_past_a_window_and_scores_a_one_token_prompt(llama: SluiceS
     assert _ok(_complete(llama.url, prompt=PROMPT, max_tokens=2))["choices"][0]["finish_reason"] == "length"
 
 
+def test_vllm_prompt_logprobs_rank_each_prompt_token_on_both_endpoints(llama: SluiceServer, checkpoint: Path) -> None:
+    want, want_top = hf_prompt_logprobs(checkpoint, PROMPT, 2)
+    out = _ok(_complete(llama.url, prompt=PROMPT, max_tokens=2, prompt_logprobs=2, n=2))
+    for choice in out["choices"]:
+        scored = choice["prompt_logprobs"]
+        assert len(scored) == len(PROMPT) and scored[0] is None
+        for token, position, logprob, top in zip(PROMPT[1:], scored[1:], want, want_top, strict=True):
+            mine = position[str(token)]
+            assert mine["logprob"] == pytest.approx(logprob, abs=1e-4)
+            # Its rank counts the tokens more likely than it; the two most likely are ranks 1 and 2.
+            assert (mine["rank"] == 1) == (logprob >= top[0] - 1e-5)
+            ranked = sorted(position.values(), key=lambda e: e["rank"])
+            assert [e["rank"] for e in ranked[:2]] == [1, 2]
+            assert [e["logprob"] for e in ranked[:2]] == pytest.approx(top, abs=1e-4)
+    assert "prompt_logprobs" not in _ok(_complete(llama.url, prompt=PROMPT, max_tokens=1))["choices"][0]
+    # Chat: the rendered conversation's tokens, scored, at the top of the answer (vLLM's place).
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = httpx.post(f"{llama.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2,
+                                                                  "prompt_logprobs": 0}, timeout=60).json()
+    ids = httpx.post(f"{llama.url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+    assert len(chat["prompt_logprobs"]) == len(ids) and chat["prompt_logprobs"][0] is None
+    assert all(list(p) == [str(t)] for t, p in zip(ids[1:], chat["prompt_logprobs"][1:], strict=True))
+    # Streamed: in each choice's first chunk.
+    with httpx.stream("POST", f"{llama.url}/v1/completions", json={"prompt": PROMPT[:9], "max_tokens": 3,
+                                                                   "prompt_logprobs": 1, "stream": True},
+                      timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert len(chunks[0]["choices"][0]["prompt_logprobs"]) == 9
+    assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:])
+
+
 def test_echo_without_logprobs_returns_the_prompt_text_and_scores_nothing(llama: SluiceServer) -> None:
     prompt_text = httpx.post(f"{llama.url}/detokenize", json={"tokens": PROMPT}, timeout=30).json()["prompt"]
     out = _ok(_complete(llama.url, prompt=PROMPT, max_tokens=3, echo=True))

@@ -177,6 +177,7 @@ SAMPLING_KINDS: dict[str, set[str]] = {
     "stream_options": {"object", "null"}, "priority": {"int"}, "user": {"str", "null"},
     "presence_penalty": {"float"}, "frequency_penalty": {"float"}, "repetition_penalty": {"float", "null"},
     "min_p": {"float", "null"}, "logit_bias": {"object", "null"}, "return_token_ids": {"bool"},
+    "prompt_logprobs": {"int", "null"},
     "response_format": {"object", "null"}, "structured_outputs": {"object", "null"},
     "guided_json": {"object", "str", "bool", "null"}, "guided_regex": {"str", "null"},
     "guided_choice": {"list", "null"}, "guided_grammar": {"str", "null"},
@@ -210,6 +211,7 @@ SAMPLING_BAD: dict[str, st.SearchStrategy[Any]] = {
     "frequency_penalty": floats_outside(-2.0, 2.0),
     "repetition_penalty": floats_outside(0.0, 10.0, lo_open=True),
     "min_p": floats_outside(0.0, 1.0),
+    "prompt_logprobs": ints_outside(0, 20),
     "logit_bias": st.one_of(
         st.integers(1025, 4000).map(lambda k: {"0" * (i // VOCAB) + str(i % VOCAB): 1 for i in range(k)}),
         st.dictionaries(st.one_of(st.sampled_from(["", "-1", "+1", " 7", "7 ", "1.5", "1e3", "0x10", "1_0",

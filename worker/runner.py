@@ -396,18 +396,21 @@ SCORE_ROWS = 256  # prompt positions scored at once: a slice of log-softmax, not
 
 
 def _score_prompt(prompt: PromptPositions, logits: torch.Tensor) -> None:
-    """Each prompt position's logprob of the token after it, and its row's ``prompt_logprobs``
-    most likely alternatives, appended to its sequence (raw logprobs, as sampled tokens'
-    are). Read on the host at once: only evaluation requests ask for them, and a step that
-    does waits for its copy."""
+    """Each prompt position's logprob of the token after it, that token's rank, and its row's
+    ``prompt_logprobs`` most likely alternatives, appended to its sequence (raw logprobs, as
+    sampled tokens' are). Read on the host at once: only scoring requests ask for them, and a
+    step that does waits for its copy."""
     targets = torch.tensor(prompt.targets, dtype=torch.long, device=logits.device)
     most = min(max(int(seq.sampling.prompt_logprobs or 0) for seq in prompt.seqs), logits.shape[-1])
     chosen: list[float] = []
+    ranks: list[int] = []
     top_logprobs: list[list[float]] = []
     top_ids: list[list[int]] = []
     for first in range(0, len(targets), SCORE_ROWS):
         logprobs = logits[first : first + SCORE_ROWS].float().log_softmax(dim=-1)
-        chosen += logprobs.gather(1, targets[first : first + SCORE_ROWS].unsqueeze(1)).squeeze(1).tolist()
+        picked = logprobs.gather(1, targets[first : first + SCORE_ROWS].unsqueeze(1))
+        chosen += picked.squeeze(1).tolist()
+        ranks += ((logprobs > picked).sum(dim=-1) + 1).tolist()
         if most:
             top = logprobs.topk(most, dim=-1)
             top_logprobs += top.values.tolist()
@@ -416,6 +419,6 @@ def _score_prompt(prompt: PromptPositions, logits: torch.Tensor) -> None:
     for seq, count in zip(prompt.seqs, prompt.counts, strict=True):
         k = int(seq.sampling.prompt_logprobs or 0)
         seq.prompt_logprobs.extend(
-            (chosen[i], top_ids[i][:k] if k else [], top_logprobs[i][:k] if k else [])
+            (chosen[i], ranks[i], top_ids[i][:k] if k else [], top_logprobs[i][:k] if k else [])
             for i in range(first, first + count))
         first += count

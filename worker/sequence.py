@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from protocol.messages import NewRequest, SamplingParams
+from protocol.messages import NewRequest, PromptLogprob, SamplingParams
 from protocol.stop import length_reached, stop_reason
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class SequenceState:
     window_end: int = 0
     # Prompt logprobs computed so far (``sampling.prompt_logprobs``), chunk by chunk: entry i for
     # prompt token i + 1. They leave with the first output token.
-    prompt_logprobs: list[tuple[float, list[int], list[float]]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_new(cls, new: NewRequest) -> SequenceState:
