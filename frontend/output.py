@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -37,6 +38,8 @@ from protocol.messages import (
     unpack_logprobs,
     unpack_prompt_logprobs,
 )
+
+log = logging.getLogger("sluice.frontend")
 
 # Unsent chunks of one response beyond which its choices' text is merged (a stalled or slow
 # client). Well above a window of jitter: a busy event loop can find a few dozen tokens at once,
@@ -346,8 +349,13 @@ class OutputProcessor:
         if len(batch.prompt_logprobs) > 1:  # they come with a request's first token, before it
             for rid, entries in unpack_prompt_logprobs(batch.prompt_logprobs).items():
                 c = choices.get(rid)
-                if c is not None and c.output.prompt_logprobs is None:
-                    c.output.prompt_logprobs = list(entries)
+                if c is None or c.output.prompt_logprobs is not None:
+                    continue
+                if len(entries) == len(c.output.request.prompt_token_ids) - 1:
+                    c.output.prompt_logprobs = entries
+                else:  # (an engine bug) the response goes on, its prompt unscored
+                    log.error("rid %d: %d prompt logprobs for a prompt of %d tokens; not shown", rid, len(entries),
+                              len(c.output.request.prompt_token_ids))
         # A batch may carry several steps of a request (the scheduler merges the steps it gets
         # at once): a finish goes with the request's last token in it.
         last = {rid: i for i, rid in enumerate(batch.rids) if rid in finishes} if finishes else None

@@ -36,7 +36,9 @@ class Swap(Recompute):
     """The request's blocks are copied to host memory (the worker does it before the step's
     forward pass) and back when it resumes. Only KV that is ``settled`` is swapped: a request
     already in this step (perhaps swapped in by it) is recomputed instead, since the step's copies
-    run before its forward pass; so is one whose copy does not fit in host memory."""
+    run before its forward pass; so is one whose copy does not fit in host memory, and one still
+    scoring its prompt (its scores so far live in the worker's state of it, which a swap-in
+    rebuilds: it must compute every prompt position again)."""
 
     def __init__(self, pool: BlockPool, host_pool: BlockPool) -> None:
         super().__init__(pool)
@@ -44,7 +46,7 @@ class Swap(Recompute):
         self.num_swaps = 0
 
     def evict(self, req: Request, step: Step, settled: bool) -> str:
-        if not (settled and self.host_pool.can_allocate(len(req.blocks))):
+        if not (settled and self.host_pool.can_allocate(len(req.blocks))) or req.sampling.prompt_logprobs is not None:
             return super().evict(req, step, settled)
         host_blocks = self.host_pool.allocate(len(req.blocks))
         step.swap_out.extend(zip(req.blocks, host_blocks, strict=True))

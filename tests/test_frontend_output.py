@@ -13,7 +13,14 @@ from frontend.output import COALESCE_AFTER, Output, OutputProcessor
 from frontend.render import CompletionRenderer
 from frontend.sse import KEEPALIVE, KEEPALIVE_S, StreamWatchdog
 from frontend.tokenizer import ModelTokenizer
-from protocol.messages import AddRequest, Finish, SamplingParams, TokenBatch, pack_logprobs
+from protocol.messages import (
+    AddRequest,
+    Finish,
+    SamplingParams,
+    TokenBatch,
+    pack_logprobs,
+    pack_prompt_logprobs,
+)
 
 TOKENIZER = ModelTokenizer(model_info())
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
@@ -135,3 +142,18 @@ def test_the_watchdog_keeps_a_silent_stream_alive_and_drops_a_stalled_one() -> N
         quiet.writer.cancel()
 
     asyncio.run(run())
+
+
+def test_echoed_prompt_scores_render_once_they_come_and_a_mis_sized_set_is_not_shown() -> None:
+    """A prompt's scores arrive with its first token; a set that does not match the prompt
+    (an engine bug) leaves the prompt unscored instead of failing the response."""
+    for entries, shown in (([(-0.5, 1, [5], [-0.5]), (-0.25, 1, [6], [-0.25])], [None, -0.5, -0.25]),
+                           ([(-0.5, 1, [5], [-0.5])], [None, None, None])):
+        processor, output, _ = make(logprobs=1)
+        output.renderer = CompletionRenderer("cmpl-x", 0, "m", TOKENIZER, [1, 5, 6], False, 1, echo=True)
+        first = TokenBatch([10], [7], [Finish(10, "length", 3, 0, 1)], pack_logprobs([(10, (-1.0, [7], [-1.0]))]),
+                           prompt_logprobs=pack_prompt_logprobs([(10, entries)]))
+        processor.process(first)
+        chunk = events(output.buffer[0])[0]["choices"][0]
+        assert chunk["logprobs"]["token_logprobs"] == [*shown, -1.0]
+        assert chunk["text"].endswith(TOKENIZER.decode([7]))

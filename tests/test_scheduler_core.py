@@ -453,3 +453,23 @@ def test_a_continued_request_counts_the_tokens_it_brings_as_output() -> None:
                 AddRequest(4, "req-4", prompt, params, output_token_ids=list(range(3, 13)))):
         refused = sched.add(bad)
         assert refused and all(f.reason == "error" and "continued request" in f.message for f in refused)
+
+
+def test_a_request_scoring_its_prompt_is_recomputed_not_swapped() -> None:
+    """Its scores so far live in the worker's state of it, which a swap-in rebuilds from the
+    swapped KV: preempted before its first output, it starts over instead (and keeps no hit)."""
+    sched, worker = make(num_blocks=64, max_num_batched_tokens=16, max_num_seqs=1, preemption_mode="swap",
+                         num_host_blocks=32)
+    scored = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    assert sched.add(AddRequest(0, "scored", [(j * 7) % 90 + 3 for j in range(48)], scored, 0, "", 0.0)) == []
+    plan, _ = step(sched, worker)
+    assert plan is not None and plan.rids == [0] and sched.requests[0].num_computed == 16  # mid-prefill
+    add(sched, 1, 8, max_tokens=2, priority=-1)  # more urgent: takes the only seat
+    seen: dict[int, int] = {}
+    for _ in range(50):
+        plan, _ = step(sched, worker)
+        if plan is None:
+            break
+        seen |= {new.rid: new.num_computed for new in plan.new_requests}
+    assert seen[0] == 0 and sched.preemptor.strategy.num_swaps == 0
+    assert sched.requests == {} and sched.pool.num_free == sched.pool.num_blocks

@@ -44,7 +44,9 @@ ops = st.lists(
         # One shared system prompt + a suffix of the request's own: prefix hits across priorities.
         st.tuples(st.just("shared"), st.sampled_from([8, 16, 24]), st.integers(0, 24), st.integers(1, 8),
                   st.integers(-2, 2)),
-        st.tuples(st.just("choices"), st.integers(1, 40), st.integers(1, 8), st.integers(-2, 2), st.integers(2, 3)),
+        # ``scored``: echo with logprobs (the first choice computes every prompt position, no hit).
+        st.tuples(st.just("choices"), st.integers(1, 40), st.integers(1, 8), st.integers(-2, 2), st.integers(1, 3),
+                  st.booleans()),
         st.tuples(st.just("abort"), st.integers(0, 30)),
         st.tuples(st.just("pause"), st.integers(0, 30)),
         st.tuples(st.just("resume"), st.integers(0, 30)),
@@ -65,7 +67,7 @@ ops = st.lists(
 # and a swap-out later in the same step was handed them; the worker runs swap-outs first, so
 # the swapped-in request read another request's KV back.
 @example(ops=[("shared", 8, 16, 1, 1), ("add", 15, 16, 0, True), ("add", 13, 16, 1, True), ("add", 24, 2, 2, False),
-              ("add", 21, 6, 0, False), ("shared", 16, 18, 4, 0), ("add", 15, 2, 2, False), ("choices", 25, 1, 2, 2)],
+              ("add", 21, 6, 0, False), ("shared", 16, 18, 4, 0), ("add", 15, 2, 2, False), ("choices", 25, 1, 2, 2, False)],
          policy="fair", num_blocks=27, budget=20, max_seqs=5, steps=1, k=1, mode="swap", priority_preemption=False,
          host_blocks=4, caps={})
 @given(
@@ -119,10 +121,18 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
         for p, cap in caps.items():  # seat caps bind at admission (a priority change may exceed them)
             assert sum(1 for r in sched.running if r.priority >= p) <= max(cap, len(sched.running))
 
-    def add(tokens: list[int], max_tokens: int, priority: int, n: int = 1, constrained: bool = False) -> int:
+    def check_plan(plan: StepPlan) -> None:
+        # A request scoring its prompt reaches the worker with nothing computed (no prefix hit,
+        # no swapped-in KV): its scores so far would be lost with the worker state it rebuilds.
+        for new in plan.new_requests:
+            assert new.sampling.prompt_logprobs is None or new.num_computed == 0, new
+
+    def add(tokens: list[int], max_tokens: int, priority: int, n: int = 1, constrained: bool = False,
+            scored: bool = False) -> int:
         nonlocal next_rid
         rid, next_rid = next_rid, next_rid + n
-        sampling = SamplingParams(max_tokens=max_tokens, grammar="(a grammar)" if constrained else None)
+        sampling = SamplingParams(max_tokens=max_tokens, grammar="(a grammar)" if constrained else None,
+                                  prompt_logprobs=1 if scored else None)
         msg = AddRequest(rid, str(rid), tokens, sampling, priority, f"user{rid % 2}", float(rid), n)
         if not sched.add(msg):
             accepted.update(range(rid, rid + n))
@@ -136,6 +146,7 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
             return False
         assert sum(plan.num_tokens) <= budget
         assert len(plan.rids) <= max_seqs
+        check_plan(plan)
         if priority_preemption and policy != "fcfs" and not caps and not cut_in_since_check:
             assert not priority_inversion(sched, plan, budget, max_seqs, waited)
         cut_in_since_check = False
@@ -154,8 +165,8 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
             add([j % 90 + 3 for j in range(prefix)] + [(next_rid * 13 + j) % 90 + 3 for j in range(suffix)],
                 max_tokens, priority)
         elif op[0] == "choices":  # n > 1: siblings wait to share the first one's prompt blocks
-            _, prompt, max_tokens, priority, n = op
-            add([(next_rid * 7 + j) % 90 + 3 for j in range(prompt)], max_tokens, priority, n)
+            _, prompt, max_tokens, priority, n, scored = op
+            add([(next_rid * 7 + j) % 90 + 3 for j in range(prompt)], max_tokens, priority, n, scored=scored)
         elif op[0] == "abort":
             f = sched.abort(op[1])
             if f is not None:
@@ -181,6 +192,7 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
         plan = sched.schedule()
         if plan is None:
             break
+        check_plan(plan)
         for out in worker.run(plan):
             record(sched.update(out).finished)
         check()
