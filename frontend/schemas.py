@@ -24,6 +24,7 @@ from frontend.errors import bad_request, from_decode_error
 
 MAX_N = 128  # choices per request
 MAX_PROMPTS = 1024  # prompts of one completion request (a batch, as OpenAI's and vLLM's APIs take)
+MAX_CHOICES = 1024  # prompts x n: the engine requests one completion request may make
 MAX_STOP = 64  # stop strings: each is searched for in the text after every token
 MAX_STOP_TOKEN_IDS = 1024  # the scheduler and the worker test every token against the list
 MAX_LOGIT_BIAS = 1024  # entries: the worker adds each one on every step
@@ -123,6 +124,9 @@ class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True
             return [prompt]
         if len(prompt) > MAX_PROMPTS:
             raise bad_request(f"at most {MAX_PROMPTS} prompts in one request; this one has {len(prompt)}", "prompt")
+        if len(prompt) * self.n > MAX_CHOICES:
+            raise bad_request(f"{len(prompt)} prompts x n = {self.n} is {len(prompt) * self.n} choices; at most "
+                              f"{MAX_CHOICES} in one request", "n")
         for i, item in enumerate(prompt):
             if isinstance(item, list) and all(type(t) is int for t in item):
                 _check_ids(item, f"prompt[{i}]")

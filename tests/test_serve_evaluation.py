@@ -78,6 +78,12 @@ def test_a_bad_prompt_in_a_batch_is_a_400_naming_it(server: SluiceServer, prompt
     assert _ok(_complete(server.url, prompt="still serving", max_tokens=2))["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_batch_makes_at_most_1024_choices(server: SluiceServer) -> None:
+    r = _complete(server.url, prompt=["x"] * 9, max_tokens=2, n=128)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert len(_ok(_complete(server.url, prompt=["x"] * 8, max_tokens=1, n=128))["choices"]) == 1024
+
+
 def _stream(url: str, body: dict) -> tuple[dict[int, list[int]], dict[int, str], list[dict], str]:
     """A stream's token ids and finish reason by choice index, its usage chunks, and its text."""
     ids: dict[int, list[int]] = {}
