@@ -410,7 +410,7 @@ def _score_prompt(prompt: PromptPositions, logits: torch.Tensor) -> None:
         logprobs = logits[first : first + SCORE_ROWS].float().log_softmax(dim=-1)
         picked = logprobs.gather(1, targets[first : first + SCORE_ROWS].unsqueeze(1))
         chosen += picked.squeeze(1).tolist()
-        ranks += ((logprobs > picked).sum(dim=-1) + 1).tolist()
+        ranks += ((logprobs > picked).sum(dim=-1, dtype=torch.int32) + 1).tolist()  # (int32: half the time)
         if most:
             top = logprobs.topk(most, dim=-1)
             top_logprobs += top.values.tolist()
