@@ -48,6 +48,7 @@ async def ready(request: Request) -> Response:
     if state.draining:
         return JSONResponse({"status": "shutting down"}, status_code=503)
     if state.client.model is not None and state.client.healthy:
+        state.require_tokenizer()  # built before the first request needs it (once: it is kept)
         return JSONResponse({"status": "ready", "model": state.model_name})
     return JSONResponse({"status": "loading" if state.client.model is None else "unhealthy"}, status_code=503)
 

@@ -37,6 +37,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from frontend.app import build_app
+from frontend.errors import APIError
 from frontend.shutdown import GracefulServer
 from protocol import supervision
 from protocol.config import FrontendConfig, SchedulerConfig, WorkerConfig, to_json
@@ -148,6 +149,8 @@ class _Startup:
         if client.engine_error is not None:  # an engine came up with another model
             self._fail(client.engine_error)
             return
+        with contextlib.suppress(APIError):  # built now, not on the first request's path (82 ms for SmolLM2's)
+            state.require_tokenizer()
         print(f"Sluice is ready: serving {state.model_name} {where(self.config.host, self.config.port)} "
               "(OpenAI API under /v1)", flush=True)
         await self._supervise()

@@ -78,6 +78,16 @@ class SluiceServer:
         return self.proc.returncode
 
 
+def settled_stats(server: SluiceServer, headers: dict[str, str], timeout: float = 30.0) -> dict:
+    """``/admin/stats`` once no request runs and no KV block is held (or ``timeout`` passed)."""
+    deadline = time.monotonic() + timeout
+    stats = httpx.get(f"{server.url}/admin/stats", headers=headers).json()
+    while (stats["kv_blocks_used"] or stats["running"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        stats = httpx.get(f"{server.url}/admin/stats", headers=headers).json()
+    return dict(stats)
+
+
 def child_pid(server: SluiceServer, module: bytes, config_contains: bytes = b"") -> int:
     """A child of ``sluice serve`` running ``-m module`` (scheduler, worker) whose command line
     contains ``config_contains`` (a rank, an engine's address)."""

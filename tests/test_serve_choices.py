@@ -5,12 +5,11 @@ reproducible; every block comes back."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from sluice_server import SluiceServer, running_server
+from sluice_server import SluiceServer, running_server, settled_stats
 
 TOKEN = "choices-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -86,9 +85,5 @@ def test_chat_with_n_and_bad_n(server: SluiceServer) -> None:
 
 def test_every_block_comes_back_after_choices(server: SluiceServer) -> None:
     _complete(server.url, max_tokens=8, temperature=0.8, n=4)
-    deadline = time.monotonic() + 30
-    stats = httpx.get(f"{server.url}/admin/stats", headers=AUTH).json()
-    while (stats["kv_blocks_used"] or stats["running"]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        stats = httpx.get(f"{server.url}/admin/stats", headers=AUTH).json()
+    stats = settled_stats(server, AUTH)
     assert stats["kv_blocks_used"] == 0 and stats["running"] == 0 and stats["waiting"] == 0

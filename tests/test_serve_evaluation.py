@@ -7,7 +7,6 @@ chunked, cached or shared by choices."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import httpx
 import pytest
 from checkpoints import hf_prompt_logprobs, save_llama_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
-from sluice_server import SluiceServer, running_server
+from sluice_server import SluiceServer, running_server, settled_stats
 
 TOKEN = "evaluation-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -32,11 +31,7 @@ def _complete(url: str, **body: object) -> httpx.Response:
 
 
 def _assert_every_block_comes_back(server: SluiceServer) -> None:
-    deadline = time.monotonic() + 30
-    stats = httpx.get(f"{server.url}/admin/stats", headers=AUTH).json()
-    while (stats["kv_blocks_used"] or stats["running"]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        stats = httpx.get(f"{server.url}/admin/stats", headers=AUTH).json()
+    stats = settled_stats(server, AUTH)
     assert stats["kv_blocks_used"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
 
 
