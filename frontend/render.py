@@ -168,10 +168,15 @@ class CompletionRenderer(_Base):
         token_str = self.tokenizer.token_str
         out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, entry, text in zip(token_ids, entries, texts, strict=True):
-            out["tokens"].append(token_str(tid))
+            token = token_str(tid)
+            out["tokens"].append(token)
             out["token_logprobs"].append(entry[0] if entry else None)
-            out["top_logprobs"].append({token_str(t): lp for t, lp in zip(entry[1], entry[2], strict=True)}
-                                       if entry else None)
+            top = None
+            if entry:
+                # OpenAI's legacy rule: the chosen token is always among them (up to logprobs + 1).
+                top = {token_str(t): lp for t, lp in zip(entry[1], entry[2], strict=True)}
+                top.setdefault(token, entry[0])
+            out["top_logprobs"].append(top)
             out["text_offset"].append(choice.text_offset)
             choice.text_offset += len(text)
         return out

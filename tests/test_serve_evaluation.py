@@ -171,8 +171,11 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(llama: Sluice
         assert len(lp["tokens"]) == len(prompt) + 1  # the prompt's tokens, then the one generated
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         assert lp["token_logprobs"][1 : len(prompt)] == pytest.approx(want, abs=1e-4)
-        for top, values in zip(lp["top_logprobs"][1 : len(prompt)], want_top, strict=True):
-            assert sorted(top.values(), reverse=True) == pytest.approx(values, abs=1e-4)
+        for top, values, token, logprob in zip(lp["top_logprobs"][1 : len(prompt)], want_top, lp["tokens"][1:],
+                                               lp["token_logprobs"][1:], strict=False):
+            # The three most likely, and the prompt's own token (OpenAI's legacy rule: up to logprobs + 1).
+            assert sorted(top.values(), reverse=True)[:3] == pytest.approx(values, abs=1e-4)
+            assert top[token] == logprob and len(top) == (3 if logprob >= values[-1] - 1e-5 else 4)
         # The generated token's logprob follows, as without echo; the text starts with the prompt's.
         alone = _ok(_complete(llama.url, prompt=prompt, max_tokens=1, logprobs=3, temperature=0))["choices"][0]
         assert lp["token_logprobs"][-1] == pytest.approx(alone["logprobs"]["token_logprobs"][0], abs=1e-5)
@@ -191,7 +194,10 @@ def test_echoed_logprobs_ignore_the_prefix_cache_and_every_choice_reports_them(l
     want = first["choices"][0]["logprobs"]["token_logprobs"][: len(PROMPT)]
     for choice in again["choices"]:
         assert choice["logprobs"]["token_logprobs"][: len(PROMPT)] == pytest.approx(want, abs=1e-5)
-        assert all(top == {} for top in choice["logprobs"]["top_logprobs"][1:])  # logprobs 0: no alternatives
+        lp = choice["logprobs"]
+        # logprobs 0: no alternatives, only the token itself (OpenAI's legacy rule).
+        assert all(top == {token: logprob} for top, token, logprob in
+                   zip(lp["top_logprobs"][1:], lp["tokens"][1:], lp["token_logprobs"][1:], strict=True))
     _assert_every_block_comes_back(llama)
 
 

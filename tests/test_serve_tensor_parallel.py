@@ -89,7 +89,7 @@ def test_two_ranks_score_an_echoed_prompt_as_transformers_does(server: SluiceSer
     want, want_top = hf_prompt_logprobs(kv2, prompt, 2)
     assert lp["token_logprobs"][1 : len(prompt)] == pytest.approx(want, abs=1e-4)
     for top, values in zip(lp["top_logprobs"][1 : len(prompt)], want_top, strict=True):
-        assert sorted(top.values(), reverse=True) == pytest.approx(values, abs=1e-4)
+        assert sorted(top.values(), reverse=True)[:2] == pytest.approx(values, abs=1e-4)  # (and the token itself)
 
 
 def test_one_replicated_kv_head_and_a_padded_vocabulary(kv1: Path, tmp_path: Path) -> None:
