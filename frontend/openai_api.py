@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.errors import APIError, bad_request
-from frontend.output import Output
+from frontend.output import Output, TextOptions
 from frontend.render import ChatRenderer, CompletionRenderer, Renderer, usage_dict
 from frontend.schemas import (
     ChatCompletionRequest,
@@ -204,8 +204,9 @@ def _output(state: AppState, body: SamplingFields, prompt_ids: list[int], sampli
         n=body.n,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    text = TextOptions(body.skip_special_tokens, body.include_stop_str_in_output)
     return Output(add, state.require_tokenizer(), body.stop_strings(), renderer, body.stream, include_usage,
-                  first_index, terminal)
+                  first_index, terminal, text)
 
 
 async def _run(state: AppState, request: Request, body: SamplingFields, prompt_ids: list[int],
@@ -295,10 +296,11 @@ async def completions(request: Request) -> Response | StreamResponse | BatchStre
 
 
 async def chat_prompt_ids(tokenizer: ModelTokenizer, messages: list[ChatMessage], use: ToolUse | None,
-                          max_chars: int | None = None) -> list[int]:
+                          max_chars: int | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The conversation rendered with the chat template and tokenized (a 400 naming the message
     it cannot render). The template is given the tools when it renders them itself; otherwise
-    they and earlier calls are written into the messages (``frontend.tools.prompt_messages``)."""
+    they and earlier calls are written into the messages (``frontend.tools.prompt_messages``).
+    ``template_kwargs``: the request's ``chat_template_kwargs``."""
     unsupported = unsupported_message_fields(messages)
     if unsupported is not None:
         param, message = unsupported
@@ -308,7 +310,7 @@ async def chat_prompt_ids(tokenizer: ModelTokenizer, messages: list[ChatMessage]
         rendered = prompt_messages([m.as_dict() for m in messages], shown, tokenizer.knows_tools)
         tools = shown.tools if shown is not None and tokenizer.knows_tools else None
         size = sum(len(m["content"] or "") for m in rendered) + len(str(tools or ""))
-        return await _tokenize(size, tokenizer.encode_chat, rendered, max_chars, tools)
+        return await _tokenize(size, tokenizer.encode_chat, rendered, max_chars, tools, template_kwargs)
     except (ValueError, ChatTemplateError) as e:  # PromptTooLong is a ValueError too
         raise bad_request(str(e), "messages") from None
 
@@ -321,7 +323,7 @@ async def chat_completions(request: Request) -> Response | StreamResponse:
     _check_priority(state, request, body.priority)
     use = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls)
     max_chars = tokenizer.max_text_chars(state.require_model().max_model_len - 1)
-    prompt_ids = await chat_prompt_ids(tokenizer, body.messages, use, max_chars)
+    prompt_ids = await chat_prompt_ids(tokenizer, body.messages, use, max_chars, body.chat_template_kwargs)
     max_tokens, max_tokens_param = (body.max_completion_tokens, "max_completion_tokens") \
         if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens")
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None

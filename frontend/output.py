@@ -19,6 +19,7 @@ response's handle let it go (``EngineClient.release``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -47,6 +48,14 @@ log = logging.getLogger("sluice.frontend")
 COALESCE_AFTER = 256
 
 
+@dataclasses.dataclass(frozen=True)
+class TextOptions:
+    """How token ids become a choice's text (vLLM's fields of those names)."""
+
+    skip_special_tokens: bool = True
+    include_stop: bool = False  # include_stop_str_in_output
+
+
 class Choice:
     """One engine request's output: its text so far, and what it reports when it ends."""
 
@@ -57,10 +66,10 @@ class Choice:
     )  # fmt: skip
 
     def __init__(self, output: Output, index: int, rid: int, request_id: str, tokenizer: ModelTokenizer,
-                 request: AddRequest, stop_strings: list[str]) -> None:
+                 request: AddRequest, stop_strings: list[str], text: TextOptions) -> None:
         self.output, self.index, self.rid, self.request_id = output, index, rid, request_id
-        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
-        self.stops = StopStringMatcher(stop_strings) if stop_strings else None
+        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, text.skip_special_tokens)
+        self.stops = StopStringMatcher(stop_strings, text.include_stop) if stop_strings else None
         # Tokens that end generation (EOS, stop ids) are not part of the text, as in OpenAI's API.
         sampling = request.sampling
         self.silent_ids = set(sampling.stop_token_ids)
@@ -96,7 +105,7 @@ class Output:
 
     def __init__(self, request: AddRequest, tokenizer: ModelTokenizer, stop_strings: list[str],
                  renderer: Renderer, streaming: bool, include_usage: bool, first_index: int = 0,
-                 terminal: bool = True) -> None:
+                 terminal: bool = True, text: TextOptions = TextOptions()) -> None:
         self.request = request
         self.renderer = renderer
         self.streaming = streaming
@@ -108,7 +117,7 @@ class Output:
         self.terminal = terminal
         rid, request_id = request.rid, request.request_id
         self.choices = [Choice(self, first_index + i, rid + i, request_id if i == 0 else f"{request_id}-{i}",
-                               tokenizer, request, stop_strings) for i in range(request.n)]
+                               tokenizer, request, stop_strings, text) for i in range(request.n)]
         self.finishes: dict[int, Finish] = {}  # by choice index: the scheduler's word on how it ended
         # Echo with logprobs, or vLLM's prompt_logprobs: the prompt's, computed by the first
         # choice, reported for every choice.

@@ -78,6 +78,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     return_token_ids: bool = False
     # vLLM's extension: score every prompt token, with this many alternatives each.
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # vLLM's extensions: special tokens' text in the output; a matched stop string kept in it.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     # Structured output (``frontend/structured.py``): OpenAI's, vLLM's, and vLLM's older aliases.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -205,6 +208,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extension: more variables for the chat template (``{"enable_thinking": false}``).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -215,6 +220,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
     tools: list[Any] | None = None  # messages only: as chat completions show them to the model
     tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only, as chat completions take it
     add_special_tokens: bool = True  # prompt only: the BOS the model expects, as completions add it
 
 

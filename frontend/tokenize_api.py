@@ -43,7 +43,7 @@ async def tokenize(request: Request) -> Response:
     else:
         assert body.messages is not None
         use = tool_use(body.tools, body.tool_choice, None)
-        tokens = await chat_prompt_ids(tokenizer, body.messages, use)
+        tokens = await chat_prompt_ids(tokenizer, body.messages, use, template_kwargs=body.chat_template_kwargs)
     body_out = {"tokens": tokens, "count": len(tokens), "max_model_len": state.require_model().max_model_len}
     return Response(_json.encode(body_out), media_type="application/json")
 

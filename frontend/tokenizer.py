@@ -157,34 +157,33 @@ class ModelTokenizer:
             self._template_error = f"this model's tool_use chat template does not parse (line {e.lineno}: {e.message})"
             return None
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
         """The conversation as the model's template renders it; with ``tools``, the model's
-        ``tool_use`` template if it has one (as transformers chooses)."""
+        ``tool_use`` template if it has one (as transformers chooses). ``template_kwargs``: the
+        request's own variables (vLLM's ``chat_template_kwargs``), over the defaults."""
         template = self._tool_template if tools else self._template
         if template is None:
             raise ChatTemplateError(self._template_error)
+        variables = {"add_generation_prompt": True, "bos_token": self._bos_text, "eos_token": self._eos_text,
+                     **(template_kwargs or {})}
         try:
-            return template.render(
-                messages=messages,
-                tools=tools,  # transformers passes both, so `tools is none` tests see None, not undefined
-                documents=None,
-                add_generation_prompt=True,
-                bos_token=self._bos_text,
-                eos_token=self._eos_text,
-            )
+            # transformers passes tools and documents always, so `tools is none` tests see None.
+            return template.render(variables, messages=messages, tools=tools, documents=None)
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
             # Also a template's own slip on an unexpected conversation (a None content added to
             # a string, messages[0] of nothing): the client's request cannot be rendered.
             raise ChatTemplateError(f"chat template rejected the messages: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, Any]], max_chars: int | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None
+                    ) -> list[int]:
         """Render the chat template and tokenize it as ``transformers``' ``apply_chat_template``
         does: special tokens come from the template text alone (add_special_tokens=False). The
         plain default template has no BOS of its own, so prompts rendered with it get the one
         the model expects, as completion prompts do. A rendering of more than ``max_chars``
         characters raises ``PromptTooLong`` untokenized."""
-        text = self.render_chat(messages, tools)
+        text = self.render_chat(messages, tools, template_kwargs)
         self._check_chars(text, max_chars, "rendered conversation")
         ids = self._encode(text, add_special_tokens=False)
         bos = self.info.bos_token_id
@@ -241,25 +240,26 @@ class StopStringMatcher:
     characters before it, and one ending earlier was found when its end arrived.
     """
 
-    __slots__ = ("_held", "_hold", "_stops")
+    __slots__ = ("_held", "_hold", "_include", "_stops")
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
         self._stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._held = ""
+        self._include = include  # vLLM's include_stop_str_in_output: the text ends with the stop string
 
     def feed(self, delta: str) -> tuple[str, bool]:
         if not self._stops:
             return delta, False
         window = self._held + delta
-        cut = -1
+        cut, end = -1, -1
         for stop in self._stops:
             i = window.find(stop)
             if i != -1 and (cut == -1 or i < cut):
-                cut = i
+                cut, end = i, i + len(stop)
         if cut != -1:
             self._held = ""
-            return window[:cut], True
+            return window[: end if self._include else cut], True
         release = len(window) - self._hold
         if release <= 0:
             self._held = window

@@ -300,3 +300,31 @@ def test_tokenize_and_detokenize_round_trip_and_match_what_completions_compute(s
         r = httpx.post(f"{server.url}{path}", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
     assert httpx.post(f"{server.url}/tokenize", json={"model": "other", "prompt": "a"}).status_code == 404
+
+
+def test_vllm_text_options_stop_strings_kept_special_tokens_shown_and_template_variables(server: SluiceServer) -> None:
+    """vLLM's include_stop_str_in_output, skip_special_tokens and chat_template_kwargs."""
+    body = {"prompt": "The fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    free = complete(server, **body).json()["choices"][0]["text"]
+    stop = free[8:11]
+    cut = free.index(stop)
+    kept = complete(server, **body, stop=[stop], include_stop_str_in_output=True).json()["choices"][0]
+    dropped = complete(server, **body, stop=[stop]).json()["choices"][0]
+    assert (kept["text"], dropped["text"]) == (free[: cut + len(stop)], free[:cut])
+    assert kept["finish_reason"] == dropped["finish_reason"] == "stop"
+    # A special token the model is pushed to write: its text shows only when asked for.
+    bos = httpx.get(f"{server.url}/tokenizer_info", timeout=30).json()["bos_token"]
+    bos_id = httpx.post(f"{server.url}/tokenize", json={"prompt": bos, "add_special_tokens": False},
+                        timeout=30).json()["tokens"][0]
+    forced = body | {"max_tokens": 3, "logit_bias": {str(bos_id): 100}}
+    assert complete(server, **forced).json()["choices"][0]["text"] == ""
+    assert complete(server, **forced, skip_special_tokens=False).json()["choices"][0]["text"] == bos * 3
+    # The template's own variables: without the generation prompt, the conversation is shorter.
+    messages = [{"role": "user", "content": "hi"}]
+    count = {flag: httpx.post(f"{server.url}/tokenize", json={
+        "messages": messages, "chat_template_kwargs": {"add_generation_prompt": flag}}, timeout=30).json()["count"]
+        for flag in (True, False)}
+    assert count[False] < count[True]
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "messages": messages, "max_tokens": 2, "chat_template_kwargs": {"add_generation_prompt": False}}, timeout=60)
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == count[False]

@@ -177,7 +177,7 @@ SAMPLING_KINDS: dict[str, set[str]] = {
     "stream_options": {"object", "null"}, "priority": {"int"}, "user": {"str", "null"},
     "presence_penalty": {"float"}, "frequency_penalty": {"float"}, "repetition_penalty": {"float", "null"},
     "min_p": {"float", "null"}, "logit_bias": {"object", "null"}, "return_token_ids": {"bool"},
-    "prompt_logprobs": {"int", "null"},
+    "prompt_logprobs": {"int", "null"}, "skip_special_tokens": {"bool"}, "include_stop_str_in_output": {"bool"},
     "response_format": {"object", "null"}, "structured_outputs": {"object", "null"},
     "guided_json": {"object", "str", "bool", "null"}, "guided_regex": {"str", "null"},
     "guided_choice": {"list", "null"}, "guided_grammar": {"str", "null"},
@@ -186,7 +186,8 @@ COMPLETION_KINDS = SAMPLING_KINDS | {"prompt": {"str", "list"}, "echo": {"bool"}
                                      "logprobs": {"int", "null"}}
 CHAT_KINDS = SAMPLING_KINDS | {"messages": {"list"}, "max_completion_tokens": {"int", "null"},
                                "logprobs": {"bool"}, "top_logprobs": {"int", "null"}, "tools": {"list", "null"},
-                               "tool_choice": {"str", "object", "null"}, "parallel_tool_calls": {"bool", "null"}}
+                               "tool_choice": {"str", "object", "null"}, "parallel_tool_calls": {"bool", "null"},
+                               "chat_template_kwargs": {"object", "null"}}
 
 bad_ids = st.one_of(st.integers(min_value=VOCAB), st.integers(max_value=-1))
 # field -> values out of its range (each a 4xx naming the field, alone in a valid body)
