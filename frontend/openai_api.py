@@ -264,6 +264,9 @@ async def completions(request: Request) -> Response | StreamResponse | BatchStre
         raise bad_request("suffix is not supported", "suffix")
     prompts = body.prompts()
     grammar = await _constraint(state, body)
+    # Echo with logprobs, or vLLM's prompt_logprobs: the worker scores every prompt token too.
+    asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+    prompt_logprobs = max(asked) if asked else None
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     runs: list[tuple[list[int], SamplingParams, Renderer]] = []
@@ -280,9 +283,6 @@ async def completions(request: Request) -> Response | StreamResponse | BatchStre
         else:
             prompt_ids = list(prompt)
         # The length checks come before the id check: a million ids is refused for its length.
-        # Echo with logprobs, or vLLM's prompt_logprobs: the worker scores every prompt token too.
-        asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
-        prompt_logprobs = max(asked) if asked else None
         sampling = _sampling(state, body, len(prompt_ids), body.max_tokens, body.logprobs, default_max_tokens=16,
                              grammar=grammar, prompt_param=param, prompt_logprobs=prompt_logprobs)
         _check_token_ids(prompt_ids, tokenizer.vocab_size, param)

@@ -155,9 +155,9 @@ class CompletionRenderer(_Base):
                 texts: list[str]) -> tuple[str, list[int], list[Logprob], list[str]]:
         """The prompt before a choice's first output: its text, and its tokens for logprobs."""
         pieces = self._pieces()
-        scored = choice.prompt_logprobs
-        prompt_entries: list[Logprob] = [(lp, ids, lps) for lp, _, ids, lps in scored] if scored is not None \
-            else [None] * (len(self.prompt_ids) - 1)
+        scored, k = choice.prompt_logprobs, self.logprobs or 0  # (the worker may hold more: prompt_logprobs)
+        prompt_entries: list[Logprob] = [(lp, ids[:k], lps[:k]) for lp, _, ids, lps in scored] \
+            if scored is not None else [None] * (len(self.prompt_ids) - 1)
         return ("".join(pieces) + text, self.prompt_ids + token_ids, [None, *prompt_entries, *entries],
                 pieces + texts)
 

@@ -248,6 +248,11 @@ def test_vllm_prompt_logprobs_rank_each_prompt_token_on_both_endpoints(llama: Sl
             assert [e["rank"] for e in ranked[:2]] == [1, 2]
             assert [e["logprob"] for e in ranked[:2]] == pytest.approx(top, abs=1e-4)
     assert "prompt_logprobs" not in _ok(_complete(llama.url, prompt=PROMPT, max_tokens=1))["choices"][0]
+    # Both shapes at once: each keeps its own count of alternatives.
+    both = _ok(_complete(llama.url, prompt=PROMPT, max_tokens=1, prompt_logprobs=3, echo=True, logprobs=1))
+    choice = both["choices"][0]
+    assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][1:])
+    assert all(3 <= len(position) <= 4 for position in choice["prompt_logprobs"][1:])
     # Chat: the rendered conversation's tokens, scored, at the top of the answer (vLLM's place).
     messages = [{"role": "user", "content": "Hello there"}]
     chat = httpx.post(f"{llama.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2,
