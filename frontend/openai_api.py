@@ -288,7 +288,8 @@ async def completions(request: Request) -> Response | StreamResponse | BatchStre
         _check_token_ids(prompt_ids, tokenizer.vocab_size, param)
         renderer = CompletionRenderer(request_id, created, state.model_name, tokenizer, prompt_ids,
                                       body.return_token_ids, body.logprobs, echo=body.echo,
-                                      prompt_logprobs=body.prompt_logprobs)
+                                      prompt_logprobs=body.prompt_logprobs,
+                                      prompt_text=prompt if isinstance(prompt, str) else None)
         runs.append((prompt_ids, sampling, renderer))
     if len(runs) == 1:
         return await _run(state, request, body, *runs[0][:2], request_id, runs[0][2])

@@ -120,19 +120,20 @@ def _with_abort_reason(choice: dict[str, Any], finish_reason: str | None, abort_
 
 
 class CompletionRenderer(_Base):
-    """``echo``: each choice's text starts with the prompt's (its tokens decoded), and with
-    ``logprobs`` its logprobs start with the prompt tokens' (the first token has none), as
-    OpenAI's legacy completions gave them: what evaluation harnesses score prompts by."""
+    """``echo``: each choice's text starts with the prompt (as given, or its token ids decoded),
+    and with ``logprobs`` its logprobs start with the prompt tokens' (the first token has none),
+    as OpenAI's legacy completions gave them: what evaluation harnesses score prompts by."""
 
     object_name = "text_completion"
     chunk_object = "text_completion"
 
     def __init__(self, request_id: str, created: int, model: str, tokenizer: ModelTokenizer, prompt_ids: list[int],
                  return_token_ids: bool, logprobs: int | None, echo: bool = False,
-                 prompt_logprobs: int | None = None) -> None:
+                 prompt_logprobs: int | None = None, prompt_text: str | None = None) -> None:
         super().__init__(request_id, created, model, tokenizer, prompt_ids, return_token_ids, prompt_logprobs)
         self.logprobs = logprobs
         self.echo = echo
+        self.prompt_text = prompt_text  # a prompt given as text is echoed as it was given
         self.plain = logprobs is None and not return_token_ids and not echo and prompt_logprobs is None
         self._prefixes: dict[int, bytes] = {}
         self._prompt_pieces: list[str] | None = None
@@ -148,7 +149,12 @@ class CompletionRenderer(_Base):
         gives it; decoded once, for every choice)."""
         if self._prompt_pieces is None:
             detok = IncrementalDetokenizer(self.tokenizer, [], skip_special_tokens=False)
-            self._prompt_pieces = [detok.push(t) for t in self.prompt_ids]
+            pieces = [detok.push(t) for t in self.prompt_ids]
+            # The BOS the server put before a text prompt is not the client's text: it takes none.
+            if self.prompt_text is not None and pieces and self.prompt_ids[0] == self.tokenizer.info.bos_token_id \
+                    and not self.prompt_text.startswith(pieces[0]):
+                pieces[0] = ""
+            self._prompt_pieces = pieces
         return self._prompt_pieces
 
     def _echoed(self, choice: Piece, text: str, token_ids: list[int], entries: list[Logprob],
@@ -158,8 +164,8 @@ class CompletionRenderer(_Base):
         scored, k = choice.prompt_logprobs, self.logprobs or 0  # (the worker may hold more: prompt_logprobs)
         prompt_entries: list[Logprob] = [(lp, ids[:k], lps[:k]) for lp, _, ids, lps in scored] \
             if scored is not None else [None] * (len(self.prompt_ids) - 1)
-        return ("".join(pieces) + text, self.prompt_ids + token_ids, [None, *prompt_entries, *entries],
-                pieces + texts)
+        prompt = self.prompt_text if self.prompt_text is not None else "".join(pieces)
+        return prompt + text, self.prompt_ids + token_ids, [None, *prompt_entries, *entries], pieces + texts
 
     def _logprobs(self, choice: Piece, token_ids: list[int], entries: list[Logprob],
                   texts: list[str]) -> dict[str, Any] | None:

@@ -269,6 +269,17 @@ def test_vllm_prompt_logprobs_rank_each_prompt_token_on_both_endpoints(llama: Sl
     assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:])
 
 
+def test_a_text_prompt_is_echoed_as_given_without_the_bos_the_server_added(server: SluiceServer) -> None:
+    # The built-in tiny model puts BOS before a prompt, as sentencepiece models do.
+    out = _ok(_complete(server.url, prompt="Hello there", max_tokens=2, echo=True, logprobs=0))["choices"][0]
+    alone = _ok(_complete(server.url, prompt="Hello there", max_tokens=2))["choices"][0]
+    assert out["text"] == "Hello there" + alone["text"]
+    lp = out["logprobs"]
+    bos = httpx.get(f"{server.url}/tokenizer_info", timeout=30).json()["bos_token"]
+    assert lp["tokens"][0] == bos and lp["text_offset"][:2] == [0, 0]  # scored, but no text of its own
+    assert lp["text_offset"][-2] == len("Hello there")  # the first generated token's place in the text
+
+
 def test_echo_without_logprobs_returns_the_prompt_text_and_scores_nothing(llama: SluiceServer) -> None:
     prompt_text = httpx.post(f"{llama.url}/detokenize", json={"tokens": PROMPT}, timeout=30).json()["prompt"]
     out = _ok(_complete(llama.url, prompt=PROMPT, max_tokens=3, echo=True))
