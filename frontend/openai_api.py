@@ -292,7 +292,8 @@ async def completions(request: Request) -> Response | StreamResponse | BatchStre
                                       prompt_text=prompt if isinstance(prompt, str) else None)
         runs.append((prompt_ids, sampling, renderer))
     if len(runs) == 1:
-        return await _run(state, request, body, *runs[0][:2], request_id, runs[0][2])
+        ids, sampling, only = runs[0]
+        return await _run(state, request, body, ids, sampling, request_id, only)
     return await _run_batch(state, request, body, runs, request_id)
 
 

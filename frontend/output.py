@@ -242,9 +242,9 @@ class Output:
 
     def _complete(self) -> None:
         if self.streaming:
-            if self.terminal and self.include_usage:
-                self.put(self.renderer.usage_chunk(self.usage()))
             if self.terminal:
+                if self.include_usage:
+                    self.put(self.renderer.usage_chunk(self.usage()))
                 self.put(SSE_DONE)
             self.closed = True
         self.done.set()

@@ -145,8 +145,6 @@ def _check_ids(ids: list[int], param: str) -> None:
         raise bad_request(f"token ids are never negative; {param}[{bad}] is {ids[bad]}", param)
 
 
-
-
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 

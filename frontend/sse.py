@@ -58,12 +58,17 @@ _expected = _ExpectedIncomplete()
 logging.getLogger("uvicorn.error").addFilter(_expected)
 
 
-async def _watch_disconnect(receive: Receive, outputs: Output | list[Output]) -> None:
+async def _watch_disconnect(receive: Receive, outputs: list[Output]) -> None:
     """The client hung up: the response stops (``take`` returns None, ``done`` is set)."""
     while (await receive())["type"] != "http.disconnect":
         pass
-    for output in outputs if isinstance(outputs, list) else [outputs]:
+    for output in outputs:
         output.hang_up()
+
+
+def _sse_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            *((k.lower().encode(), v.encode()) for k, v in headers.items())]
 
 
 class StreamResponse:
@@ -71,13 +76,12 @@ class StreamResponse:
 
     def __init__(self, handle: RequestHandle, headers: dict[str, str]) -> None:
         self.handle = handle
-        self.headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                        *((k.lower().encode(), v.encode()) for k, v in headers.items())]
+        self.headers = _sse_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         output = self.handle.output
         output.writer = asyncio.current_task()
-        watcher = asyncio.create_task(_watch_disconnect(receive, output))
+        watcher = asyncio.create_task(_watch_disconnect(receive, [output]))
         write = scope.get("sluice.send", send)  # the server's own (``app.SluiceApp``)
         try:
             async with self.handle:
@@ -132,8 +136,7 @@ class BatchStreamResponse:
                  trailer: Callable[[], bytes]) -> None:
         self.handles = handles
         self.trailer = trailer
-        self.headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                        *((k.lower().encode(), v.encode()) for k, v in headers.items())]
+        self.headers = _sse_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         outputs = [handle.output for handle in self.handles]

@@ -407,7 +407,7 @@ def _score_prompt(prompt: PromptPositions, logits: torch.Tensor) -> None:
     top_logprobs: list[list[float]] = []
     top_ids: list[list[int]] = []
     for first in range(0, len(targets), SCORE_ROWS):
-        logprobs = logits[first : first + SCORE_ROWS].float().log_softmax(dim=-1)
+        logprobs = logits[first : first + SCORE_ROWS].log_softmax(dim=-1)  # (float32: the model gives them so)
         picked = logprobs.gather(1, targets[first : first + SCORE_ROWS].unsqueeze(1))
         chosen += picked.squeeze(1).tolist()
         ranks += ((logprobs > picked).sum(dim=-1, dtype=torch.int32) + 1).tolist()  # (int32: half the time)
