@@ -55,14 +55,17 @@ def _kill_mid_stream(server: SluiceServer, module: bytes, prompts: list[list[int
                      ) -> tuple[list[Stream], list[str], list[dict]]:
     """Each prompt's undisturbed greedy text; then the prompts streamed at once (one per engine:
     routed while the server is held, so the live list is returned), and engine 1's ``module``
-    killed once every stream has had 20 tokens. Returns the streams, the texts and that list."""
-    want = [complete(server.url, p, 3000) for p in prompts]
+    killed once every stream has had 20 tokens. Returns the streams, the texts and that list.
+    The process is found before the streams start: a scan of /proc on a loaded machine once took
+    long enough for a stream to finish unkilled."""
+    want = [complete(server.url, p, 4000) for p in prompts]
+    victim = _component_pid(server, module, 1)
     with _held(server.url):
-        streams = [Stream(server.url, p, 3000) for p in prompts]
+        streams = [Stream(server.url, p, 4000) for p in prompts]
         wait_until(lambda: len(_live(server.url)) == len(prompts), 60)
         live = _live(server.url)
     _wait_producing(streams)
-    os.kill(_component_pid(server, module, 1), signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
     return streams, want, live
 
 
