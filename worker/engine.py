@@ -201,7 +201,12 @@ def dtype_caveats(flag: str, dtype: torch.dtype, device: torch.device, quantized
         lines.append("--dtype float16 on a CPU: none of Sluice's CPU kernels take float16, so every operator runs "
                      "in torch, several times slower than bfloat16 or float32")
     if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_matmul.has_bf16_instructions():
-        lines.append("--dtype bfloat16 on a CPU without bfloat16 instructions (AVX512-BF16 or AMX): the products "
-                     "are emulated, several times slower than float32")
+        if cpu_matmul.can_pack():
+            lines.append("--dtype bfloat16 on a CPU without bfloat16 instructions (AVX512-BF16 or AMX): Sluice's "
+                         "kernels widen it to float32 in registers (half the weight bytes of float32, float32's "
+                         "arithmetic plus a rounding per operator)")
+        else:
+            lines.append("--dtype bfloat16 on a CPU without bfloat16 instructions (AVX512-BF16 or AMX) nor AVX2 "
+                         "for Sluice's kernels: every product runs in torch, several times slower than float32")
     return lines
 

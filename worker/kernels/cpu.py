@@ -1,16 +1,17 @@
 """The worker's C kernels for the CPU, built, loaded and called: attention over the paged cache,
 decode rows and prefill chunks alike (``csrc/paged_attention.c``), RMSNorm with the residual add before it (``csrc/rms_norm.c``),
 the rotary embedding and silu(gate) * up (``csrc/decoder.c``), each in float32 and bfloat16;
-linear layers on CPUs with AVX-512, float32 and (with AVX512-BF16) bfloat16 (``csrc/linear.c``),
+linear layers on CPUs with AVX-512 or AVX2, float32 and bfloat16 (``csrc/linear.c``),
 and with their weights kept in GGUF's quantized blocks (AVX-512 VNNI or AVX2: ``csrc/linear_q.c``);
 and a decode step's whole decoder stack in one call, built from those same pieces
 (``csrc/decoder.c``, driven by ``worker/model/cpu_decoder.py``).
 
 The kernels are plain C, compiled on first use by the system C compiler into Sluice's cache
 directory (a second or two, once per machine and source version) and called through ctypes:
-no torch headers, no build step at install time. ``-march=native`` makes it fast on the
-machine that built it, so the file name carries a digest of the CPU's flags as well as of the
-source: a cache directory shared between machines never hands one a binary for another.
+no torch headers, no build step at install time. ``-march=native`` (or the level
+``worker/cpu_isa.py`` names) makes it fast on the machine that built it, so the file name
+carries a digest of the CPU's flags as well as of the source and flags: a cache directory shared
+between machines never hands one a binary for another.
 
 Where there is no compiler (a slim container image) or the build fails, ``load()`` returns
 None, says why once, and attention keeps to its torch path.
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from worker import cpu_isa
 from worker.model.quantized import QuantizedWeight
 from worker.model.tiny import default_cache_dir
 
@@ -38,7 +40,7 @@ log = logging.getLogger("sluice.worker")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.c", "rms_norm.c", "linear.c", "linear_q.c", "decoder.c")]
 HEADERS = [CSRC / name for name in ("bf16.h", "kernels.h", "simd.h")]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fassociative-math", "-fno-signed-zeros",
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-ffp-contract=off"]
 # What the kernel's fixed-size scratch holds (see the #defines in the source).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 128
@@ -58,8 +60,9 @@ def _cpu_signature() -> str:
 
 
 def _flags() -> list[str]:
-    """``FLAGS``, then ``SLUICE_KERNEL_CFLAGS`` (tests build the portable path with -mno-avx512f)."""
-    return FLAGS + os.environ.get("SLUICE_KERNEL_CFLAGS", "").split()
+    """``FLAGS`` for the instruction-set level in force (``worker/cpu_isa.py``), then
+    ``SLUICE_KERNEL_CFLAGS``."""
+    return [*FLAGS, cpu_isa.march_flag(), *os.environ.get("SLUICE_KERNEL_CFLAGS", "").split()]
 
 
 def _library_path() -> Path:
@@ -68,24 +71,40 @@ def _library_path() -> Path:
     return default_cache_dir() / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
 
+BUILD_TIMEOUT_S = 600  # a busy 2-core machine; each source compiles in under 30 s on an idle one
+
+
 def _build(target: Path) -> None:
+    """Compile each source in its own compiler process, at once (paged_attention.c takes most of
+    the time), then link them."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("compiling Sluice's CPU kernels for this CPU (%s; once per machine, 10-60 s)", cpu_isa.march_flag())
     # Built beside the target and renamed into place: concurrent workers never load half a file.
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *_flags(), "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
-                              timeout=120)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        compiles = [subprocess.Popen([compiler, *_flags(), "-c", "-o", str(obj), str(source)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True) for source, obj in zip(SOURCES, objects, strict=True)]
+        errors = []
+        try:
+            for proc in compiles:
+                _, stderr = proc.communicate(timeout=BUILD_TIMEOUT_S)
+                if proc.returncode != 0:
+                    errors.append(stderr.strip().splitlines()[-1:])
+        finally:
+            for proc in compiles:
+                proc.kill()
+        if errors:
+            raise RuntimeError(f"{compiler} failed: {errors[0]}")
+        linked = Path(tmp) / target.name
+        done = subprocess.run([compiler, *_flags(), "-o", str(linked), *map(str, objects), "-lm"], capture_output=True,
+                              text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1:]}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.chmod(linked, 0o755)
+        os.replace(linked, target)
 
 
 def load() -> ctypes.CDLL | None:
@@ -137,7 +156,7 @@ def load() -> ctypes.CDLL | None:
         entry.restype = None
     lib.linear_q.argtypes = [p, i64, p, p, p, i32, i32, i32, i32, p, i32, i32]
     lib.linear_q.restype = None
-    for available in (lib.linear_f32_available, lib.linear_bf16_available, lib.linear_q_available):
+    for available in (lib.linear_available, lib.linear_q_available):
         available.argtypes = []
         available.restype = i32
     _loaded = lib
@@ -226,13 +245,21 @@ LINEAR_TILE = 64  # outputs per tile of the linear kernel: its packed weights ar
 
 
 def has_linear(lib: ctypes.CDLL | None, dtype: torch.dtype) -> bool:
-    """The linear kernel was compiled for this CPU in ``dtype`` (float32: AVX-512; bfloat16:
-    AVX512-BF16 too)."""
-    if lib is None:
-        return False
-    if dtype == torch.float32:
-        return bool(lib.linear_f32_available())
-    return dtype == torch.bfloat16 and bool(lib.linear_bf16_available())
+    """The linear kernel was compiled for this CPU (AVX-512, or AVX2 and FMA) and takes ``dtype``
+    (float32 or bfloat16)."""
+    return lib is not None and dtype in (torch.float32, torch.bfloat16) and lib.linear_available() > 0
+
+
+def linear_instructions(lib: ctypes.CDLL | None, dtype: torch.dtype) -> str | None:
+    """Which instructions the linear kernel multiplies ``dtype`` with, in words; None without one."""
+    if not has_linear(lib, dtype):
+        return None
+    assert lib is not None
+    level = lib.linear_available()
+    if dtype == torch.bfloat16 and level == 3:
+        return "AVX512-BF16"
+    isa = "AVX-512" if level >= 2 else "AVX2"
+    return f"{isa}, bfloat16 widened to float32" if dtype == torch.bfloat16 else isa
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:

@@ -3,16 +3,18 @@
 Linear layers are most of a decode step on a CPU (SmolLM2 at one stream: 80% of it). Each path
 below was kept because it measured faster than the plain ``F.linear`` of its dtype:
 
-* **Sluice's kernel** (``csrc/linear.c``), float32 on CPUs with AVX-512, bfloat16 on those with
-  AVX512-BF16 too: each weight packed once, at start-up, as 16 outputs by 1 (float32) or 2
-  (bfloat16) inputs per 64 bytes, the plain weight released; no horizontal sums, weights
-  streamed once, and a row's result independent of its batch.
+* **Sluice's kernel** (``csrc/linear.c``), float32 and bfloat16 on CPUs with AVX-512 or AVX2
+  (bfloat16 by vdpbf16ps with AVX512-BF16, else widened to float32 in registers): each weight
+  packed once, at start-up, as 16 outputs by 1 (float32) or 2 (bfloat16) inputs per 64 bytes,
+  the plain weight released; no horizontal sums, weights streamed once, and a row's result
+  independent of its batch.
 * **Weights kept quantized** (a GGUF file's blocks, ``worker/model/quantized.py``) are packed for
   Sluice's quantized kernel (``csrc/linear_q.c``: AVX-512 VNNI, else AVX2), whatever the activations' dtype: only that kernel
   reads them, so a model keeps them only where it runs (``worker/engine.py``).
 * Without the kernel, **bfloat16** weights are packed for oneDNN (``mkldnn._reorder_linear_weight``,
-  multiplied by ``mkldnn._linear_pointwise``), and **float32** ones go to MKL stored column-major
-  (a 16-row product of SmolLM2's gate/up weight: 0.27 instead of 0.45 ms, one thread).
+  multiplied by ``mkldnn._linear_pointwise``) where oneDNN has a bfloat16 path (AVX-512; it
+  raises on an AVX2 CPU), and **float32** ones go to MKL stored column-major (a 16-row product of
+  SmolLM2's gate/up weight: 0.27 instead of 0.45 ms, one thread).
 
 On an AMD Zen 5 (2 threads), SmolLM2 decode steps at 1 / 16 / 64 rows took 29 / 69 / 162 ms in
 float32 through MKL and 18.4 / 29.9 / 71 ms in bfloat16 through ``F.linear``; oneDNN's packed
@@ -21,7 +23,7 @@ bfloat16 made those 10.4 / 21.8 / 57 ms, and the rest of the worker's kernels pl
 
 ``--dtype auto`` on the CPU is bfloat16 where the CPU has bfloat16 instructions (AVX512-BF16 or
 AMX) and a packed bfloat16 linear is at hand, float32 elsewhere (without the instructions
-oneDNN emulates bfloat16, ~4x slower than float32). It is decided from the hardware, never from
+bfloat16 is float32 arithmetic on widened values, which only reads fewer bytes). It is decided from the hardware, never from
 a timing: a start-up measurement under load is noise (seen: "1 row: float32 7259 us, bfloat16
 7961 us" on a CPU where bfloat16 is 1.7x faster undisturbed), so two identical servers could
 pick different dtypes, and a worker restarted after a crash could come back in another
@@ -37,6 +39,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from worker import cpu_isa
 from worker.heap import return_freed_memory
 from worker.kernels import cpu as cpu_kernels
 from worker.model.layers import Linear
@@ -44,13 +47,18 @@ from worker.model.layers import Linear
 PACKED_FOR_ROWS = 16  # the batch size oneDNN's packed layout is chosen for
 
 def has_bf16_instructions() -> bool:
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return cpu_isa.has_bf16_instructions()
+
+
+def onednn_bf16() -> bool:
+    """oneDNN's packed bfloat16 linear is in this torch build and has a path on this CPU."""
+    return cpu_isa.has_avx512() and torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 def can_pack() -> bool:
-    """A packed bfloat16 linear is at hand: Sluice's kernel, or oneDNN's in this torch build."""
-    return cpu_kernels.has_linear(cpu_kernels.load(), torch.bfloat16) or (
-        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """A packed bfloat16 linear is at hand: Sluice's kernel, or oneDNN's."""
+    return cpu_kernels.has_linear(cpu_kernels.load(), torch.bfloat16) or onednn_bf16()
 
 
 def pack_layer(layer: Linear, own_kernel: bool = True) -> None:
@@ -71,8 +79,10 @@ def pack_layer(layer: Linear, own_kernel: bool = True) -> None:
     even = weight.shape[1] % 2 == 0 or weight.dtype != torch.bfloat16
     if own_kernel and cpu_kernels.has_linear(kernels, weight.dtype) and even:
         layer.packed, layer.kernels = cpu_kernels.pack_linear(weight), kernels
-    elif weight.dtype == torch.bfloat16:
+    elif weight.dtype == torch.bfloat16 and onednn_bf16():
         layer.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACKED_FOR_ROWS)
+    elif weight.dtype == torch.bfloat16:
+        return  # F.linear
     else:
         layer.weight.data = weight.t().contiguous().t()  # column-major: MKL's faster layout
         return
@@ -81,10 +91,11 @@ def pack_layer(layer: Linear, own_kernel: bool = True) -> None:
 
 def path(dtype: torch.dtype) -> str:
     """Which path ``pack_layer`` takes for ``dtype``, in words."""
-    if cpu_kernels.has_linear(cpu_kernels.load(), dtype):
-        return f"{str(dtype).removeprefix('torch.')} linears through Sluice's AVX-512 kernel, weights packed"
+    isa = cpu_kernels.linear_instructions(cpu_kernels.load(), dtype)
+    if isa is not None:
+        return f"{str(dtype).removeprefix('torch.')} linears through Sluice's kernel ({isa}), weights packed"
     if dtype == torch.bfloat16:
-        return "bfloat16 linears through oneDNN, weights packed"
+        return "bfloat16 linears through oneDNN, weights packed" if onednn_bf16() else "bfloat16 linears through F.linear"
     return "float32 linears through MKL, weights column-major"
 
 
@@ -112,7 +123,7 @@ def prepare(model: nn.Module, dtype: torch.dtype) -> str:
     formats = ", ".join(dict.fromkeys(f for m in linears if m.quantized is not None for f in m.quantized.formats))
     kept = sum(m.quantized is not None for m in linears)
     for layer in linears:
-        if layer.quantized is not None or dtype == torch.float32 or (dtype == torch.bfloat16 and can_pack()):
+        if layer.quantized is not None or dtype in (torch.float32, torch.bfloat16):
             pack_layer(layer)
     if kept:
         dense = len(linears) - kept
@@ -120,6 +131,6 @@ def prepare(model: nn.Module, dtype: torch.dtype) -> str:
         isa = cpu_kernels.quantized_instructions(cpu_kernels.load())
         return (f"{kept} kept quantized ({formats}) through Sluice's {isa} kernel, activations "
                 f"{str(dtype).removeprefix('torch.')}{rest}")
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and can_pack()):
+    if dtype in (torch.float32, torch.bfloat16):
         return path(dtype)
     return f"{str(dtype).removeprefix('torch.')} linears through F.linear"

@@ -77,18 +77,18 @@ static inline __attribute__((always_inline)) void rope_rows(void *x, int64_t row
  * rounded to the dtype, times up, rounded. */
 static inline __attribute__((always_inline)) void silu_mul_rows(const void *gate_up, void *out, int num_rows, int inter,
                                                                 const int bf16) {
-#ifdef __AVX512F__
-    const int chunks = inter / 16;
+#ifdef VL
+    const int chunks = inter / VL;
 #pragma omp for schedule(static)
     for (int i = 0; i < num_rows * chunks; i++) {
-        const int r = i / chunks, c = (i % chunks) * 16;
+        const int r = i / chunks, c = (i % chunks) * VL;
         const int64_t g = (int64_t)r * 2 * inter + c;
-        const __m512 gate = load16(gate_up, g, bf16), up = load16(gate_up, g + inter, bf16);
-        __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
-        if (bf16) silu = round_to_bf16(silu); /* rounded before the product, as torch's silu then mul_ round */
-        store16(out, (int64_t)r * inter + c, _mm512_mul_ps(silu, up), bf16);
+        const vf gate = vload(gate_up, g, bf16), up = vload(gate_up, g + inter, bf16);
+        vf silu = vdiv(gate, vadd(vset1(1.0f), vexp(vsub(vzero(), gate))));
+        if (bf16) silu = vround_bf16(silu); /* rounded before the product, as torch's silu then mul_ round */
+        vstore(out, (int64_t)r * inter + c, vmul(silu, up), bf16);
     }
-    const int done = chunks * 16;
+    const int done = chunks * VL;
 #else
     const int done = 0;
 #endif
@@ -99,9 +99,10 @@ static inline __attribute__((always_inline)) void silu_mul_rows(const void *gate
             const int64_t g = (int64_t)r * 2 * inter + d;
             const float gate = bf16 ? bf16_to_f32(((const uint16_t *)gate_up)[g]) : ((const float *)gate_up)[g];
             const float up = bf16 ? bf16_to_f32(((const uint16_t *)gate_up)[g + inter]) : ((const float *)gate_up)[g + inter];
-#ifdef __AVX512F__
-            float silu = _mm512_cvtss_f32(_mm512_div_ps(_mm512_set1_ps(gate), _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                          exp512(_mm512_set1_ps(-gate)))));
+#ifdef VL /* the vector path's arithmetic, one lane of it */
+            float lanes[VL];
+            vstore(lanes, 0, vdiv(vset1(gate), vadd(vset1(1.0f), vexp(vset1(-gate)))), 0);
+            float silu = lanes[0];
 #else
             float silu = gate / (1.0f + expf(-gate));
 #endif

@@ -628,10 +628,7 @@ static inline __attribute__((always_inline)) void attend(
 #if HAVE_AVX512_ATTENTION
     if (head_dim % 16 == 0) {
         const int chunks = head_dim / 16;
-        if (chunks == 2)
-            attend_rows_avx512(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
-                               block_size, scale, bf16, 2);
-        else if (chunks == 4)
+        if (chunks == 4)
             attend_rows_avx512(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
                                block_size, scale, bf16, 4);
         else if (chunks == 8)
@@ -647,6 +644,22 @@ static inline __attribute__((always_inline)) void attend(
                 bf16);
 }
 
+/* Each dtype's attention compiled once (not inlined into each entry point: the variants above
+ * are most of the library's compile time), called inside the entry points' parallel regions. */
+static __attribute__((noinline)) void attend_f32(const void *q, int64_t q_stride, const void *k_cache,
+                                                 const void *v_cache, const Rows *rows, void *out, int num_rows,
+                                                 int num_heads, int kv_heads, int head_dim, int block_size,
+                                                 float scale) {
+    attend(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, 0);
+}
+
+static __attribute__((noinline)) void attend_bf16(const void *q, int64_t q_stride, const void *k_cache,
+                                                  const void *v_cache, const Rows *rows, void *out, int num_rows,
+                                                  int num_heads, int kv_heads, int head_dim, int block_size,
+                                                  float scale) {
+    attend(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, 1);
+}
+
 /* ------------------------------------------------------------------ entry points */
 
 /* Decode rows, one query each: row b's query is at position context_lens[b] - 1 (token b: q row
@@ -657,7 +670,7 @@ void paged_decode_rows_f32(const float *q, int64_t q_stride, const float *k_cach
                            const int32_t *first_positions, float *out, int num_rows, int num_heads, int kv_heads,
                            int head_dim, int block_size, float scale) {
     const Rows rows = {block_table, max_blocks, context_lens, 0, 0, first_positions, 0};
-    attend(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, 0);
+    attend_f32(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale);
 }
 
 void paged_decode_rows_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -665,7 +678,7 @@ void paged_decode_rows_bf16(const uint16_t *q, int64_t q_stride, const uint16_t 
                             const int32_t *first_positions, uint16_t *out, int num_rows, int num_heads, int kv_heads,
                             int head_dim, int block_size, float scale) {
     const Rows rows = {block_table, max_blocks, context_lens, 0, 0, first_positions, 0};
-    attend(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, 1);
+    attend_bf16(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale);
 }
 
 void paged_decode(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
@@ -697,7 +710,7 @@ void paged_attention(const float *q, int64_t q_stride, const float *k_cache, con
                      int num_threads) {
     const Rows rows = {block_table, max_blocks, ends, lengths, first_tokens, first_positions, window};
 #pragma omp parallel num_threads(num_threads)
-    attend(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, 0);
+    attend_f32(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale);
 }
 
 void paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -707,5 +720,5 @@ void paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
                           int num_threads) {
     const Rows rows = {block_table, max_blocks, ends, lengths, first_tokens, first_positions, window};
 #pragma omp parallel num_threads(num_threads)
-    attend(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, 1);
+    attend_bf16(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale);
 }

@@ -1,10 +1,21 @@
-/* AVX-512 helpers shared by the kernels: 16 float32 or bfloat16 values loaded as float32 and
- * stored back (bfloat16 rounded to nearest even, as torch rounds), and exp of 16 floats. */
+/* Vector helpers shared by the kernels.
+ *
+ * First the AVX-512 ones: 16 float32 or bfloat16 values loaded as float32 and stored back
+ * (bfloat16 rounded to nearest even, as torch rounds), and exp of 16 floats.
+ *
+ * Then `vf`, a vector of VL float32 lanes of either width: 16 with AVX-512, 8 with AVX2 and FMA
+ * (x86-64-v3), no VL at all below that. A kernel whose shape is the same on both instruction sets
+ * is written once over vf (linear.c, silu in decoder.c): the same operations lane by lane, so a
+ * lane's result is the same bits on either set. */
 #ifndef SLUICE_SIMD_H
 #define SLUICE_SIMD_H
-#ifdef __AVX512F__
-#include <immintrin.h>
 #include <stdint.h>
+
+#include "bf16.h"
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+#ifdef __AVX512F__
 
 static inline __m512 load16(const void *base, int64_t i, const int bf16) {
     if (bf16) {
@@ -92,5 +103,122 @@ static inline void store_partial16(void *y, int o, int out, __m512 v, const int 
     }
 }
 
-#endif
+#endif /* __AVX512F__ */
+
+/* ------------------------------------------------------------------ vf: VL lanes of either width */
+
+#if defined(__AVX512F__)
+#define VL 16
+typedef __m512 vf;
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vset1(float a) { return _mm512_set1_ps(a); }
+static inline vf vloadu(const void *p) { return _mm512_loadu_ps((const float *)p); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vload(const void *base, int64_t i, const int bf16) { return load16(base, i, bf16); }
+static inline void vstore(void *base, int64_t i, vf v, const int bf16) { store16(base, i, v, bf16); }
+static inline vf vexp(vf x) { return exp512(x); }
+static inline vf vround_bf16(vf v) { return round_to_bf16(v); }
+static inline vf vload_partial(const void *p, int o, int out, const int bf16) { return load_partial16(p, o, out, bf16); }
+static inline void vstore_partial(void *y, int o, int out, vf v, const int bf16) { store_partial16(y, o, out, v, bf16); }
+/* A vector of VL bfloat16 pairs (2 VL values) as float32: each pair's first, and its second. */
+static inline vf vpair_first(vf pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(pairs), 16)); }
+static inline vf vpair_second(vf pairs) {
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(pairs), _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VL 8
+typedef __m256 vf;
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vset1(float a) { return _mm256_set1_ps(a); }
+static inline vf vloadu(const void *p) { return _mm256_loadu_ps((const float *)p); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+
+static inline vf vload(const void *base, int64_t i, const int bf16) {
+    if (bf16) {
+        const __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+    }
+    return _mm256_loadu_ps((const float *)base + i);
+}
+
+/* v's bits rounded to bfloat16 (nearest even), still in the top halves. */
+static inline __m256i bf16_rounded_bits8(vf v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+}
+
+static inline vf vround_bf16(vf v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(bf16_rounded_bits8(v), 16), 16));
+}
+
+static inline void vstore(void *base, int64_t i, vf v, const int bf16) {
+    if (bf16) { /* the eight 16-bit halves packed (packus works per 128-bit lane: lanes 0 and 2 hold them) */
+        const __m256i top = _mm256_srli_epi32(bf16_rounded_bits8(v), 16);
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(top, top), 0x08);
+        _mm_storeu_si128((__m128i *)((uint16_t *)base + i), _mm256_castsi256_si128(packed));
+    } else {
+        _mm256_storeu_ps((float *)base + i, v);
+    }
+}
+
+/* exp512's method, lane for lane (the same polynomial and rounding; 2^n applied as two exact
+ * halves, as vscalefps rounds once), so silu gives the same bits on both instruction sets. */
+static inline vf vexp(vf x) {
+    __m256 t = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-126.0f));
+    t = _mm256_min_ps(t, _mm256_set1_ps(254.0f)); /* past 2^128 either way: infinity */
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718055994531f));
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i low = _mm256_srai_epi32(ni, 1), high = _mm256_sub_epi32(ni, low); /* each in [-63, 127] */
+    const __m256 two_low = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(low, _mm256_set1_epi32(127)), 23));
+    const __m256 two_high = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(high, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, two_low), two_high);
+}
+
+/* Outputs o .. min(o + 8, out) - 1 (0 past the end or without p); an edge of a row, so plain loops. */
+static inline vf vload_partial(const void *p, int o, int out, const int bf16) {
+    float lanes[8] = {0};
+    for (int k = 0; p != 0 && k < 8 && o + k < out; k++)
+        lanes[k] = bf16 ? bf16_to_f32(((const uint16_t *)p)[o + k]) : ((const float *)p)[o + k];
+    return _mm256_loadu_ps(lanes);
+}
+
+static inline void vstore_partial(void *y, int o, int out, vf v, const int bf16) {
+    if (out - o >= 8) {
+        vstore(y, o, v, bf16);
+        return;
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    for (int k = 0; o + k < out; k++) {
+        if (bf16)
+            ((uint16_t *)y)[o + k] = f32_to_bf16(lanes[k]);
+        else
+            ((float *)y)[o + k] = lanes[k];
+    }
+}
+
+static inline vf vpair_first(vf pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(pairs), 16)); }
+static inline vf vpair_second(vf pairs) {
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(pairs), _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+#endif /* VL */
+
 #endif
