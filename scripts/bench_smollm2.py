@@ -6,6 +6,7 @@ client, same run.
     python scripts/bench_smollm2.py --dtype bfloat16 --llama-server ... --rounds 3
     python scripts/bench_smollm2.py --dtype q4_1 --llama-server ... --rounds 3      # the shipped file, quantized
     python scripts/bench_smollm2.py --concurrency 1 --prompt-tokens 7844 --output-tokens 4   # a long prompt
+    python scripts/bench_smollm2.py --concurrency 1 --busy 2 --llama-server ...   # beside two busy processes
 
 Each cell sends ``c`` streaming completions at once (``--prompt-tokens`` token ids each, exactly
 ``--output-tokens`` generated: ``ignore_eos``) and reports output tokens/s over the cell, time
@@ -17,6 +18,10 @@ cores (``-t``), one slot per concurrent stream (``-np c``) and 512 tokens of con
 (``-c c*512``; more where a stream needs more), started fresh for each cell. Sluice stays up for the whole run, with its
 defaults (threads, KV cache size, dtype unless ``--dtype`` is given). Then each server's peak
 resident memory (llama.cpp's: at the largest cell).
+
+``--busy N`` runs each timed cell beside N processes that each spin a core (a pure-Python loop,
+started just before the cell and stopped after it): a shared VM, a CI runner or a Docker host
+where other work takes cores from the server.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import re
 import statistics
@@ -159,6 +165,29 @@ class Server:
                 self.proc.kill()
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
+class Busy:
+    """N processes that each spin a core while the block runs."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.procs = n, []
+
+    def __enter__(self) -> Busy:
+        self.procs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(self.n)]
+        for proc in self.procs:
+            proc.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.join()
+
+
 def _llama_gguf(server: Path, dtype: str, out_dir: Path) -> Path:
     from worker.model.loader import smollm2_path
 
@@ -183,6 +212,7 @@ def main() -> None:
                         "shipped file as it is (Sluice: --dtype auto, which serves it quantized)")
     p.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
     p.add_argument("--sluice-args", default="", help="extra flags for sluice serve, e.g. '--worker-threads 1'")
+    p.add_argument("--busy", type=int, default=0, help="processes that each spin a core during every timed cell")
     args = p.parse_args()
 
     cores = len(os.sched_getaffinity(0))
@@ -218,7 +248,8 @@ def main() -> None:
                         if server is not sluice:
                             server.start()
                             asyncio.run(_cell(server.url, 1, 8, 4, salt=0))  # warm-up, as Sluice's
-                        cell = asyncio.run(_cell(server.url, c, args.prompt_tokens, args.output_tokens, salt))
+                        with Busy(args.busy):
+                            cell = asyncio.run(_cell(server.url, c, args.prompt_tokens, args.output_tokens, salt))
                         if server is not sluice and c == most:
                             memory[name] = _rss_mib(server.memory_pid())
                     finally:
@@ -233,7 +264,8 @@ def main() -> None:
         sluice.stop()
 
     print(f"\nSmolLM2-135M-Instruct as {args.dtype}, {args.prompt_tokens} prompt / {args.output_tokens} output "
-          f"tokens per stream, {cores} cores, median of {args.rounds} round(s)")
+          f"tokens per stream, {cores} cores, median of {args.rounds} round(s)"
+          + (f", beside {args.busy} processes spinning a core each" if args.busy else ""))
     print(f"  {'streams':>7} | {'server':<9} | {'tok/s':>7} | {'TTFT p50':>8} | {'TTFT p99':>8} | "
           f"{'ITL p50':>7} | {'ITL p99':>7} | ratio")
     for c in args.concurrency:
