@@ -20,7 +20,7 @@ defaults (threads, KV cache size, dtype unless ``--dtype`` is given). Then each 
 resident memory (llama.cpp's: at the largest cell).
 
 ``--busy N`` runs each timed cell beside N processes that each spin a core (a pure-Python loop,
-started just before the cell and stopped after it): a shared VM, a CI runner or a Docker host
+started 3 s before the cell and stopped after it): a shared VM, a CI runner or a Docker host
 where other work takes cores from the server.
 """
 
@@ -171,7 +171,10 @@ def _spin() -> None:
 
 
 class Busy:
-    """N processes that each spin a core while the block runs."""
+    """N processes that each spin a core while the block runs, from SETTLE_S before it: a load
+    that was there before the request, as on a shared host."""
+
+    SETTLE_S = 3.0
 
     def __init__(self, n: int) -> None:
         self.n, self.procs = n, []
@@ -180,6 +183,8 @@ class Busy:
         self.procs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(self.n)]
         for proc in self.procs:
             proc.start()
+        if self.procs:
+            time.sleep(self.SETTLE_S)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -21,9 +21,6 @@ def main() -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s {args.log_name or f'worker[{config.rank}]'}: %(message)s")
-    from worker.openmp import bound_spinning
-
-    bound_spinning()  # before torch loads the OpenMP runtime, which reads it once
     from worker.process import run  # imports torch: after the config is known to be valid
 
     return run(config)
