@@ -17,7 +17,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-AVX2 = {"SLUICE_CPU_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+AVX2 = {"SLUICE_CPU_ISA": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2"}
 
 
 def _pytest(env: dict[str, str], *files: str) -> subprocess.CompletedProcess[str]:

@@ -13,8 +13,8 @@ here, so that one setting makes the whole worker act as a smaller CPU would:
 The level is ``SLUICE_CPU_ISA`` when set; else ``avx2`` where torch's own kernels are capped at
 AVX2 (``ATEN_CPU_CAPABILITY=avx2``) and ``x86-64`` where they are capped below it (``default``),
 so that torch and Sluice never disagree about the CPU they run on. To run as an AVX2-only CPU
-would on an AVX-512 machine, cap oneDNN too: ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``
-(the CI runs the worker's tests so).
+would on an AVX-512 machine, cap oneDNN and MKL too: ``MKL_ENABLE_INSTRUCTIONS=AVX2
+ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` (the CI runs the worker's tests so).
 """
 
 from __future__ import annotations

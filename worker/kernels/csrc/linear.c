@@ -10,9 +10,8 @@
  *     bfloat16: packed[ob][ip][j][t] = W[16 * ob + j][2 * ip + t]      (out padded to a multiple of 64)
  *
  * The inner loop then needs no horizontal sums: for each input (pair), every row of x broadcasts
- * it to all lanes and meets the tile's weight registers, so a tile of up to MAX_ROWS rows by
- * TILE_BLOCKS x 16 outputs keeps its accumulators in registers and streams its weights exactly
- * once. Every output sums its inputs in the same order whatever the number of rows and wherever
+ * it to all lanes and meets the pass's weight registers, so a pass of up to MAX_ROWS rows by up
+ * to 64 outputs keeps its accumulators in registers and streams its weights once. Every output sums its inputs in the same order whatever the number of rows and wherever
  * its row sits in a tile: a row's result does not depend on the batch it came in. The same holds
  * across instruction sets: an AVX2 build gives the AVX-512 build's float32 results bit for bit
  * (and its widened bfloat16 ones; vdpbf16ps sums a pair before adding it, so those differ).
@@ -29,39 +28,37 @@
 
 #ifdef VL
 #define BLOCK_VECS (16 / VL) /* vectors per 16-output block */
-#if VL == 16
-#define TILE_BLOCKS 4 /* 16-output blocks per tile: 64 outputs */
-#define MAX_ROWS 6    /* rows per tile: 6 x 4 accumulators + 4 weights + 1 broadcast <= 32 registers */
-#else
-#define TILE_BLOCKS 1 /* 16 outputs, two registers */
-#define MAX_ROWS 6    /* 6 x 2 accumulators + 2 weights + 1 broadcast <= 16 registers */
-#endif
-#define TILE_VECS (TILE_BLOCKS * BLOCK_VECS)
+#define TILE_BLOCKS 4        /* 16-output blocks per tile: 64 outputs, the unit the threads share */
+#define MAX_ROWS 6           /* rows per pass over a tile's weights */
+#define MAX_VECS (TILE_BLOCKS * BLOCK_VECS)
 #if VL == 16 && defined(__AVX512BF16__)
 #define BF16_DOT 1 /* vdpbf16ps */
 #else
 #define BF16_DOT 0
 #endif
 
-/* One tile: rows r0 .. r0 + rows - 1 by the outputs of tile t; rows and bf16 are constants where
- * inlined, so each combination compiles to its own register-resident loop. */
-static inline __attribute__((always_inline)) void tile(const void *x, int64_t x_stride, const void *packed,
+/* One pass: rows r0 .. r0 + rows - 1 by blocks b0 .. b0 + blocks - 1 of tile t; rows, blocks and
+ * bf16 are constants where inlined, so each combination compiles to its own register-resident
+ * loop. Its rows x blocks accumulators are independent chains of fused multiply-adds, enough of
+ * them to hide the FMA's latency even at one row. */
+static inline __attribute__((always_inline)) void pass(const void *x, int64_t x_stride, const void *packed,
                                                        const void *bias, void *y, int r0, const int rows, int t,
-                                                       int out, int in, const int bf16) {
-    vf acc[MAX_ROWS][TILE_VECS];
+                                                       int b0, const int blocks, int out, int in, const int bf16) {
+    vf acc[MAX_ROWS][MAX_VECS];
+    const int vecs = blocks * BLOCK_VECS;
     for (int r = 0; r < rows; r++)
-        for (int k = 0; k < TILE_VECS; k++) acc[r][k] = vzero();
+        for (int k = 0; k < vecs; k++) acc[r][k] = vzero();
     const int steps = bf16 ? in / 2 : in; /* 64-byte loads per 16-output block */
-    const char *w = (const char *)packed + (int64_t)t * TILE_BLOCKS * steps * 64;
+    const char *w = (const char *)packed + ((int64_t)t * TILE_BLOCKS + b0) * steps * 64;
     for (int s = 0; s < steps; s++) {
-        vf wv[TILE_VECS];
-        for (int b = 0; b < TILE_BLOCKS; b++)
+        vf wv[MAX_VECS];
+        for (int b = 0; b < blocks; b++)
             for (int h = 0; h < BLOCK_VECS; h++)
                 wv[b * BLOCK_VECS + h] = vloadu(w + ((int64_t)b * steps + s) * 64 + h * VL * 4);
         if (!bf16) {
             for (int r = 0; r < rows; r++) {
                 const vf xv = vset1(((const float *)x)[(int64_t)(r0 + r) * x_stride + s]);
-                for (int k = 0; k < TILE_VECS; k++) acc[r][k] = vfma(wv[k], xv, acc[r][k]);
+                for (int k = 0; k < vecs; k++) acc[r][k] = vfma(wv[k], xv, acc[r][k]);
             }
             continue;
         }
@@ -71,25 +68,35 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t x_
             int32_t pair;
             __builtin_memcpy(&pair, xs + (int64_t)(r0 + r) * x_stride, sizeof pair);
             const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-            for (int k = 0; k < TILE_VECS; k++)
+            for (int k = 0; k < vecs; k++)
                 acc[r][k] = _mm512_dpbf16_ps(acc[r][k], (__m512bh)_mm512_castps_si512(wv[k]), xv);
         }
 #else
-        vf first[TILE_VECS], second[TILE_VECS];
-        for (int k = 0; k < TILE_VECS; k++) first[k] = vpair_first(wv[k]), second[k] = vpair_second(wv[k]);
+        vf first[MAX_VECS], second[MAX_VECS];
+        for (int k = 0; k < vecs; k++) first[k] = vpair_first(wv[k]), second[k] = vpair_second(wv[k]);
         for (int r = 0; r < rows; r++) {
             const uint16_t *xr = xs + (int64_t)(r0 + r) * x_stride;
             const vf x0 = vset1(bf16_to_f32(xr[0])), x1 = vset1(bf16_to_f32(xr[1]));
-            for (int k = 0; k < TILE_VECS; k++) acc[r][k] = vfma(second[k], x1, vfma(first[k], x0, acc[r][k]));
+            for (int k = 0; k < vecs; k++) acc[r][k] = vfma(second[k], x1, vfma(first[k], x0, acc[r][k]));
         }
 #endif
     }
-    for (int k = 0; k < TILE_VECS; k++) {
-        const int o = t * TILE_BLOCKS * 16 + k * VL;
+    for (int k = 0; k < vecs; k++) {
+        const int o = (t * TILE_BLOCKS + b0) * 16 + k * VL;
         const vf bv = vload_partial(bias, o, out, bf16);
         for (int r = 0; r < rows; r++)
             vstore_partial((char *)y + (int64_t)(r0 + r) * out * (bf16 ? 2 : 4), o, out, vadd(acc[r][k], bv), bf16);
     }
+}
+
+/* Rows r0 .. r0 + rows - 1 of tile t, in passes whose accumulators fit the registers: AVX-512's
+ * 32 hold 6 rows by the whole tile (24 accumulators, 4 weights, a broadcast); AVX2's 16 hold at
+ * most 12 accumulators, so 3 to 6 rows go a block at a time, 2 rows two blocks, 1 row the tile. */
+static inline __attribute__((always_inline)) void tile_rows(const void *x, int64_t x_stride, const void *packed,
+                                                            const void *bias, void *y, int r0, const int rows, int t,
+                                                            int out, int in, const int bf16) {
+    const int blocks = VL == 16 || rows == 1 ? TILE_BLOCKS : rows == 2 ? 2 : 1;
+    for (int b0 = 0; b0 < TILE_BLOCKS; b0 += blocks) pass(x, x_stride, packed, bias, y, r0, rows, t, b0, blocks, out, in, bf16);
 }
 
 static inline __attribute__((always_inline)) void linear_tiles(const void *x, int64_t x_stride, const void *packed,
@@ -99,13 +106,13 @@ static inline __attribute__((always_inline)) void linear_tiles(const void *x, in
 #pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
         int r0 = 0;
-        for (; r0 + MAX_ROWS <= num_rows; r0 += MAX_ROWS) tile(x, x_stride, packed, bias, y, r0, MAX_ROWS, t, out, in, bf16);
+        for (; r0 + MAX_ROWS <= num_rows; r0 += MAX_ROWS) tile_rows(x, x_stride, packed, bias, y, r0, MAX_ROWS, t, out, in, bf16);
         switch (num_rows - r0) { /* the last few rows, each count compiled with its own constant */
-            case 5: tile(x, x_stride, packed, bias, y, r0, 5, t, out, in, bf16); break;
-            case 4: tile(x, x_stride, packed, bias, y, r0, 4, t, out, in, bf16); break;
-            case 3: tile(x, x_stride, packed, bias, y, r0, 3, t, out, in, bf16); break;
-            case 2: tile(x, x_stride, packed, bias, y, r0, 2, t, out, in, bf16); break;
-            case 1: tile(x, x_stride, packed, bias, y, r0, 1, t, out, in, bf16); break;
+            case 5: tile_rows(x, x_stride, packed, bias, y, r0, 5, t, out, in, bf16); break;
+            case 4: tile_rows(x, x_stride, packed, bias, y, r0, 4, t, out, in, bf16); break;
+            case 3: tile_rows(x, x_stride, packed, bias, y, r0, 3, t, out, in, bf16); break;
+            case 2: tile_rows(x, x_stride, packed, bias, y, r0, 2, t, out, in, bf16); break;
+            case 1: tile_rows(x, x_stride, packed, bias, y, r0, 1, t, out, in, bf16); break;
             default: break;
         }
     }

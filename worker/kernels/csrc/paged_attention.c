@@ -256,18 +256,18 @@ static inline __attribute__((always_inline)) void attend_rows(
     }
 }
 
-/* ------------------------------------------------------------------ AVX-512 */
+/* ------------------------------------------------------------------ vectors (AVX-512 or AVX2) */
 
-#ifdef __AVX512F__
 #include "simd.h"
+#ifdef VL
 
-/* The same attention with AVX-512 intrinsics, for head_dim a multiple of 16 (every common
- * model): a row of keys or values is head_dim / 16 registers, converted from bfloat16 once for
- * all the group's query heads; four keys' dot products are reduced to four scores at once (a
- * reduction per score had been half a long prefill's attention); a run's scores are
- * exponentiated 16 at a time (exp512); the accumulators stay float32. About 3x the plain loops'
- * speed (they reduce a dot product and call expf once per position and head). */
-static inline __attribute__((always_inline)) void attend_rows_avx512(
+/* The same attention over vf (simd.h: 16 lanes with AVX-512, 8 with AVX2), for head_dim a multiple
+ * of VL (every common model): a row of keys or values is head_dim / VL registers, converted from
+ * bfloat16 once for all the group's query heads; four keys' dot products are reduced to four
+ * scores at once (a reduction per score had been half a long prefill's attention); a run's
+ * scores are exponentiated VL at a time (vexp); the accumulators stay float32. About 3x the plain
+ * loops' speed (they reduce a dot product and call expf once per position and head). */
+static inline __attribute__((always_inline)) void attend_rows_vec(
         const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const Rows *rows, void *out,
         int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale, const int bf16,
         const int chunks) {
@@ -281,15 +281,15 @@ static inline __attribute__((always_inline)) void attend_rows_avx512(
         Tile tl;
         const int32_t *table = tile_at(rows, num_rows, kv_heads, per_tile, item, &h, &tl);
         const int nq = tl.nq;
-        __m512 qs[TILE_HEADS][MAX_HEAD_DIM / 16], acc[TILE_HEADS][MAX_HEAD_DIM / 16];
+        vf qs[TILE_HEADS][MAX_HEAD_DIM / VL], acc[TILE_HEADS][MAX_HEAD_DIM / VL];
         float running_max[TILE_HEADS], running_sum[TILE_HEADS];
         float scores[MAX_GROUP][MAX_BLOCK] __attribute__((aligned(64)));
         for (int t = 0; t < nq; t++) {
             for (int g = 0; g < group; g++) {
                 const int64_t qg = tl.token[t] * q_stride + (int64_t)(h * group + g) * head_dim;
                 for (int c = 0; c < chunks; c++) {
-                    qs[t * group + g][c] = _mm512_mul_ps(load16(q, qg + 16 * c, bf16), _mm512_set1_ps(scale));
-                    acc[t * group + g][c] = _mm512_setzero_ps();
+                    qs[t * group + g][c] = vmul(vload(q, qg + VL * c, bf16), vset1(scale));
+                    acc[t * group + g][c] = vzero();
                 }
                 running_max[t * group + g] = -INFINITY;
                 running_sum[t * group + g] = 0.0f;
@@ -302,54 +302,48 @@ static inline __attribute__((always_inline)) void attend_rows_avx512(
                 const int n = run_in_block(&tl, t, start, block_size, block_base, slot_width, (int64_t)h * head_dim,
                                            &kv_base);
                 if (n == 0) continue;
-                for (int i = 0; i < n; i += 4) { /* four keys' dot products reduced together (sum4) */
+                for (int i = 0; i < n; i += 4) { /* four keys' dot products reduced together (vsum4) */
                     const int m = n - i < 4 ? n - i : 4;
-                    __m512 key[4][MAX_HEAD_DIM / 16];
+                    vf key[4][MAX_HEAD_DIM / VL];
                     for (int j = 0; j < 4; j++)
                         for (int c = 0; c < chunks; c++)
-                            key[j][c] = j < m ? load16(k_cache, kv_base + (i + j) * slot_width + 16 * c, bf16)
-                                              : _mm512_setzero_ps();
+                            key[j][c] = j < m ? vload(k_cache, kv_base + (i + j) * slot_width + VL * c, bf16) : vzero();
                     for (int g = 0; g < group; g++) {
-                        __m512 s[4];
+                        vf s[4];
                         for (int j = 0; j < 4; j++) {
-                            s[j] = _mm512_mul_ps(qs[t * group + g][0], key[j][0]);
-                            for (int c = 1; c < chunks; c++) s[j] = _mm512_fmadd_ps(qs[t * group + g][c], key[j][c], s[j]);
+                            s[j] = vmul(qs[t * group + g][0], key[j][0]);
+                            for (int c = 1; c < chunks; c++) s[j] = vfma(qs[t * group + g][c], key[j][c], s[j]);
                         }
                         float four[4];
-                        _mm_storeu_ps(four, sum4(s[0], s[1], s[2], s[3]));
+                        vsum4(four, s[0], s[1], s[2], s[3]);
                         for (int j = 0; j < m; j++) scores[g][i + j] = four[j];
                     }
                 }
                 for (int g = 0; g < group; g++) {
                     const int s_ = t * group + g;
-                    __m512 top = _mm512_set1_ps(running_max[s_]); /* max is exact in any order: 16 lanes at once */
-                    for (int i = 0; i < n; i += 16) {
-                        const __mmask16 lanes = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-                        top = _mm512_mask_max_ps(top, lanes, top, _mm512_loadu_ps(&scores[g][i]));
-                    }
-                    const float block_max = _mm512_reduce_max_ps(top);
+                    vf top = vset1(running_max[s_]); /* max is exact in any order: VL lanes at once */
+                    for (int i = 0; i < n; i += VL) top = vmax(top, vfill_after(vloadu(&scores[g][i]), n - i, -INFINITY));
+                    const float block_max = vreduce_max(top);
                     if (block_max > running_max[s_]) {
-                        const __m512 rescale = _mm512_set1_ps(expf(running_max[s_] - block_max));
+                        const vf rescale = vset1(expf(running_max[s_] - block_max));
                         running_sum[s_] *= expf(running_max[s_] - block_max);
-                        for (int c = 0; c < chunks; c++) acc[s_][c] = _mm512_mul_ps(acc[s_][c], rescale);
+                        for (int c = 0; c < chunks; c++) acc[s_][c] = vmul(acc[s_][c], rescale);
                         running_max[s_] = block_max;
                     }
-                    __m512 sum = _mm512_setzero_ps();
-                    for (int i = 0; i < n; i += 16) {
-                        const __mmask16 lanes = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-                        const __m512 s = _mm512_maskz_loadu_ps(lanes, &scores[g][i]);
-                        const __m512 p = _mm512_maskz_mov_ps(lanes, exp512(_mm512_sub_ps(s, _mm512_set1_ps(block_max))));
-                        _mm512_mask_storeu_ps(&scores[g][i], lanes, p);
-                        sum = _mm512_add_ps(sum, p);
+                    vf sum = vzero();
+                    for (int i = 0; i < n; i += VL) { /* the lanes past n: garbage in, 0 out (the array is big enough) */
+                        const vf p = vfill_after(vexp(vsub(vloadu(&scores[g][i]), vset1(block_max))), n - i, 0.0f);
+                        vstore(&scores[g][i], 0, p, 0);
+                        sum = vadd(sum, p);
                     }
-                    running_sum[s_] += _mm512_reduce_add_ps(sum);
+                    running_sum[s_] += vreduce_add(sum);
                 }
                 for (int i = 0; i < n; i++) {
-                    __m512 value[MAX_HEAD_DIM / 16];
-                    for (int c = 0; c < chunks; c++) value[c] = load16(v_cache, kv_base + i * slot_width + 16 * c, bf16);
+                    vf value[MAX_HEAD_DIM / VL];
+                    for (int c = 0; c < chunks; c++) value[c] = vload(v_cache, kv_base + i * slot_width + VL * c, bf16);
                     for (int g = 0; g < group; g++) {
-                        const __m512 p = _mm512_set1_ps(scores[g][i]);
-                        for (int c = 0; c < chunks; c++) acc[t * group + g][c] = _mm512_fmadd_ps(p, value[c], acc[t * group + g][c]);
+                        const vf p = vset1(scores[g][i]);
+                        for (int c = 0; c < chunks; c++) acc[t * group + g][c] = vfma(p, value[c], acc[t * group + g][c]);
                     }
                 }
             }
@@ -358,15 +352,15 @@ static inline __attribute__((always_inline)) void attend_rows_avx512(
             for (int g = 0; g < group; g++) {
                 const int s_ = t * group + g;
                 const int64_t o = (tl.token[t] * num_heads + h * group + g) * head_dim;
-                const __m512 inv = _mm512_set1_ps(1.0f / running_sum[s_]);
-                for (int c = 0; c < chunks; c++) store16(out, o + 16 * c, _mm512_mul_ps(acc[s_][c], inv), bf16);
+                const vf inv = vset1(1.0f / running_sum[s_]);
+                for (int c = 0; c < chunks; c++) vstore(out, o + VL * c, vmul(acc[s_][c], inv), bf16);
             }
         }
     }
 }
-#define HAVE_AVX512_ATTENTION 1
+#define HAVE_VEC_ATTENTION 1
 #else
-#define HAVE_AVX512_ATTENTION 0
+#define HAVE_VEC_ATTENTION 0
 #endif
 
 /* ------------------------------------------------------------------ bfloat16 dot products */
@@ -606,7 +600,7 @@ static inline __attribute__((always_inline)) void attend_rows_bf16_dot(
 }
 #endif
 
-/* The AVX-512 path where it applies (common head sizes with constant trip counts), else the plain
+/* The vector path where it applies (common head sizes with constant trip counts), else the plain
  * loops; inlined into the entry points with bf16 a constant. */
 static inline __attribute__((always_inline)) void attend(
         const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const Rows *rows, void *out,
@@ -625,18 +619,18 @@ static inline __attribute__((always_inline)) void attend(
         return;
     }
 #endif
-#if HAVE_AVX512_ATTENTION
-    if (head_dim % 16 == 0) {
-        const int chunks = head_dim / 16;
-        if (chunks == 4)
-            attend_rows_avx512(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
-                               block_size, scale, bf16, 4);
-        else if (chunks == 8)
-            attend_rows_avx512(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
-                               block_size, scale, bf16, 8);
+#if HAVE_VEC_ATTENTION
+    if (head_dim % VL == 0) {
+        const int chunks = head_dim / VL;
+        if (chunks == 64 / VL)
+            attend_rows_vec(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
+                            block_size, scale, bf16, 64 / VL);
+        else if (chunks == 128 / VL)
+            attend_rows_vec(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
+                            block_size, scale, bf16, 128 / VL);
         else
-            attend_rows_avx512(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
-                               block_size, scale, bf16, chunks);
+            attend_rows_vec(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
+                            block_size, scale, bf16, chunks);
         return;
     }
 #endif

@@ -124,6 +124,14 @@ static inline vf vexp(vf x) { return exp512(x); }
 static inline vf vround_bf16(vf v) { return round_to_bf16(v); }
 static inline vf vload_partial(const void *p, int o, int out, const int bf16) { return load_partial16(p, o, out, bf16); }
 static inline void vstore_partial(void *y, int o, int out, vf v, const int bf16) { store_partial16(y, o, out, v, bf16); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline float vreduce_max(vf v) { return _mm512_reduce_max_ps(v); }
+static inline float vreduce_add(vf v) { return _mm512_reduce_add_ps(v); }
+static inline void vsum4(float four[4], vf a, vf b, vf c, vf d) { _mm_storeu_ps(four, sum4(a, b, c, d)); }
+/* v's first n lanes (all where n >= VL), the rest fill. */
+static inline vf vfill_after(vf v, int n, float fill) {
+    return n >= 16 ? v : _mm512_mask_blend_ps((__mmask16)((1u << n) - 1), _mm512_set1_ps(fill), v);
+}
 /* A vector of VL bfloat16 pairs (2 VL values) as float32: each pair's first, and its second. */
 static inline vf vpair_first(vf pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(pairs), 16)); }
 static inline vf vpair_second(vf pairs) {
@@ -213,6 +221,32 @@ static inline void vstore_partial(void *y, int o, int out, vf v, const int bf16)
         else
             ((float *)y)[o + k] = lanes[k];
     }
+}
+
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+
+static inline float vreduce_max(vf v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+static inline float vreduce_add(vf v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+/* The sums of a, b, c and d's eight lanes: pairwise within each 128-bit lane, then across the two. */
+static inline void vsum4(float four[4], vf a, vf b, vf c, vf d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_storeu_ps(four, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+}
+
+static inline vf vfill_after(vf v, int n, float fill) {
+    if (n >= 8) return v;
+    const __m256 keep = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)n), _CMP_LT_OQ);
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), v, keep);
 }
 
 static inline vf vpair_first(vf pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(pairs), 16)); }
