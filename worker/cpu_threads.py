@@ -136,6 +136,9 @@ def configure_cpu_threads(device: torch.device, requested: int, num_params: int,
     share = f" of {available_cores()} for {ranks} ranks" if ranks > 1 else ""
     why = "--worker-threads" if requested > 0 else f"{cores} cores{share}, {num_params / 1e6:.0f}M parameters"
     fewer = "; fewer while other processes keep cores busy" if plan.busy is not None and cores > 1 else ""
+    if requested > cores:
+        fewer = (f"; more than the {cores} cores this worker may use: the threads take turns on them and every "
+                 f"barrier waits for one that is not running, so steps are slower than with {cores}")
     if plan.small == plan.big:
         log.info("CPU threads: %d (%s%s)", plan.small, why, fewer)
     else:

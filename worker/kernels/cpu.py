@@ -156,11 +156,23 @@ def load() -> ctypes.CDLL | None:
         entry.restype = None
     lib.linear_q.argtypes = [p, i64, p, p, p, i32, i32, i32, i32, p, i32, i32]
     lib.linear_q.restype = None
-    for available in (lib.linear_available, lib.linear_q_available):
+    for available in (lib.linear_available, lib.linear_q_available, lib.attention_path, lib.vector_lanes):
         available.argtypes = []
         available.restype = i32
     _loaded = lib
+    log.info("C kernels (%s): %s", cpu_isa.march_flag(), instruction_sets(lib))
     return lib
+
+
+def instruction_sets(lib: ctypes.CDLL) -> str:
+    """Which instructions each kernel uses, in words, for the start-up log."""
+    lanes = lib.vector_lanes()
+    vector = {16: "AVX-512", 8: "AVX2"}.get(lanes)
+    attention = {2: f"{vector}, bfloat16 caches by AVX512-BF16", 1: vector}.get(lib.attention_path(), "plain loops")
+    return (f"linear {linear_instructions(lib, torch.float32) or 'none (torch)'}; "
+            f"quantized linear {quantized_instructions(lib) or 'none (dequantized at load)'}; "
+            f"attention {attention}; silu {vector or 'plain loops'}; norms and rotation: loops the compiler "
+            "vectorises for the -march")
 
 
 def unsupported(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> str | None:

@@ -716,3 +716,15 @@ void paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
 #pragma omp parallel num_threads(num_threads)
     attend_bf16(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale);
 }
+
+/* Which path attention takes, for the start-up log: 2 vdpbf16ps for bfloat16 caches in the pairs
+ * layout (and the vector path otherwise), 1 the vector path (VL lanes), 0 the plain loops. */
+int attention_path(void) { return HAVE_BF16_DOT_ATTENTION ? 2 : HAVE_VEC_ATTENTION; }
+
+int vector_lanes(void) {
+#ifdef VL
+    return VL;
+#else
+    return 0;
+#endif
+}
