@@ -40,9 +40,10 @@ def test_a_step_gets_the_threads_its_size_calls_for() -> None:
 
 
 class FakeProc:
-    """/proc/stat's cpu line and /proc/self/stat, advanced by hand (ticks of 2 CPUs)."""
+    """/proc/stat's cpu line and /proc/self/stat, advanced by hand (ticks of ``cpus`` CPUs)."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, cpus: int = 2) -> None:
+        self.cpus = cpus
         self.stat, self.own = tmp / "stat", tmp / "self-stat"
         self.busy = self.total = self.ours = 0
         self.write()
@@ -54,15 +55,14 @@ class FakeProc:
         self.own.write_text(f"42 (py (worker) x) R 1 2 3 4 5 6 7 8 9 10 {self.ours - 2} 2 0 0 20 0 9 0\n")
 
     def run(self, seconds: float, machine_cores: float, our_cores: float) -> None:
-        cpus = 2  # os.cpu_count() below is patched to this
-        self.total += int(100 * seconds * cpus)
+        self.total += int(100 * seconds * self.cpus)  # os.cpu_count() is patched to self.cpus
         self.busy += int(100 * seconds * machine_cores)
         self.ours += int(100 * seconds * our_cores)
         self.write()
 
 
 def _busy(fake: FakeProc, monkeypatch: pytest.MonkeyPatch) -> BusyCores:
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("os.cpu_count", lambda: fake.cpus)
     busy = BusyCores(fake.stat, fake.own)
     busy.INTERVAL_S = 0.0
     return busy
@@ -87,7 +87,7 @@ def test_busy_cores_are_the_cpu_time_not_ours(tmp_path: Path, monkeypatch: pytes
 
 def test_a_step_gets_no_more_threads_than_the_free_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeProc(tmp_path)
-    plan = ThreadPlan(2, 2, _busy(fake, monkeypatch), cores=2)
+    plan = ThreadPlan(2, 2, _busy(fake, monkeypatch), machine_cores=2)
     for _ in range(8):
         fake.run(0.5, machine_cores=1.3, our_cores=1.0)
         assert plan.for_step(1) == 2  # a light load takes no thread away
@@ -116,3 +116,17 @@ def test_a_process_spinning_a_core_is_seen() -> None:
     finally:
         spinner.kill()
         spinner.join()
+
+
+def test_ranks_sharing_a_machine_do_not_take_each_others_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two tensor-parallel ranks on 16 cores plan 8 threads each; each sees the other's 8 busy
+    cores, which leaves its own 8 (a plan that counted only its share would have dropped to 1)."""
+    fake = FakeProc(tmp_path, cpus=16)
+    monkeypatch.setattr("worker.cpu_threads.available_cores", lambda: 16)
+    plan = choose_cpu_threads(0, 135_000_000, cores=8)
+    assert plan.busy is not None
+    plan.busy = _busy(fake, monkeypatch)
+    for _ in range(8):
+        fake.run(0.5, machine_cores=16.0, our_cores=8.0)
+        threads = plan.for_step(1)
+    assert threads == 8

@@ -93,12 +93,12 @@ class ThreadPlan:
     small: int  # threads for steps of fewer than BIG_STEP_TOKENS tokens
     big: int
     busy: BusyCores | None = None  # None: the counts stand (--worker-threads)
-    cores: int = 1
+    machine_cores: int = 1  # all this process may run on: other ranks of its group are "other processes" too
 
     def for_step(self, num_tokens: int) -> int:
         threads = self.big if num_tokens >= BIG_STEP_TOKENS else self.small
         if self.busy is not None:
-            threads = max(1, min(threads, self.cores - self.busy.busy()))
+            threads = max(1, min(threads, self.machine_cores - self.busy.busy()))
         return threads
 
     def apply(self, num_tokens: int) -> None:
@@ -113,12 +113,13 @@ def available_cores() -> int:
 
 
 def choose_cpu_threads(requested: int, num_params: int, cores: int | None = None) -> ThreadPlan:
-    """Threads for a model of ``num_params`` parameters: ``requested`` when given (> 0)."""
+    """Threads for a model of ``num_params`` parameters on ``cores`` (this rank's share of the
+    machine's): ``requested`` when given (> 0)."""
     if requested > 0:
         return ThreadPlan(requested, requested)
     cores = available_cores() if cores is None else cores
     small = cores if num_params >= ALL_CORES_FROM_PARAMS else max(1, cores - 1)
-    return ThreadPlan(small, cores, BusyCores(), cores)
+    return ThreadPlan(small, cores, BusyCores(), max(cores, available_cores()))
 
 
 def configure_cpu_threads(device: torch.device, requested: int, num_params: int, ranks: int = 1) -> ThreadPlan | None:
