@@ -184,6 +184,7 @@ def test_swap_space_grows_on_demand_and_keeps_what_it_holds() -> None:
 
 
 def test_dtype_auto_follows_the_hardware_never_a_timing() -> None:
+    from worker import cpu_isa
     from worker.model import cpu_matmul
     from worker.model.config import LlamaConfig
     from worker.model.loader import resolve_dtype
@@ -195,7 +196,7 @@ def test_dtype_auto_follows_the_hardware_never_a_timing() -> None:
     # The same answer every time, busy machine or not: nothing is timed.
     here = {resolve_dtype("auto", torch.device("cpu"), cfg) for _ in range(3)}
     assert len(here) == 1
-    want = torch.bfloat16 if cpu_matmul.has_bf16_instructions() and cpu_matmul.can_pack() else torch.float32
+    want = torch.bfloat16 if cpu_isa.has_bf16_instructions() and cpu_matmul.can_pack() else torch.float32
     assert here.pop()[0] == want
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", torch.device("cuda"), cfg)[0] == torch.bfloat16

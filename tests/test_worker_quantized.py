@@ -101,8 +101,8 @@ def test_kernel_matches_both_references_and_is_batch_invariant(layout: int, dtyp
 
 
 def test_named_dtypes_say_what_they_cost_at_start_up() -> None:
+    from worker import cpu_isa
     from worker.engine import dtype_caveats
-    from worker.model import cpu_matmul
 
     cpu = torch.device("cpu")
     assert dtype_caveats("auto", torch.bfloat16, cpu, ["Q4_1"]) == []
@@ -111,4 +111,4 @@ def test_named_dtypes_say_what_they_cost_at_start_up() -> None:
     assert "Q4_1, Q8_0 weights are dequantized to float32" in dequantized and "--dtype auto" in dequantized
     assert any("float16 on a CPU" in line for line in dtype_caveats("float16", torch.float16, cpu, []))
     emulated = any("without bfloat16 instructions" in line for line in dtype_caveats("bfloat16", torch.bfloat16, cpu, []))
-    assert emulated == (not cpu_matmul.has_bf16_instructions())
+    assert emulated == (not cpu_isa.has_bf16_instructions())

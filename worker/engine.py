@@ -14,6 +14,7 @@ import torch
 
 from protocol.config import WorkerConfig
 from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
+from worker import cpu_isa
 from worker.attention import SdpaBackend
 from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.gpu_memory import cuda_kv_blocks
@@ -200,7 +201,7 @@ def dtype_caveats(flag: str, dtype: torch.dtype, device: torch.device, quantized
     if device.type == "cpu" and dtype == torch.float16:
         lines.append("--dtype float16 on a CPU: none of Sluice's CPU kernels take float16, so every operator runs "
                      "in torch, several times slower than bfloat16 or float32")
-    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_matmul.has_bf16_instructions():
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_isa.has_bf16_instructions():
         if cpu_matmul.can_pack():
             lines.append("--dtype bfloat16 on a CPU without bfloat16 instructions (AVX512-BF16 or AMX): Sluice's "
                          "kernels widen it to float32 in registers (half the weight bytes of float32, float32's "

@@ -23,8 +23,8 @@ bfloat16 made those 10.4 / 21.8 / 57 ms, and the rest of the worker's kernels pl
 
 ``--dtype auto`` on the CPU is bfloat16 where the CPU has bfloat16 instructions (AVX512-BF16 or
 AMX) and a packed bfloat16 linear is at hand, float32 elsewhere (without the instructions
-bfloat16 is float32 arithmetic on widened values, which only reads fewer bytes). It is decided from the hardware, never from
-a timing: a start-up measurement under load is noise (seen: "1 row: float32 7259 us, bfloat16
+bfloat16 is float32 arithmetic on widened values, which only reads fewer bytes). It is decided
+from the hardware, never from a timing: a start-up measurement under load is noise (seen: "1 row: float32 7259 us, bfloat16
 7961 us" on a CPU where bfloat16 is 1.7x faster undisturbed), so two identical servers could
 pick different dtypes, and a worker restarted after a crash could come back in another
 precision than the one its recomputed streams were generated in. float32 stays the exact
@@ -45,10 +45,6 @@ from worker.kernels import cpu as cpu_kernels
 from worker.model.layers import Linear
 
 PACKED_FOR_ROWS = 16  # the batch size oneDNN's packed layout is chosen for
-
-def has_bf16_instructions() -> bool:
-    return cpu_isa.has_bf16_instructions()
-
 
 def onednn_bf16() -> bool:
     """oneDNN's packed bfloat16 linear is in this torch build and has a path on this CPU."""
@@ -108,7 +104,7 @@ class DtypeChoice:
 def choose_dtype(bf16_instructions: bool | None = None) -> DtypeChoice:
     """``--dtype auto`` on the CPU, from the hardware alone (see the module docstring)."""
     if bf16_instructions is None:
-        bf16_instructions = has_bf16_instructions()
+        bf16_instructions = cpu_isa.has_bf16_instructions()
     if not bf16_instructions:
         return DtypeChoice(torch.float32, "no bfloat16 instructions on this CPU")
     if not can_pack():
