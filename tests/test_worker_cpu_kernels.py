@@ -49,7 +49,7 @@ def _layout(seed: int, rows: int, block_size: int, num_blocks: int, longest: int
     return tables, starts
 
 
-# head_dim 24: the plain loops, not the AVX-512 path; bfloat16 at head_dim 64 or 128 with blocks of
+# head_dim 24: the plain loops, not the vector path; bfloat16 at head_dim 64 or 128 with blocks of
 # 16 or 32: the pairs layout (two chunks a block at 32)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "window"),
                          [(9, 3, 64, 16, None), (4, 4, 32, 8, None), (8, 2, 16, 16, 37), (6, 1, 128, 4, 5),

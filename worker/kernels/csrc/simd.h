@@ -1,7 +1,7 @@
 /* Vector helpers shared by the kernels.
  *
  * First the AVX-512 ones: 16 float32 or bfloat16 values loaded as float32 and stored back
- * (bfloat16 rounded to nearest even, as torch rounds), and exp of 16 floats.
+ * (bfloat16 rounded to nearest even, as torch rounds).
  *
  * Then `vf`, a vector of VL float32 lanes of either width: 16 with AVX-512, 8 with AVX2 and FMA
  * (x86-64-v3), no VL at all below that. A kernel whose shape is the same on both instruction sets
@@ -44,25 +44,6 @@ static inline void store16(void *base, int64_t i, __m512 v, const int bf16) {
     } else {
         _mm512_storeu_ps((float *)base + i, v);
     }
-}
-
-/* exp(x): 2^(x log2 e) split into an integer n and f in [-1/2, 1/2]; 2^f by its Taylor series to
- * degree 6 (relative error ~1e-7, float32's own), then scaled by 2^n. Below 2^-126 the result is
- * that tiny value instead of 0, which no softmax sum notices; past 2^128 it is infinity (silu of a
- * very negative input then gives -0, as torch's does). Not torch's exp bit for bit: silu through
- * it may differ from torch's by one unit in the last place, the same in both of Sluice's paths. */
-static inline __m512 exp512(__m512 x) {
-    __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* The sums of a, b, c and d's sixteen lanes, as one vector of four: pairwise within each 128-bit
@@ -120,7 +101,9 @@ static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vload(const void *base, int64_t i, const int bf16) { return load16(base, i, bf16); }
 static inline void vstore(void *base, int64_t i, vf v, const int bf16) { store16(base, i, v, bf16); }
-static inline vf vexp(vf x) { return exp512(x); }
+static inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf vround_nearest(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vscale_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); } /* p 2^n, rounded once */
 static inline vf vround_bf16(vf v) { return round_to_bf16(v); }
 static inline vf vload_partial(const void *p, int o, int out, const int bf16) { return load_partial16(p, o, out, bf16); }
 static inline void vstore_partial(void *y, int o, int out, vf v, const int bf16) { store_partial16(y, o, out, v, bf16); }
@@ -179,20 +162,11 @@ static inline void vstore(void *base, int64_t i, vf v, const int bf16) {
     }
 }
 
-/* exp512's method, lane for lane (the same polynomial and rounding; 2^n applied as two exact
- * halves, as vscalefps rounds once), so silu gives the same bits on both instruction sets. */
-static inline vf vexp(vf x) {
-    __m256 t = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-126.0f));
-    t = _mm256_min_ps(t, _mm256_set1_ps(254.0f)); /* past 2^128 either way: infinity */
-    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718055994531f));
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+static inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf vround_nearest(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+/* p 2^n for integral n in [-126, 254], rounded once as vscalefps rounds: 2^n as two exact halves. */
+static inline vf vscale_pow2(vf p, vf n) {
     const __m256i ni = _mm256_cvtps_epi32(n);
     const __m256i low = _mm256_srai_epi32(ni, 1), high = _mm256_sub_epi32(ni, low); /* each in [-63, 127] */
     const __m256 two_low = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(low, _mm256_set1_epi32(127)), 23));
@@ -254,5 +228,28 @@ static inline vf vpair_second(vf pairs) {
     return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(pairs), _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 #endif /* VL */
+
+#ifdef VL
+/* exp(x): 2^(x log2 e) split into an integer n and f in [-1/2, 1/2]; 2^f by its Taylor series to
+ * degree 6 (relative error ~1e-7, float32's own), then scaled by 2^n. Below 2^-126 the result is
+ * that tiny value instead of 0, which no softmax sum notices; past 2^128 it is infinity (silu of a
+ * very negative input then gives -0, as torch's does). Not torch's exp bit for bit: silu through
+ * it may differ from torch's by one unit in the last place, the same in both of Sluice's paths.
+ * The same operations lane for lane on either width: silu gives the same bits on both sets. */
+static inline vf vexp(vf x) {
+    vf t = vmax(vmul(x, vset1(1.44269504088896341f)), vset1(-126.0f));
+    t = vmin(t, vset1(254.0f)); /* past 2^128 either way: infinity */
+    const vf n = vround_nearest(t);
+    const vf f = vmul(vsub(t, n), vset1(0.69314718055994531f));
+    vf p = vset1(1.0f / 720.0f);
+    p = vfma(p, f, vset1(1.0f / 120.0f));
+    p = vfma(p, f, vset1(1.0f / 24.0f));
+    p = vfma(p, f, vset1(1.0f / 6.0f));
+    p = vfma(p, f, vset1(0.5f));
+    p = vfma(p, f, vset1(1.0f));
+    p = vfma(p, f, vset1(1.0f));
+    return vscale_pow2(p, n);
+}
+#endif
 
 #endif
