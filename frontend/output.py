@@ -124,6 +124,7 @@ class Output:
         self.prompt_logprobs: list[PromptLogprob] | None = None
         self.reasons: dict[int, str] = {}  # by choice index: how it ended, as the client sees it
         self.error: str | None = None  # an engine error ended the response
+        self.error_status = 503  # its status, had no token gone out: 500 when the output path failed
         self.abort_reason: str | None = None  # why the server aborted it (``--request-timeout``)
         self.open = request.n  # choices not ended yet
         self.buffer: list[bytes] = []
@@ -239,6 +240,26 @@ class Output:
                 self._render_backlog()  # text merged for the next write goes before the error
             self.put(error_chunk(message))
         self._complete()
+
+    def fault(self, message: str) -> None:
+        """The output path itself failed on this response: like ``fail``, but nothing more goes
+        through its renderer or its merged text (either may be what raised)."""
+        if self.closed or self.error is not None:
+            return
+        self.error, self.error_status = message, 500
+        for choice in self.choices:
+            if not choice.ended:
+                choice.ended = True
+                self.reasons[choice.index] = FinishReason.ERROR
+            choice.unsent_text, choice.unsent_ids = [], []
+        self.backlogged = False
+        self.open = 0
+        if self.streaming:
+            self.put(error_chunk(message, code="internal_error"))
+            if self.terminal:
+                self.put(SSE_DONE)
+            self.closed = True
+        self.done.set()
 
     def _complete(self) -> None:
         if self.streaming:
@@ -381,30 +402,41 @@ class OutputProcessor:
             c.generated.append(token)
             finish = finishes.pop(rid) if finishes is not None and last is not None and last.get(rid) == i else None
             lp = logprobs.get(rid) if logprobs else None
-            if finish is not None and finish.reason == FinishReason.STOP and token in c.silent_ids:
-                text = ""
-            else:
-                text = c.detok.push(token)
-            stops = c.stops
-            if stops is not None:
-                text, hit = stops.feed(text)
-                if hit:
-                    if finish is not None:
-                        c.output.finishes[c.index] = finish
-                    else:  # still running in the scheduler: stop it there
-                        c.abort_sent = True
-                        self._abort(rid)
-                    self._end(c, text, [token], [lp], FinishReason.STOP)
-                    continue
-            if finish is not None:
-                self._finish(c, finish, text, [token], [lp])
-            else:
-                c.output.emit(c, text, token, lp)
+            # The fault boundary: whatever one choice's text does to its detokenizer, stop
+            # strings, tool parser or renderer ends that response alone (``_fault``); the rest of
+            # the batch goes on. (A ``try`` costs nothing until something raises.)
+            try:
+                if finish is not None and finish.reason == FinishReason.STOP and token in c.silent_ids:
+                    text = ""
+                else:
+                    text = c.detok.push(token)
+                stops = c.stops
+                if stops is not None:
+                    text, hit = stops.feed(text)
+                    if hit:
+                        if finish is not None:
+                            c.output.finishes[c.index] = finish
+                        else:  # still running in the scheduler: stop it there
+                            c.abort_sent = True
+                            self._abort(rid)
+                        self._end(c, text, [token], [lp], FinishReason.STOP)
+                        continue
+                if finish is not None:
+                    self._finish(c, finish, text, [token], [lp])
+                else:
+                    c.output.emit(c, text, token, lp)
+            except Exception as e:
+                if finish is not None:
+                    c.output.finishes[c.index] = finish
+                self._fault(c, e)
         if finishes:
             for finish in finishes.values():
                 c = choices.get(finish.rid)
                 if c is not None:
-                    self._finish(c, finish, "", [], [])
+                    try:
+                        self._finish(c, finish, "", [], [])
+                    except Exception as e:
+                        self._fault(c, e)
         if counted and self.metrics is not None:
             self.metrics.count_tokens(counted)
 
@@ -428,6 +460,19 @@ class OutputProcessor:
         output.fail(message)
         for choice in output.choices:
             self._drop(choice)
+
+    def _fault(self, c: Choice, error: Exception) -> None:
+        """Rendering ``c``'s output raised (a bug, or model text that some part of the output
+        path could not take): its response ends with an error chunk and its choices still
+        running are aborted in the scheduler, so their blocks come back. Nothing else in the
+        batch is touched."""
+        output = c.output
+        log.exception("request %s: its output could not be rendered (%s: %s); ending it with an error, the "
+                      "other requests go on", c.request_id, type(error).__name__, error, exc_info=error)
+        output.fault(f"the server could not render this response's output ({type(error).__name__}); "
+                     "the request was stopped")
+        for rid in self.release(output):
+            self._abort(rid)
 
     def fail_all(self, message: str) -> list[int]:
         """Every live response ends with an engine error; returns the rids to abort."""

@@ -24,10 +24,11 @@ def sse(obj: object) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
 
 
-def error_chunk(message: str) -> bytes:
-    """An engine failure after the headers went out travels as a chunk in OpenAI's error shape."""
-    return sse({"error": {"message": message, "type": "service_unavailable", "param": None,
-                          "code": "engine_error"}})
+def error_chunk(message: str, code: str = "engine_error") -> bytes:
+    """A failure after the headers went out travels as a chunk in OpenAI's error shape: an engine
+    that failed (``engine_error``), or the server's own output path (``internal_error``)."""
+    kind = "server_error" if code == "internal_error" else "service_unavailable"
+    return sse({"error": {"message": message, "type": kind, "param": None, "code": code}})
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, object]:

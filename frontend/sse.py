@@ -89,7 +89,7 @@ class StreamResponse:
                 if output.error is not None and not output.produced:
                     # The engine refused it before any token (no worker, a failure): a plain 503,
                     # as a request that does not stream gets, rather than a stream of one error.
-                    await APIError(503, output.error, code="engine_error").response()(scope, receive, send)
+                    await _error(output).response()(scope, receive, send)
                     return
                 await send({"type": "http.response.start", "status": 200, "headers": self.headers})
                 data = first
@@ -162,9 +162,9 @@ class BatchStreamResponse:
                 takes = {asyncio.ensure_future(output.take()): output for output in outputs}
                 # Headers wait for the first output, so that a refusal is a 503 (``StreamResponse``).
                 await asyncio.wait(takes, timeout=HEADERS_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
-                refused = next((o.error for o in outputs if o.error is not None), None)
+                refused = next((o for o in outputs if o.error is not None), None)
                 if refused is not None and not any(o.produced for o in outputs):
-                    await APIError(503, refused, code="engine_error").response()(scope, receive, send)
+                    await _error(refused).response()(scope, receive, send)
                     return
                 await send({"type": "http.response.start", "status": 200, "headers": self.headers})
                 failed = False
@@ -215,9 +215,17 @@ async def collect_all(outputs: list[Output], receive: Receive) -> None:
             await watcher
     if any(output.gone for output in outputs):
         raise APIError(400, "client disconnected")
-    error = next((output.error for output in outputs if output.error is not None), None)
-    if error is not None:
-        raise APIError(503, error, code="engine_error")
+    failed = next((output for output in outputs if output.error is not None), None)
+    if failed is not None:
+        raise _error(failed)
+
+
+def _error(output: Output) -> APIError:
+    """What a response that ended in an error before its first token answers: 503 when the engine
+    failed it, 500 when the server's own output path did."""
+    assert output.error is not None
+    code = "internal_error" if output.error_status == 500 else "engine_error"
+    return APIError(output.error_status, output.error, code=code)
 
 
 class StreamWatchdog:

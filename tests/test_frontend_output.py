@@ -157,3 +157,52 @@ def test_echoed_prompt_scores_render_once_they_come_and_a_mis_sized_set_is_not_s
         chunk = events(output.buffer[0])[0]["choices"][0]
         assert chunk["logprobs"]["token_logprobs"] == [*shown, -1.0]
         assert chunk["text"].endswith(TOKENIZER.decode([7]))
+
+
+class RaisingRenderer(CompletionRenderer):
+    """A renderer with a bug that only one request's text reaches: it raises on ``bad``."""
+
+    def __init__(self, bad: str, *args: object) -> None:
+        super().__init__(*args)
+        self.bad = bad
+
+    def token(self, choice, text):  # type: ignore[no-untyped-def]
+        if self.bad in text:
+            raise ValueError(f"cannot render {text!r}")
+        return super().token(choice, text)
+
+
+def test_a_choice_that_raises_ends_alone_and_the_rest_of_the_batch_goes_on() -> None:
+    """Before the fault boundary the exception left ``process`` mid-batch: every row after the
+    raising one lost its token, on every batch of that request's life."""
+    ids = TOKENIZER.encode_text(" one two three four five six")
+    bad_at = 2
+    bad = TOKENIZER.decode(ids[bad_at : bad_at + 1]).strip()
+
+    async def run() -> tuple[bytes, bytes, list[int]]:
+        aborted: list[int] = []
+        processor = OutputProcessor(aborted.append)
+        outputs = []
+        for rid, renderer in ((10, RaisingRenderer(bad, "cmpl-bad", 0, "m", TOKENIZER, [1], False, None)),
+                              (20, CompletionRenderer("cmpl-ok", 0, "m", TOKENIZER, [1], False, None))):
+            request = AddRequest(rid, f"cmpl-{rid}", [1], SamplingParams(max_tokens=100, ignore_eos=True))
+            outputs.append(Output(request, TOKENIZER, [], renderer, streaming=True, include_usage=False))
+            processor.add(outputs[-1])
+        for i, token in enumerate(ids):
+            last = i == len(ids) - 1
+            finished = [Finish(20, "length", 1, 0, i + 1)] if last else []
+            # The raising request comes first in every batch, the healthy one after it.
+            processor.process(TokenBatch([10, 20], [token, token], finished, pack_logprobs([])))
+        bad_out = b"".join(outputs[0].buffer)
+        good_out = b"".join(outputs[1].buffer)
+        return bad_out, good_out, aborted
+
+    bad_out, good_out, aborted = asyncio.run(run())
+    good = events(good_out)
+    assert "".join(e["choices"][0]["text"] for e in good) == TOKENIZER.decode(ids)
+    assert good[-1]["choices"][0]["finish_reason"] == "length" and good_out.endswith(b"data: [DONE]\n\n")
+    bad_events = events(bad_out)
+    assert len(bad_events) == bad_at + 1, "its text up to the fault, then the error"
+    assert bad_events[-1]["error"]["code"] == "internal_error"
+    assert bad_out.endswith(b"data: [DONE]\n\n")
+    assert aborted == [10], "the faulted request is stopped in the scheduler (its blocks come back)"
