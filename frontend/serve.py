@@ -38,7 +38,7 @@ from starlette.applications import Starlette
 
 from frontend.app import build_app
 from frontend.errors import APIError
-from frontend.shutdown import GracefulServer
+from frontend.shutdown import GracefulServer, say
 from protocol import supervision
 from protocol.config import FrontendConfig, SchedulerConfig, WorkerConfig, to_json
 
@@ -151,8 +151,8 @@ class _Startup:
             return
         with contextlib.suppress(APIError):  # built now, not on the first request's path (82 ms for SmolLM2's)
             state.require_tokenizer()
-        print(f"Sluice is ready: serving {state.model_name} {where(self.config.host, self.config.port)} "
-              "(OpenAI API under /v1)", flush=True)
+        say(f"Sluice is ready: serving {state.model_name} {where(self.config.host, self.config.port)} "
+            "(OpenAI API under /v1)")
         await self._supervise()
 
     async def _supervise(self) -> None:
@@ -252,7 +252,7 @@ def run_frontend(config: FrontendConfig, children: Sequence[Child] = (), sock: s
         startup.server.run(sockets=[sock])
     finally:
         if stop_by is None and deadline[0] != float("inf"):
-            print("Stopped.", flush=True)  # ``sluice frontend``; ``serve`` says it once its children are gone
+            say("Stopped.")  # ``sluice frontend``; ``serve`` says it once its children are gone
     return startup.exit_code
 
 
@@ -343,4 +343,4 @@ def serve(frontend: FrontendConfig, scheduler: SchedulerConfig, worker: WorkerCo
         _stop([child.proc for child in children if child.proc is not None], deadline)
         shutil.rmtree(sock_dir, ignore_errors=True)
         if stopping:
-            print("Stopped.", flush=True)
+            say("Stopped.")

@@ -47,14 +47,15 @@ class GracefulServer(uvicorn.Server):
         if self.state.draining or self._loop is None or self.should_exit:
             super().handle_exit(sig, frame)  # a second signal (or not started yet): stop now
             return
+        # Nothing here may raise before the drain is scheduled: a handler that stops half-way
+        # leaves a server that answers 503 to everything and holds its port until a second signal.
         self.state.draining = True
         self.stop_by[0] = time.monotonic() + self.grace_s + self.after_grace_s
-        live = self.state.client.num_live
-        requests = "1 request in flight gets" if live == 1 else f"{live} requests in flight get"
-        print(f"Stopping: {requests} up to {self.grace_s:g} s to finish (press Ctrl-C again to stop at once)…",
-              flush=True)
         self._captured_signals.append(sig)
         self._loop.call_soon_threadsafe(self._start_drain)
+        live = self.state.client.num_live
+        requests = "1 request in flight gets" if live == 1 else f"{live} requests in flight get"
+        say(f"Stopping: {requests} up to {self.grace_s:g} s to finish (press Ctrl-C again to stop at once)…")
 
     def _start_drain(self) -> None:
         self._drain_task = asyncio.get_running_loop().create_task(self.drain())
@@ -70,6 +71,15 @@ class GracefulServer(uvicorn.Server):
             await client.abort_all()
             await _wait(lambda: client.num_live == 0, ABORT_FLUSH_S)
         self.should_exit = True
+
+
+def say(line: str) -> None:
+    """A line for the person at the terminal, from a signal handler: stdout may be a closed pipe
+    (``sluice serve | head -1``) or gone, and a stop must never fail for want of an audience."""
+    try:
+        print(line, flush=True)
+    except (OSError, ValueError):  # BrokenPipeError, or stdout closed
+        pass
 
 
 async def _wait(done: Callable[[], bool], timeout: float) -> None:

@@ -6,12 +6,14 @@ import glob
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
-from sluice_server import SluiceServer
+from sluice_server import SluiceServer, free_port
 
 
 def _session_pids(sid: int) -> set[int]:
@@ -191,3 +193,38 @@ def test_the_ready_line_names_a_url_one_can_open() -> None:
     assert where("127.0.0.1", 8000) == "at http://127.0.0.1:8000"
     assert where("::1", 8000) == "at http://[::1]:8000"
     assert where("0.0.0.0", 8000).startswith("at http://127.0.0.1:8000 on all interfaces (0.0.0.0:8000;")
+
+
+def test_ctrl_c_stops_serve_when_its_stdout_is_a_closed_pipe(tmp_path: Path) -> None:
+    """``sluice serve | head -1`` then Ctrl-C: the handler's "Stopping…" line met a closed pipe,
+    raised BrokenPipeError after draining began and before the drain was scheduled, and the
+    server answered 503 to everything and held its port until a second signal."""
+    before = set(glob.glob("/tmp/sluice-*"))
+    port = free_port()
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "frontend", "serve", "--model", "tiny", "--dtype", "float32",
+                             "--num-kv-blocks", "64", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # what ``head -1`` reads; then it exits
+        assert b"Sluice is ready" in first, (tmp_path / "serve.log").read_text()
+        proc.stdout.close()
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 3},
+                          timeout=60).status_code == 200
+        started = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the terminal's whole process group
+        proc.wait(timeout=30)
+        elapsed = time.monotonic() - started
+        assert elapsed < 5.0, f"took {elapsed:.1f} s to stop"
+        assert proc.returncode in (0, 120), (tmp_path / "serve.log").read_text()  # 120: stdout lost at exit
+        deadline = time.monotonic() + 2
+        while _session_pids(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _session_pids(proc.pid), "no orphan processes"
+        assert set(glob.glob("/tmp/sluice-*")) <= before, "socket directory removed"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
