@@ -95,7 +95,8 @@ def build_app(config: FrontendConfig, client: EngineClient | None = None) -> Sta
     engine = EngineGroup([client]) if client is not None else EngineGroup.connect(config.addresses, curve)
     state = AppState(config, engine)
 
-    watchdog = StreamWatchdog(lambda: (h.output for h in engine.handles), config.client_stall_timeout)
+    watchdog = StreamWatchdog(lambda: (h.output for h in engine.handles), config.client_stall_timeout,
+                              config.sse_keepalive)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -71,6 +71,10 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
         p.add_argument("--client-stall-timeout", type=float, default=30.0,
                        help="a streaming client that reads nothing for this many seconds is dropped and its "
                             "request aborted")
+        p.add_argument("--sse-keepalive", type=float, default=15.0,
+                       help="a stream silent this many seconds (a long queue, a paused request, a worker "
+                            "restarting) gets a blank line that every SSE client skips, so proxies keep it "
+                            "open; 0 = never")
         p.add_argument("--shutdown-grace", type=float, default=3.0,
                        help="on SIGTERM/Ctrl-C, seconds requests in flight get to finish before they are "
                             "aborted (a second signal stops at once)")
@@ -139,7 +143,7 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                             "worker and their streams continue; past this, they end with an error")
         p.add_argument("--worker-restart-wait", type=float, default=60.0,
                        help="seconds live requests wait for a lost worker to come back (their streams stay open, "
-                            "with keep-alive comments); then they end with an error")
+                            "with heartbeats); then they end with an error")
         _bool_flag(p, "--enable-prefix-caching", True, "reuse KV blocks of identical prompt prefixes")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="what the processes log (debug also logs each HTTP request)")

@@ -16,7 +16,7 @@ text is merged into one pending chunk, see ``Output.emit``), and other streams a
 write that stays blocked for ``--client-stall-timeout`` seconds means the client is gone in all
 but name: ``StreamWatchdog`` (one task for all streams, instead of a timer around every write)
 cancels that writer, which closes the connection and aborts the request. It also sends a
-keep-alive comment on a stream silent for ``KEEPALIVE_S``.
+heartbeat on a stream silent for ``--sse-keepalive`` seconds (``KEEPALIVE``).
 """
 
 from __future__ import annotations
@@ -40,8 +40,14 @@ log = logging.getLogger("sluice.frontend")
 INCOMPLETE = "ASGI callable returned without completing response."
 WATCHDOG_INTERVAL_S = 1.0
 HEADERS_WAIT_S = 1.0  # a stream's headers wait this long for its first output (a refusal is a 503)
-KEEPALIVE_S = 5.0  # a stream silent this long gets an SSE comment: proxies (nginx: 60 s) keep it open
-KEEPALIVE = b": keep-alive\n\n"
+KEEPALIVE_S = 15.0  # the default --sse-keepalive: well inside the 60 s after which proxies (nginx) close
+# The heartbeat: one bare line terminator, between two events. To an SSE parser that is an empty
+# line with no data pending, which dispatches nothing (the SSE standard; the openai client's
+# decoder, httpx-sse and browsers' EventSource all skip it), and clients that read lines skip
+# blank ones. A comment (": keep-alive") is correct SSE too, but ``vllm bench serve`` strips each
+# network read before splitting events on blank lines: a comment that arrived alone was glued to
+# the next event and nothing after it parsed. A bare "\n" stripped is nothing, and is skipped.
+KEEPALIVE = b"\n"
 
 
 class _ExpectedIncomplete(logging.Filter):
@@ -231,13 +237,15 @@ def _error(output: Output) -> APIError:
 class StreamWatchdog:
     """Looks at every stream once a second: drops one whose write has been blocked for
     ``timeout`` seconds (between ``timeout`` and ``timeout + 1`` seconds in), and gives one that
-    has been silent for ``KEEPALIVE_S`` an SSE comment (clients ignore it; proxies that close idle
+    has been silent for ``keepalive`` seconds a heartbeat (clients skip it; proxies that close idle
     connections see traffic) — while a request waits in a long queue, a paused one, or one whose
-    worker is being restarted."""
+    worker is being restarted. ``keepalive`` 0: no heartbeats."""
 
-    def __init__(self, outputs: Callable[[], Iterable[Output]], timeout: float) -> None:
+    def __init__(self, outputs: Callable[[], Iterable[Output]], timeout: float,
+                 keepalive: float = KEEPALIVE_S) -> None:
         self._outputs = outputs
         self.timeout = timeout
+        self.keepalive = keepalive
 
     async def run(self) -> None:
         while True:
@@ -254,7 +262,7 @@ class StreamWatchdog:
                 output.stalled = True
                 _expected.pending += 1
                 output.writer.cancel()
-            elif (not started and output.last_write and now - output.last_write >= KEEPALIVE_S
+            elif (self.keepalive and not started and output.last_write and now - output.last_write >= self.keepalive
                   and not output.buffer and not output.closed):
                 output.last_write = now
                 output.put(KEEPALIVE)

@@ -174,6 +174,7 @@ class FrontendConfig:
     shutdown_grace: float = 3.0  # seconds in-flight requests get to finish on SIGTERM
     max_request_body: int = 16 * 2**20  # bytes; larger bodies get 413
     client_stall_timeout: float = 30.0  # a stream whose client reads nothing this long is dropped
+    sse_keepalive: float = 15.0  # seconds of silence before a stream gets a heartbeat; 0 = never
     request_timeout: float = 0.0  # seconds from arrival before a request is aborted; 0 = none
     curve_keys: str | None = None
     insecure_zmq: bool = False
@@ -192,6 +193,8 @@ class FrontendConfig:
             raise ConfigError("--request-timeout must be >= 0 seconds (0 = none)")
         if self.client_stall_timeout <= 0:
             raise ConfigError("--client-stall-timeout must be > 0 seconds")
+        if self.sse_keepalive < 0:
+            raise ConfigError("--sse-keepalive must be >= 0 seconds (0 = no heartbeats)")
         if self.shutdown_grace < 0:
             raise ConfigError("--shutdown-grace must be >= 0 seconds")
 

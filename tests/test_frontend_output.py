@@ -128,13 +128,15 @@ def test_the_watchdog_keeps_a_silent_stream_alive_and_drops_a_stalled_one() -> N
         never = asyncio.get_running_loop().create_future()
         quiet.writer = asyncio.ensure_future(never)
         stalled.writer = asyncio.ensure_future(asyncio.sleep(60))
-        watchdog = StreamWatchdog(lambda: [quiet, stalled], timeout=30)
-        quiet.last_write = 100.0  # its last write, 4 then 6 seconds before the checks
+        watchdog = StreamWatchdog(lambda: [quiet, stalled], timeout=30, keepalive=KEEPALIVE_S)
+        quiet.last_write = 100.0  # its last write, just under then just over KEEPALIVE_S before the checks
         stalled.write_started = 100.0  # a write blocked since then
         watchdog.check(100.0 + KEEPALIVE_S - 1)
         assert quiet.buffer == [] and not stalled.stalled
         watchdog.check(100.0 + KEEPALIVE_S + 1)
-        assert quiet.buffer == [KEEPALIVE], "a comment every KEEPALIVE_S of silence"
+        assert quiet.buffer == [KEEPALIVE], "a heartbeat every KEEPALIVE_S of silence"
+        watchdog.check(100.0 + KEEPALIVE_S + 2)
+        assert quiet.buffer == [KEEPALIVE], "not again before another KEEPALIVE_S"
         watchdog.check(100.0 + 31)
         assert stalled.stalled and quiet.buffer == [KEEPALIVE]
         await asyncio.sleep(0)
@@ -142,6 +144,14 @@ def test_the_watchdog_keeps_a_silent_stream_alive_and_drops_a_stalled_one() -> N
         quiet.writer.cancel()
 
     asyncio.run(run())
+
+
+def test_no_heartbeat_when_they_are_off() -> None:
+    _, quiet, _ = make()
+    quiet.writer = object()  # type: ignore[assignment]  # a stream being written
+    quiet.last_write = 100.0
+    StreamWatchdog(lambda: [quiet], timeout=30, keepalive=0).check(100.0 + 1000)
+    assert quiet.buffer == []
 
 
 def test_echoed_prompt_scores_render_once_they_come_and_a_mis_sized_set_is_not_shown() -> None:
