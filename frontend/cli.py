@@ -197,6 +197,9 @@ def build_parser(env_command: str | None = None) -> SluiceParser:
                                 "other ranks connect to it")
             p.add_argument("--tp-timeout", type=float, default=60.0,
                            help="seconds every tensor-parallel rank gets to reach the rendezvous")
+            _bool_flag(p, "--insecure-tp", False,
+                       "allow --tp-master on a non-loopback address: torch.distributed's links have no "
+                       "authentication, so only on a private network you trust")
         p.add_argument("--curve-keys", default=None, metavar="DIR",
                        help="a `sluice keys` directory: CurveZMQ (encryption, and only known peers) on the links "
                             "to the scheduler (default: none; needed off loopback)" + SAYS_DEFAULT)

@@ -9,6 +9,7 @@ mid-way. Only then does uvicorn stop (closing the listener and the connections).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -76,10 +77,8 @@ class GracefulServer(uvicorn.Server):
 def say(line: str) -> None:
     """A line for the person at the terminal, from a signal handler: stdout may be a closed pipe
     (``sluice serve | head -1``) or gone, and a stop must never fail for want of an audience."""
-    try:
+    with contextlib.suppress(OSError, ValueError):  # BrokenPipeError, or stdout closed
         print(line, flush=True)
-    except (OSError, ValueError):  # BrokenPipeError, or stdout closed
-        pass
 
 
 async def _wait(done: Callable[[], bool], timeout: float) -> None:

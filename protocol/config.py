@@ -134,6 +134,7 @@ class WorkerConfig:
     # Rank 0 hosts the group's rendezvous here (bound to this address only); the others connect.
     tp_master: str = "127.0.0.1:29500"
     tp_timeout: float = 60.0  # seconds every rank gets to reach the rendezvous
+    insecure_tp: bool = False  # allow the rendezvous on a network address (no authentication there)
     curve_keys: str | None = None
     insecure_zmq: bool = False
     log_level: str = "info"
@@ -154,6 +155,13 @@ class WorkerConfig:
                               f"{self.tensor_parallel_size}), got {self.rank}")
         if self.tp_timeout <= 0:
             raise ConfigError("--tp-timeout must be > 0 seconds")
+        if self.tensor_parallel_size > 1 and not self.insecure_tp and not is_loopback(f"tcp://{self.tp_master}"):
+            # torch.distributed's rendezvous and collectives have no keys: whoever reaches the
+            # port first takes a rank, and then sees and feeds every step's activations.
+            raise ConfigError(f"will not host or join the tensor-parallel rendezvous at {self.tp_master} off this "
+                              "machine: torch.distributed's links carry no authentication, and anyone who reaches "
+                              "it first can take a rank. Keep the ranks on a private network and pass "
+                              "--insecure-tp (env SLUICE_INSECURE_TP=1) to say so")
         if self.generation_config not in ("auto", "none"):
             raise ConfigError("--generation-config must be auto or none")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -23,6 +23,8 @@ from sluice_server import SluiceServer, child_pid, free_port, running_server, st
 from test_components_tcp import _free_port_block
 from test_serve_worker_crash import Stream, complete, wait_until
 
+from protocol.config import WorkerConfig
+
 AUTH = {"Authorization": "Bearer t"}
 PROMPTS = [[1, 5, 9, 33, 70, 12], [1, *range(100, 140)], [1, 200, 3, 4]]
 NEW_TOKENS = 24
@@ -204,3 +206,15 @@ def test_ranks_started_unlike_each_other_stop_with_the_difference(kv2: Path) -> 
         stop_processes(procs)  # type: ignore[arg-type]
     assert procs[1].returncode == 1 and procs[0].returncode == 1
     assert "dtype 'bfloat16' (rank 0: 'float32')" in errors[1], errors[1][-3000:]
+
+
+def test_a_rendezvous_off_this_machine_needs_insecure_tp(kv2: Path) -> None:
+    """torch.distributed's links have no keys: a rank on a network address is refused unless the
+    user says the network is private (before, anyone reaching the port first could take a rank)."""
+    command = [*_worker(kv2, 1, 29500), "--tp-master", "10.255.0.1:29500"]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "--insecure-tp" in r.stderr and "10.255.0.1:29500" in r.stderr, r.stderr[-3000:]
+    config = WorkerConfig(tensor_parallel_size=2, tp_master="10.255.0.1:29500", insecure_tp=True)
+    assert config.insecure_tp  # said explicitly: accepted
+    assert WorkerConfig(tensor_parallel_size=2, tp_master="localhost:29500").tp_master == "localhost:29500"
