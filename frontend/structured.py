@@ -9,8 +9,9 @@ A request names at most one constraint, in any of the shapes clients send:
 * vLLM's older flat fields ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
 
 Each becomes an llguidance grammar (its JSON text), validated here against the model's tokenizer
-with the engine's limits, off the event loop and within ``COMPILE_TIMEOUT_S`` — a constraint
-that does not compile is a 400 naming the field, before the request costs the engine anything.
+with the engine's limits, off the event loop on a thread of its own and within
+``COMPILE_TIMEOUT_S`` — a constraint that does not compile is a 400 naming the field, before the
+request costs the engine anything (``GrammarValidator``).
 Validated grammars are remembered (a bounded LRU keyed by the grammar's text), so a schema sent
 again costs a dictionary look-up. The worker compiles the same text into its matcher
 (``worker/structured.py``).
@@ -24,16 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import json
+import time
 from typing import Any
 
 import llguidance
 import msgspec
 
-from frontend.errors import bad_request
+from frontend.errors import APIError, bad_request
 from protocol.messages import ModelInfo
 
 COMPILE_TIMEOUT_S = 5.0
+MAX_PENDING = 64  # grammars queued or being checked; past this a request gets a 503 to retry
 CACHE_SIZE = 256
 MAX_SPEC_CHARS = 1 << 20  # a constraint's text: more than any real schema, less than a flood
 
@@ -161,12 +165,24 @@ def constraint_of(response_format: dict[str, Any] | None, structured: dict[str, 
 
 
 class GrammarValidator:
-    """Validates grammars against the served model's tokenizer, remembering the verdicts."""
+    """Validates grammars against the served model's tokenizer, remembering the verdicts.
+
+    Checks run on an executor of their own (never the default one, which long prompts'
+    tokenization uses), one at a time, at most ``MAX_PENDING`` queued: past that a request gets a
+    503 with ``Retry-After`` rather than a wait without end. The same text asked for while its
+    check runs waits for that check. A request waits ``COMPILE_TIMEOUT_S`` at most: if its
+    grammar's own check ran that long, the grammar is refused (400); if it mostly waited behind
+    others, it gets a 503 to retry, and the verdict, once the check ends, is remembered for the
+    retry. Only verdicts are remembered, never a timeout: a valid schema that merely queued is
+    not refused later."""
 
     def __init__(self) -> None:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._for: ModelInfo | None = None
         self._verdicts: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._running: dict[str, asyncio.Future[str]] = {}  # grammar -> its check, queued or running
+        self._started: dict[str, float] = {}  # grammar -> monotonic start of its check on the thread
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
 
     def _llg_tokenizer(self, model: ModelInfo) -> llguidance.LLTokenizer:
         if self._tokenizer is None or self._for is not model:
@@ -177,24 +193,47 @@ class GrammarValidator:
         return self._tokenizer
 
     def _check(self, grammar: str, model: ModelInfo) -> str:
+        self._started[grammar] = time.monotonic()
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, self._llg_tokenizer(model), limits=parser_limits())
         return messages[0] if is_error else ""
 
+    def _remember(self, grammar: str, check: asyncio.Future[str]) -> None:
+        """A check ended: its verdict is kept (whoever waited for it may have given up)."""
+        self._running.pop(grammar, None)
+        self._started.pop(grammar, None)
+        if check.cancelled() or check.exception() is not None:
+            return
+        self._verdicts[grammar] = check.result()
+        while len(self._verdicts) > CACHE_SIZE:
+            self._verdicts.popitem(last=False)
+
     async def validate(self, constraint: Constraint, model: ModelInfo) -> None:
-        """A 400 naming the field if ``constraint`` does not compile (or not within the limits)."""
-        verdict = self._verdicts.get(constraint.grammar)
-        if verdict is None:
-            try:
-                verdict = await asyncio.wait_for(asyncio.to_thread(self._check, constraint.grammar, model),
-                                                 COMPILE_TIMEOUT_S)
-            except TimeoutError:
-                verdict = f"it did not compile within {COMPILE_TIMEOUT_S:g} s"
-            self._verdicts[constraint.grammar] = verdict
-            while len(self._verdicts) > CACHE_SIZE:
-                self._verdicts.popitem(last=False)
+        """A 400 naming the field if ``constraint`` does not compile (or not within the limits);
+        a 503 to retry if the checks are too many, or this one waited too long behind others."""
+        grammar = constraint.grammar
+        verdict = self._verdicts.get(grammar)
+        if verdict is not None:
+            self._verdicts.move_to_end(grammar)
         else:
-            self._verdicts.move_to_end(constraint.grammar)
+            check = self._running.get(grammar)
+            if check is None:
+                if len(self._running) >= MAX_PENDING:
+                    raise APIError(503, f"{len(self._running)} structured-output grammars are being checked; retry "
+                                   "shortly", code="grammar_queue_full", headers={"Retry-After": "1"})
+                loop = asyncio.get_running_loop()
+                check = loop.run_in_executor(self._pool, self._check, grammar, model)
+                self._running[grammar] = check
+                check.add_done_callback(lambda done: self._remember(grammar, done))
+            try:
+                verdict = await asyncio.wait_for(asyncio.shield(check), COMPILE_TIMEOUT_S)
+            except TimeoutError:
+                started = self._started.get(grammar)
+                if started is not None and time.monotonic() - started >= COMPILE_TIMEOUT_S / 2:
+                    raise bad_request(f"{constraint.param} cannot be used: it did not compile within "
+                                      f"{COMPILE_TIMEOUT_S:g} s", constraint.param) from None
+                raise APIError(503, f"{constraint.param}: its grammar is still queued to be checked behind others; "
+                               "retry shortly", code="grammar_queue_full", headers={"Retry-After": "1"}) from None
         if verdict:
             first = verdict.strip().splitlines()[0] if verdict.strip() else verdict
             raise bad_request(f"{constraint.param} cannot be used: {first}", constraint.param)
