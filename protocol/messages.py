@@ -391,7 +391,16 @@ class Announce(msgspec.Struct, tag=True, array_like=True):
     drop every request's state and send ``WorkerReady`` again."""
 
 
-WorkerCommand = StepPlan | CancelRows | Shutdown | Announce
+class PrepareGrammar(msgspec.Struct, tag=True, array_like=True):
+    """Compile ``grammar`` now, ahead of the plans that will need it (a constrained request
+    arrived; it waits in the scheduler meanwhile, vLLM's WAITING_FOR_FSM). Answered with
+    ``GrammarReady`` once it is compiled, or failed: either way the request may run."""
+
+    grammar_id: int
+    grammar: str
+
+
+WorkerCommand = StepPlan | CancelRows | Shutdown | Announce | PrepareGrammar
 
 # --------------------------------------------------------------------------------------------
 # worker -> scheduler
@@ -436,4 +445,11 @@ class WorkerStopping(msgspec.Struct, tag=True, array_like=True):
     rank: int
 
 
-WorkerMessage = StepTokens | WorkerReady | WorkerHeartbeat | WorkerFailed | WorkerStopping
+class GrammarReady(msgspec.Struct, tag=True, array_like=True):
+    """The grammars of these ``PrepareGrammar`` ids are compiled: a plan that samples under them
+    no longer waits for the compiler."""
+
+    grammar_ids: list[int]
+
+
+WorkerMessage = StepTokens | WorkerReady | WorkerHeartbeat | WorkerFailed | WorkerStopping | GrammarReady

@@ -43,11 +43,13 @@ from protocol.messages import (
     EngineReady,
     Finish,
     FinishReason,
+    GrammarReady,
     ModelInfo,
     PauseAll,
     PauseRequest,
     Ping,
     Pong,
+    PrepareGrammar,
     QueryReply,
     RequestQuery,
     RequestsQuery,
@@ -142,6 +144,7 @@ class SchedulerProcess:
             WorkerHeartbeat: self.on_heartbeat,
             WorkerFailed: self.on_worker_failed,
             WorkerStopping: self.on_worker_stopping,
+            GrammarReady: self.on_grammar_ready,
         }
 
     # ------------------------------------------------------------------ the loop
@@ -334,6 +337,21 @@ class SchedulerProcess:
         if rejected:
             self._to_owners(TokenBatch([], [], rejected))
         else:
+            self._prepare_grammars()
+            self._cut_speculative()
+
+    def _prepare_grammars(self) -> None:
+        """Grammars that constrained requests wait for go to the worker to compile now (once
+        there is a worker: after a loss, the new one gets them when it is ready)."""
+        core = self.core
+        if core is None or not core.grammars.to_prepare or self.workers.outage is not None:
+            return
+        for grammar_id, grammar in core.grammars.to_prepare:
+            self._to_workers(PrepareGrammar(grammar_id, grammar))
+        core.grammars.to_prepare.clear()
+
+    def on_grammar_ready(self, msg: GrammarReady) -> None:
+        if self.core is not None and any([self.core.grammar_compiled(g) for g in msg.grammar_ids]):
             self._cut_speculative()
 
     def on_abort(self, msg: AbortRequest) -> None:
@@ -493,6 +511,7 @@ class SchedulerProcess:
         self.plans_in_flight = []
         self.cut_short.clear()
         self._tell_frontends()
+        self._prepare_grammars()
 
     def _new_core(self, info: ModelInfo, first_plan_id: int = 0) -> Scheduler:
         return Scheduler(self.config, info.num_kv_blocks, info.block_size, info.max_model_len, info.eos_token_ids,

@@ -32,6 +32,7 @@ from protocol.config import SchedulerConfig
 from protocol.messages import AddRequest, Finish, FinishReason, StepPlan, StepTokens, TokenBatch
 from scheduler.admission import Admission
 from scheduler.block_pool import BlockPool
+from scheduler.grammar_gate import GrammarGate
 from scheduler.plans import PlanInFlight, Plans
 from scheduler.preemption import Preemptor, Recompute, Swap
 from scheduler.queues import make_queue
@@ -65,6 +66,7 @@ class Scheduler:
         self._cut_ins: list[Request] = []
         # n > 1: choices waiting for their first sibling's prompt KV (by that sibling's rid).
         self._held: dict[int, list[Request]] = {}
+        self.grammars = GrammarGate()  # constrained requests whose grammar the worker is compiling
         self.plans = Plans(config, block_size, max_model_len, tuple(eos_token_ids), self.pool, self.queue,
                            self.requests, self._held, self._release_held, self._end, first_plan_id)
         strategy = Recompute(self.pool) if self.host_pool is None else Swap(self.pool, self.host_pool)
@@ -117,7 +119,8 @@ class Scheduler:
             return [Finish(rid, FinishReason.ERROR, num_prompt, 0, 0, reason) for rid in rids]
         first = Request(msg)
         self.requests[first.rid] = first
-        self.queue.push(first)
+        if not self.grammars.holds(first):
+            self.queue.push(first)
         for choice in range(1, msg.n):
             req = Request(msg, choice)
             self.requests[req.rid] = req
@@ -148,6 +151,7 @@ class Scheduler:
     def _detach(self, req: Request) -> None:
         """Take ``req`` out of whichever collection holds it."""
         self.queue.remove(req.rid)
+        self.grammars.remove(req)
         if req.after is not None and req in self._held.get(req.after, ()):
             self._held[req.after].remove(req)
         self.paused_requests.pop(req.rid, None)
@@ -193,13 +197,22 @@ class Scheduler:
                 self.host_pool.free(req.take_host_blocks())
             if req.blocks or req.num_computed or req.on_worker:
                 self.pool.free(req.drop_kv())
-            if req.status is not Status.PAUSED and not self._is_held(req):
+            if req.status is not Status.PAUSED and not self._is_held(req) and req not in self.grammars:
                 req.requeue()
                 self.queue.push(req)
         self.pool.reset_cache()  # the blocks' contents died with the worker
+        self.grammars.worker_replaced()
         self._cut_ins.clear()
         self.plans.clear()
         return len(self.requests)
+
+    def grammar_compiled(self, grammar_id: int) -> bool:
+        """The worker compiled a grammar: the requests that waited for it join the queue.
+        Returns whether any did (a new plan may then be worth making)."""
+        released = self.grammars.compiled(grammar_id)
+        for req in released:
+            self.queue.push(req)
+        return bool(released)
 
     def _is_held(self, req: Request) -> bool:
         return req.after is not None and req in self._held.get(req.after, ())
@@ -414,7 +427,8 @@ class Scheduler:
             "kv_usage": used / self.pool.num_blocks,
             "block_size": self.block_size,
             "running": len(self.running),
-            "waiting": len(self.queue),
+            "waiting": len(self.queue) + len(self.grammars),  # in line, or for their grammar to compile
+            "waiting_for_grammar": len(self.grammars),
             "paused": len(self.paused_requests),
             "preempted": sum(1 for r in self.queue if r.status is Status.PREEMPTED),
             "server_paused": self.paused,

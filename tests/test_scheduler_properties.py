@@ -52,6 +52,9 @@ ops = st.lists(
         st.tuples(st.just("resume"), st.integers(0, 30)),
         st.tuples(st.just("priority"), st.integers(0, 30), st.integers(-2, 2), st.booleans()),
         st.tuples(st.just("reset_cache"),),
+        # The worker reports one of the grammars it was asked to compile (constrained requests
+        # wait for theirs before they are admitted).
+        st.tuples(st.just("compiled"), st.integers(0, 3)),
         # A step; ``speculative``: the next window is planned before this one's tokens arrive;
         # ``cancel``: (row, abort or pause, the step of the window after which the worker sees it).
         st.tuples(st.just("step"), st.integers(1, 3), st.booleans(),
@@ -131,7 +134,7 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
             scored: bool = False) -> int:
         nonlocal next_rid
         rid, next_rid = next_rid, next_rid + n
-        sampling = SamplingParams(max_tokens=max_tokens, grammar="(a grammar)" if constrained else None,
+        sampling = SamplingParams(max_tokens=max_tokens, grammar=f"(grammar {rid % 3})" if constrained else None,
                                   prompt_logprobs=1 if scored else None)
         msg = AddRequest(rid, str(rid), tokens, sampling, priority, f"user{rid % 2}", float(rid), n)
         if not sched.add(msg):
@@ -180,6 +183,11 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
             cut_in_since_check |= op[3]
         elif op[0] == "reset_cache":
             sched.reset_prefix_cache()
+        elif op[0] == "compiled":
+            asked = sched.grammars.to_prepare
+            if asked:
+                grammar_id, _ = asked.pop(op[1] % len(asked))
+                sched.grammar_compiled(grammar_id)
         else:
             for _ in range(op[1]):
                 if not run_step(op[2], op[3]):
@@ -188,6 +196,9 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
     # Drain: everything accepted ends exactly once and every block comes back.
     for rid in list(sched.paused_requests):
         sched.resume(rid)
+    while sched.grammars.to_prepare:
+        sched.grammar_compiled(sched.grammars.to_prepare.pop()[0])
+    assert len(sched.grammars) == 0, "every request that waited for its grammar was released"
     for _ in range(2000):
         plan = sched.schedule()
         if plan is None:

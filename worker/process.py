@@ -32,6 +32,8 @@ from protocol.curve import CurveKeys
 from protocol.messages import (
     Announce,
     CancelRows,
+    GrammarReady,
+    PrepareGrammar,
     Shutdown,
     StepPlan,
     WorkerCommand,
@@ -212,8 +214,24 @@ class WorkerProcess:
         for cmd in self._read_available():
             if isinstance(cmd, CancelRows):
                 worker.runner.cancel(cmd)
+            elif isinstance(cmd, PrepareGrammar):  # compiling starts now, beside the plan
+                self._prepare(worker, cmd)
             else:
                 self.backlog.append(cmd)
+
+    def _prepare(self, worker: Worker, cmd: PrepareGrammar) -> None:
+        """Compile a grammar on the grammar thread; rank 0 tells the scheduler when it is done
+        (every rank compiles it: each samples under the mask)."""
+        grammars = worker.runner.grammars
+        if self.config.rank != 0:
+            if grammars is not None:
+                grammars.prepare(cmd.grammar, lambda: None)
+            return
+        ready = GrammarReady([cmd.grammar_id])
+        if grammars is None:
+            self.sender.send(ready)
+        else:
+            grammars.prepare(cmd.grammar, lambda: self.sender.send(ready))
 
     def serve(self, worker: Worker) -> int:
         """Handle commands until ``Shutdown`` (0) or a failed plan (1)."""
@@ -224,6 +242,8 @@ class WorkerProcess:
                 return 0
             if isinstance(cmd, CancelRows):
                 worker.runner.cancel(cmd)
+            elif isinstance(cmd, PrepareGrammar):
+                self._prepare(worker, cmd)
             elif isinstance(cmd, Announce):
                 # A scheduler that does not know us (it restarted): its requests are all new.
                 dropped = worker.runner.reset()

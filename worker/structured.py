@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
@@ -105,19 +106,28 @@ class GrammarEngine:
         preemption or a restart), compiled on the grammar thread."""
         return GrammarState(self._pool.submit(self._matcher, grammar, list(outputs)), self.eos_token_ids[0])
 
-    def _matcher(self, grammar: str, outputs: list[int]) -> llguidance.LLMatcher:
+    def prepare(self, grammar: str, done: Callable[[], None]) -> None:
+        """Compile ``grammar`` on the grammar thread ahead of any request's first plan (the
+        scheduler holds its requests back meanwhile); ``done`` is called on that thread when it is
+        compiled, or failed to (a request then finds out at its first token, as it would anyway)."""
+        self._pool.submit(self._compiled_matcher, grammar).add_done_callback(lambda _: done())
+
+    def _compiled_matcher(self, grammar: str) -> llguidance.LLMatcher:
         compiled = self._compiled.get(grammar)
         if compiled is not None:
             self._compiled.move_to_end(grammar)
-        else:
-            if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
-                                                         eos_token=self.eos_token_ids or None)
-            compiled = llguidance.LLMatcher(self._tokenizer, grammar, limits=parser_limits())
-            self._compiled[grammar] = compiled
-            while len(self._compiled) > CACHE_SIZE:
-                self._compiled.popitem(last=False)
-        matcher = compiled.deep_copy()
+            return compiled
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                     eos_token=self.eos_token_ids or None)
+        compiled = llguidance.LLMatcher(self._tokenizer, grammar, limits=parser_limits())
+        self._compiled[grammar] = compiled
+        while len(self._compiled) > CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def _matcher(self, grammar: str, outputs: list[int]) -> llguidance.LLMatcher:
+        matcher = self._compiled_matcher(grammar).deep_copy()
         if outputs:
             matcher.consume_tokens(outputs)
         return matcher
