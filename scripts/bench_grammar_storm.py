@@ -27,6 +27,8 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
+import itertools
+
 import bench_serve
 
 
@@ -49,7 +51,7 @@ async def plain_stream(client: httpx.AsyncClient, url: str, tokens: int) -> list
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 arrivals.append(time.perf_counter())
-    return [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return [b - a for a, b in itertools.pairwise(arrivals)]
 
 
 async def constrained(client: httpx.AsyncClient, url: str, i: int) -> bool:

@@ -22,7 +22,7 @@ import pytest
 from sluice_server import SluiceServer, running_server
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
-from bench_grammar_storm import expensive_schema  # noqa: E402
+from bench_grammar_storm import expensive_schema
 
 pytestmark = pytest.mark.timeout(600)
 ADMIN = "storm"
