@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -27,8 +28,6 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
-import itertools
-
 import bench_serve
 
 
