@@ -34,6 +34,7 @@ import llguidance
 import msgspec
 
 from frontend.errors import APIError, bad_request
+from protocol.background import lower_thread_priority
 from protocol.messages import ModelInfo
 
 COMPILE_TIMEOUT_S = 5.0
@@ -182,7 +183,8 @@ class GrammarValidator:
         self._verdicts: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._running: dict[str, asyncio.Future[str]] = {}  # grammar -> its check, queued or running
         self._started: dict[str, float] = {}  # grammar -> monotonic start of its check on the thread
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-check",
+                                                           initializer=lower_thread_priority)
 
     def _llg_tokenizer(self, model: ModelInfo) -> llguidance.LLTokenizer:
         if self._tokenizer is None or self._for is not model:

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import torch
+
+from protocol.background import lower_thread_priority
 
 log = logging.getLogger("sluice.worker")
 
@@ -90,20 +93,35 @@ class GrammarState:
 
 
 class GrammarEngine:
-    """Compiles grammars for one model's tokenizer (built on first use) on a thread of its own."""
+    """Compiles grammars for one model's tokenizer (built on first use) on a thread of its own.
+
+    A request's matcher is a copy of its grammar's compiled one. Copying takes microseconds, so
+    a grammar compiled already (the scheduler waits for ``prepare`` before it plans a request)
+    gets its matcher at once, on the caller's thread: it never queues on the grammar thread
+    behind other grammars still compiling."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._tokenizer_json = tokenizer_json
-        self._tokenizer: llguidance.LLTokenizer | None = None
-        # Touched by the grammar thread alone (one thread: no lock), as is the tokenizer.
+        self._tokenizer: llguidance.LLTokenizer | None = None  # the grammar thread's alone
+        # Written by the grammar thread, read by the main one: the lock guards the dictionary
+        # (never a compile).
         self._compiled: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar", initializer=lower_thread_priority)
 
     def start(self, grammar: str, outputs: list[int]) -> GrammarState:
         """A matcher for ``grammar`` that has consumed ``outputs`` (a request rebuilt after a
-        preemption or a restart), compiled on the grammar thread."""
+        preemption or a restart): now if the grammar is compiled, else on the grammar thread."""
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+        if compiled is not None:
+            ready: Future[llguidance.LLMatcher] = Future()
+            ready.set_result(_copy(compiled, outputs))
+            return GrammarState(ready, self.eos_token_ids[0])
         return GrammarState(self._pool.submit(self._matcher, grammar, list(outputs)), self.eos_token_ids[0])
 
     def prepare(self, grammar: str, done: Callable[[], None]) -> None:
@@ -113,24 +131,23 @@ class GrammarEngine:
         self._pool.submit(self._compiled_matcher, grammar).add_done_callback(lambda _: done())
 
     def _compiled_matcher(self, grammar: str) -> llguidance.LLMatcher:
-        compiled = self._compiled.get(grammar)
-        if compiled is not None:
-            self._compiled.move_to_end(grammar)
-            return compiled
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+                return compiled
         if self._tokenizer is None:
             self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
                                                      eos_token=self.eos_token_ids or None)
         compiled = llguidance.LLMatcher(self._tokenizer, grammar, limits=parser_limits())
-        self._compiled[grammar] = compiled
-        while len(self._compiled) > CACHE_SIZE:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            self._compiled[grammar] = compiled
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
         return compiled
 
     def _matcher(self, grammar: str, outputs: list[int]) -> llguidance.LLMatcher:
-        matcher = self._compiled_matcher(grammar).deep_copy()
-        if outputs:
-            matcher.consume_tokens(outputs)
-        return matcher
+        return _copy(self._compiled_matcher(grammar), outputs)
 
     def masks(self, states: list[GrammarState]) -> torch.Tensor:
         """[R, ceil(V / 32)] int32: each constrained row's allowed tokens, one bit per token."""
@@ -138,6 +155,14 @@ class GrammarEngine:
         for row, state in zip(mask, states, strict=True):
             state.fill(row)
         return mask
+
+
+def _copy(compiled: llguidance.LLMatcher, outputs: list[int]) -> llguidance.LLMatcher:
+    """A request's own matcher from its grammar's compiled one, past the outputs it has."""
+    matcher = compiled.deep_copy()
+    if outputs:
+        matcher.consume_tokens(outputs)
+    return matcher
 
 
 _BYTE_BITS: dict[torch.device, torch.Tensor] = {}
