@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import torch
+from llguidance.torch import fill_next_token_bitmask_par
 
 from protocol.background import lower_thread_priority
 
@@ -110,6 +111,7 @@ class GrammarEngine:
         self._compiled: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar", initializer=lower_thread_priority)
+        self._executor: llguidance.LLExecutor | None = None  # fills several rows' masks at once
 
     def start(self, grammar: str, outputs: list[int]) -> GrammarState:
         """A matcher for ``grammar`` that has consumed ``outputs`` (a request rebuilt after a
@@ -150,10 +152,22 @@ class GrammarEngine:
         return _copy(self._compiled_matcher(grammar), outputs)
 
     def masks(self, states: list[GrammarState]) -> torch.Tensor:
-        """[R, ceil(V / 32)] int32: each constrained row's allowed tokens, one bit per token."""
+        """[R, ceil(V / 32)] int32: each constrained row's allowed tokens, one bit per token.
+        Several healthy rows are filled at once by llguidance's own thread pool (a mask inside a
+        large enum or ``anyOf`` can take milliseconds); a broken row gets EOS alone."""
         mask = torch.empty((len(states), (self.vocab_size + 31) // 32), dtype=torch.int32)
-        for row, state in zip(mask, states, strict=True):
-            state.fill(row)
+        healthy = [(state.matcher, i) for i, state in enumerate(states)
+                   if not state.broken and not state.matcher.is_error()]
+        if len(healthy) > 1:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            fill_next_token_bitmask_par(self._executor, healthy, mask)
+            filled = {i for _, i in healthy}
+        else:
+            filled = set()
+        for i, state in enumerate(states):
+            if i not in filled:
+                state.fill(mask[i])
         return mask
 
 
