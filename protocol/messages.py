@@ -429,8 +429,16 @@ class WorkerReady(msgspec.Struct, tag=True, array_like=True):
 
 
 class WorkerHeartbeat(msgspec.Struct, tag=True, array_like=True):
+    """Sent every 0.5 s by a thread of its own, so it says the process is there, not that it
+    works: ``steps`` does that. The scheduler times the plans in flight against it (a count that
+    stops moving while a plan runs is a hang, ``scheduler.workers.PlanClock``), and ``pid`` and
+    ``process`` let it stop a hung worker that runs on its own machine (``Workers.kill``)."""
+
     rank: int
     memory: dict[str, float] = {}  # the worker's resident memory (``protocol.process_memory``)
+    steps: int = 0  # forward steps its main loop has finished since it started
+    pid: int = 0
+    process: str = ""  # "<boot id> <pid namespace> <start time>": which process ``pid`` is ("": unknown)
 
 
 class WorkerFailed(msgspec.Struct, tag=True, array_like=True):

@@ -3,7 +3,7 @@
     while running:
         poll both inboxes (no wait if a plan could be sent now)
         dispatch every waiting message by type
-        check worker and frontend liveness
+        check worker and frontend liveness (a plan in flight that makes no progress is a hang)
         send the next plan if the worker is free
 
 The scheduler binds all four sockets; frontends and workers connect. Frontends talk over ROUTER
@@ -59,6 +59,7 @@ from protocol.messages import (
     SetPriority,
     Shutdown,
     StatsQuery,
+    StepPlan,
     StepTokens,
     TokenBatch,
     WorkerFailed,
@@ -72,7 +73,7 @@ from protocol.supervision import supervised
 from protocol.transport import Endpoints, make_socket, scheduler_frontend_codec, scheduler_worker_codec
 from scheduler.frontends import FRONTEND_TIMEOUT_S, Frontends
 from scheduler.scheduler import Scheduler
-from scheduler.workers import HANDSHAKE_FAILED, Workers
+from scheduler.workers import HANDSHAKE_FAILED, PlanClock, Workers, step_work
 
 log = logging.getLogger("sluice.scheduler")
 
@@ -113,6 +114,7 @@ class SchedulerProcess:
         self.malformed_frames = 0
         self._malformed_logged = 0.0
         self.plans_in_flight: list[int] = []  # oldest first; a second one is speculative
+        self.clock = PlanClock()  # times them: no progress past its limit is a hung worker
         self.cut_short: set[int] = set()  # speculative plans called off
         self.stopping = False
         # A prefix-cache reset waits for the plans in flight to end (their blocks' KV is still
@@ -223,6 +225,7 @@ class SchedulerProcess:
         if plan is None:
             return
         self.plans_in_flight.append(plan.plan_id)
+        self._timed(plan)
         self._to_workers(plan)
         self._send_continuation()
 
@@ -241,7 +244,24 @@ class SchedulerProcess:
             return
         if plan is not None:
             self.plans_in_flight.append(plan.plan_id)
+            self._timed(plan)
             self._to_workers(plan)
+
+    def _timed(self, plan: StepPlan) -> None:
+        """The plan's clock starts (``PlanClock``) with its steps' work: each row's tokens at the
+        context the row reaches (its request's computed count, once the plan is made)."""
+        assert self.core is not None
+        get = self.core.requests.get
+        tokens = context = rows_context = 0
+        for rid, n in zip(plan.rids, plan.num_tokens, strict=True):
+            req = get(rid)
+            reached = req.num_computed if req is not None and req.num_computed > n else n
+            tokens += n
+            context += n * reached
+            rows_context += reached
+        rows = len(plan.rids)
+        later = step_work(rows, rows_context + rows * plan.num_steps) if plan.num_steps > 1 else 0.0
+        self.clock.sent(step_work(tokens, context), later, time.monotonic())
 
     def _close(self) -> None:
         shutdown = self.worker_codec.encode(Shutdown())
@@ -510,6 +530,7 @@ class SchedulerProcess:
         self.model = info
         self.plans_in_flight = []
         self.cut_short.clear()
+        self.clock.new_life(time.monotonic())
         self._tell_frontends()
         self._prepare_grammars()
 
@@ -519,6 +540,8 @@ class SchedulerProcess:
 
     def on_heartbeat(self, msg: WorkerHeartbeat) -> None:
         self.workers.heard(msg.rank)
+        self.workers.heard_process(msg.rank, msg.pid, msg.process)
+        self.clock.heartbeat(msg.rank, msg.pid, msg.steps, time.monotonic())
         if msg.memory:
             self.worker_memory[msg.rank] = msg.memory
         if self.workers.should_ask_to_announce(msg.rank):
@@ -568,6 +591,7 @@ class SchedulerProcess:
             return
         self.plans_in_flight = []
         self.cut_short.clear()
+        self.clock.clear(time.monotonic())
         self.workers.start_outage(reason, crashed, self.core.recompute_all())
         self._tell_frontends()
 
@@ -576,6 +600,8 @@ class SchedulerProcess:
         self.busy_total_s += msg.busy_s
         if self.core is None or msg.plan_id not in self.plans_in_flight:
             return
+        if msg.plan_id == self.plans_in_flight[0]:
+            self.clock.step_done(msg.busy_s, msg.last, time.monotonic())
         batch = TokenBatch([], [], [], msg.logprobs, prompt_logprobs=msg.prompt_logprobs)
         failed = False
         try:
@@ -606,16 +632,36 @@ class SchedulerProcess:
                         FRONTEND_TIMEOUT_S, len(rids))
 
     def _check_workers(self) -> None:
-        if (silent := self.workers.silent()) is not None:
-            self._worker_lost(silent)
+        hang = self._hang()
+        if hang is not None and self.from_workers.poll(0):
+            # What the workers sent is read before any verdict: a scheduler that fell behind must
+            # not call a worker hung whose tokens or heartbeats wait in its own inbox.
+            self._drain_workers()
+            hang = self._hang()
+        if hang is not None:
+            # As after a crash: its requests go back in line to be recomputed, and the process
+            # (every rank of its group) is killed, so that it exits and is restarted.
+            self._worker_lost(hang)
+            self.clock.clear(time.monotonic())
+            log.error("the hung worker: %s", self.workers.kill())
         if (expired := self.workers.outage_expired()) is not None:
             self._fail(expired)
+
+    def _hang(self) -> str | None:
+        """A worker silent for ``WORKER_TIMEOUT_S``, or a plan in flight that made no progress
+        within ``PlanClock``'s limit: the loss to declare, if so (only while serving: before every
+        rank has announced itself a rank is not late, only not there yet)."""
+        overdue = self.clock.overdue(time.monotonic())
+        if self.core is None or not self.workers.serving or self.stopping:
+            return None
+        return overdue if overdue is not None and self.plans_in_flight else self.workers.silent()
 
     def _fail(self, reason: str) -> None:
         if not self.workers.fail(reason):
             return
         self.plans_in_flight = []
         self.cut_short.clear()
+        self.clock.clear(time.monotonic())
         if self.core is not None:
             finishes = self.core.finish_all(FinishReason.ERROR, reason)
             if finishes:

@@ -19,7 +19,13 @@ What crosses the group:
   is noticed within a second.
 
 A peer that exits breaks the group: the next collective raises on every other rank, whose worker
-then fails like a crashed one (``sluice serve`` restarts the whole group).
+then fails like a crashed one (``sluice serve`` restarts the whole group). A peer that hangs is
+the scheduler's to find: its plan in flight makes no progress (``scheduler.workers.PlanClock``,
+seconds for a decode step), and it kills every rank of the group. The collectives' own timeout is
+the backstop where it cannot (ranks on other machines): ``STARTUP_COLLECTIVE_TIMEOUT_S`` while the
+ranks load, then ``COLLECTIVE_TIMEOUT_S`` once the group serves (``serving``). On CUDA, NCCL's
+watchdog tears the process down when a collective passes it (``TORCH_NCCL_ASYNC_ERROR_HANDLING``
+1), so a hung NCCL wait ends the process instead of leaving its stream stuck forever.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import socket
 import struct
 from typing import Any
@@ -40,7 +47,20 @@ from protocol.config import ConfigError
 log = logging.getLogger("sluice.worker")
 
 KEEPALIVE_S = 1.0
-COLLECTIVE_TIMEOUT_S = 300.0  # one collective: a step's slowest rank, never an idle wait (keepalives)
+# Until the group serves, a collective may wait for a rank still loading its shard (each reads
+# its own files at its own pace) or warming up.
+STARTUP_COLLECTIVE_TIMEOUT_S = 300.0
+# Then one collective waits only for what another rank does between two collectives: its part of
+# a layer (the ranks compute the same layers side by side, so a long prefill makes each wait no
+# longer: its work is split over the same collectives), rank 0's sampling and prompt scoring
+# while the others wait for the sampled ids, or rank 0's command relay (at least every
+# KEEPALIVE_S while idle). Seconds at most; six times the scheduler's 5 s hang floor, so the
+# scheduler, which kills the whole group at once, normally acts first.
+COLLECTIVE_TIMEOUT_S = 30.0
+# NCCL: a collective past its timeout has the watchdog abort the communicator and end the process
+# ("tear down"): the scheduler sees the rank's link drop and the group is restarted. (0 would
+# leave the stream stuck on the device; blocking wait would make every all-reduce wait on the host.)
+NCCL_ASYNC_ERROR_HANDLING = "1"
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -82,12 +102,14 @@ class TensorParallelGroup:
         # The constructor that takes devices (so the links bind where we say) has no public options type.
         options: Any = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=own)]
-        options._timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        options._timeout = datetime.timedelta(seconds=STARTUP_COLLECTIVE_TIMEOUT_S)
         self.control: Any = dist.ProcessGroupGloo(dist.PrefixStore("control", self.store), rank, size, options)
         self.tensors: Any = self.control
-        if device.type == "cuda":
+        if device.type == "cuda" and torch.cuda.is_available():
+            # Read when the process group is made; a value the user set is kept.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ASYNC_ERROR_HANDLING)
             nccl_options = dist.ProcessGroupNCCL.Options()
-            nccl_options._timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+            nccl_options._timeout = datetime.timedelta(seconds=STARTUP_COLLECTIVE_TIMEOUT_S)
             self.tensors = dist.ProcessGroupNCCL(dist.PrefixStore("tensors", self.store), rank, size, nccl_options)
         self._root = dist.BroadcastOptions()
         self._root.rootRank = 0
@@ -110,6 +132,18 @@ class TensorParallelGroup:
                               f"{e.strerror or e}") from None
         sock.listen(128)
         return sock.detach()
+
+    def serving(self) -> None:
+        """Loaded and warmed up, about to serve: collectives get their short timeout from now on
+        (``COLLECTIVE_TIMEOUT_S``)."""
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        for group in {id(self.control): self.control, id(self.tensors): self.tensors}.values():
+            setter = getattr(group, "set_timeout", None) or getattr(group, "_set_default_timeout", None)
+            if setter is None:
+                log.warning("tensor-parallel rank %d: %s has no way to shorten its collectives' timeout; it stays "
+                            "%g s", self.rank, type(group).__name__, STARTUP_COLLECTIVE_TIMEOUT_S)
+                continue
+            setter(timeout)
 
     # ------------------------------------------------------------------ the model's collectives
 

@@ -11,15 +11,26 @@ thread reads its inbox without blocking: ``CancelRows`` applies at once, a next 
 turn. Any failure to load or to run a plan is reported as one ``WorkerFailed`` line, logged with
 its traceback (or in one line for a model that cannot load), and ends the process with status 1;
 ``Shutdown``, SIGTERM and SIGINT end it with status 0.
+
+Liveness: the heartbeat thread beats on whatever the main thread does, so each heartbeat carries
+the main loop's step count (``WorkerProcess.steps``); the scheduler calls a worker whose plan makes
+no progress hung, and kills it (``scheduler.workers.PlanClock``). ``Stall`` is a test-only hook
+that makes the main loop hang inside a step.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
 import queue
 import signal
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -60,13 +71,81 @@ FINAL_LINGER_MS = 500  # let a last WorkerFailed reach the scheduler before the 
 log = logging.getLogger("sluice.worker")
 
 
+# Test-only fault injection, never set in production: read once at start. "N:SECONDS[:RANK]"
+# makes the main loop sleep SECONDS inside the Nth step this process runs (counted from 1 after
+# warm-up; the step's tokens wait), on rank RANK only if given — as a main thread stuck in a kernel
+# or a collective would, while the heartbeat thread beats on.
+STALL_ENV = "SLUICE_TEST_STALL_STEP"
+# Test-only too: a file the stall creates (saying which worker stalled); a worker that finds it
+# there does not stall, so a restarted worker, which inherits the environment, runs normally.
+STALL_ONCE_ENV = "SLUICE_TEST_STALL_ONCE"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stall:
+    """The test-only fault injection of ``STALL_ENV``."""
+
+    step: int
+    seconds: float
+    once: str | None = None
+
+    @classmethod
+    def from_env(cls, rank: int) -> Stall | None:
+        spec = os.environ.get(STALL_ENV)
+        if not spec:
+            return None
+        try:
+            parts = spec.split(":")
+            if not 2 <= len(parts) <= 3:
+                raise ValueError(spec)
+            step, seconds = int(parts[0]), float(parts[1])
+            only = int(parts[2]) if len(parts) == 3 else None
+            if step < 1 or seconds < 0:
+                raise ValueError(spec)
+        except ValueError:
+            log.error("%s=%r ignored: expected N:SECONDS[:RANK] (a test-only fault injection)", STALL_ENV, spec)
+            return None
+        if only is not None and only != rank:
+            return None
+        return cls(step, seconds, os.environ.get(STALL_ONCE_ENV) or None)
+
+    def hold(self, step: int, who: dict[str, object]) -> None:
+        """Inside step ``step`` (1-based): sleep there if it is the one."""
+        if step != self.step:
+            return
+        if self.once is not None:
+            try:
+                fd = os.open(self.once, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return  # this worker's predecessor (or another engine's) stalled already
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(who))
+        log.warning("test fault injection (%s): the main loop stalls inside step %d for %g s", STALL_ENV, step,
+                    self.seconds)
+        time.sleep(self.seconds)
+
+
+def process_identity() -> str:
+    """Which process this is, for the scheduler to check before it kills a hung worker by pid
+    (``scheduler.workers.local_process_identity`` reads the same for a pid): boot id, pid
+    namespace and start time in clock ticks since boot; "" where ``/proc`` cannot say."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+        start = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+    return f"{boot} {namespace} {start}"
+
+
 def _heartbeat(ctx: zmq.Context[Any], address: str, rank: int, stop: threading.Event,
-               curve: CurveKeys | None) -> None:
+               curve: CurveKeys | None, steps: Callable[[], int]) -> None:
     sock = make_socket(ctx, zmq.PUSH, address, bind=False, curve=curve)
     codec = scheduler_worker_codec()
+    pid, identity = os.getpid(), process_identity()
     try:
         while not stop.wait(HEARTBEAT_S):
-            sock.send(codec.encode(WorkerHeartbeat(rank, resident_mib())))
+            sock.send(codec.encode(WorkerHeartbeat(rank, resident_mib(), steps(), pid, identity)))
     finally:
         sock.close(linger=0)
 
@@ -117,6 +196,8 @@ class WorkerProcess:
         self.group: TensorParallelGroup | None = None  # set once joined (tensor parallel)
         self.said_waiting = False
         self.connected = False
+        self.steps = 0  # steps the main loop has finished: the heartbeats carry it
+        self.stall = Stall.from_env(config.rank)  # test-only (STALL_ENV); None otherwise
         self.inbox: zmq.Socket[bytes] | None = None
         self.links: zmq.Socket[bytes] | None = None
         if config.rank > 0:
@@ -252,8 +333,12 @@ class WorkerProcess:
             elif isinstance(cmd, StepPlan):
                 try:
                     for step in worker.runner.execute(cmd):
+                        if self.stall is not None:
+                            self.stall.hold(self.steps + 1, {"address": self.config.address, "rank": self.config.rank,
+                                                             "pid": os.getpid()})
                         if self.config.rank == 0:
                             self.sender.send(step)
+                        self.steps += 1
                         if not step.last:
                             self._poll_inbox(worker)
                 except Exception as e:
@@ -278,7 +363,8 @@ def run(config: WorkerConfig) -> int:
     ctx: zmq.Context[Any] = zmq.Context()
     proc = WorkerProcess(config, ctx)
     stop = threading.Event()
-    heartbeat = threading.Thread(target=_heartbeat, args=(ctx, proc.endpoints.worker_to_scheduler, config.rank, stop, proc.curve),
+    heartbeat = threading.Thread(target=_heartbeat, args=(ctx, proc.endpoints.worker_to_scheduler, config.rank, stop,
+                                                          proc.curve, lambda: proc.steps),
                                  daemon=True, name="heartbeat")
     told_to_stop = False  # SIGTERM or Shutdown, not a failure: the scheduler hears a goodbye
     try:
@@ -294,6 +380,8 @@ def run(config: WorkerConfig) -> int:
             worker.runner.threads = configure_cpu_threads(worker.device, config.worker_threads, worker.num_params,
                                                           config.tensor_parallel_size)
             worker.warm_up()
+            if proc.group is not None:
+                proc.group.serving()
         except Exception as e:
             return proc.fail("cannot load the model", e)
         heartbeat.start()
