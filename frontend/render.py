@@ -13,7 +13,8 @@ from typing import Any, Protocol
 import msgspec
 
 from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer
-from frontend.tools import ToolCallParser, ToolUse, parse_llama3_call
+from frontend.tool_calls import ToolCallParser, parse_llama3_call
+from frontend.tools import ToolUse
 from protocol.messages import Logprob, PromptLogprob
 
 _json = msgspec.json.Encoder()

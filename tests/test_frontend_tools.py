@@ -15,15 +15,8 @@ from hypothesis import strategies as st
 from test_frontend_chat_template import _model_dir, _sluice
 
 from frontend.errors import APIError
-from frontend.tools import (
-    CLOSE,
-    OPEN,
-    ToolCallParser,
-    calls_grammar,
-    parse_llama3_call,
-    prompt_messages,
-    tool_use,
-)
+from frontend.tool_calls import CLOSE, OPEN, ToolCallParser, parse_llama3_call
+from frontend.tools import calls_grammar, prompt_messages, tool_use
 from worker.model.tiny import build_byte_level_tokenizer
 
 WEATHER = {"type": "function", "function": {

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.tools import CLOSE, OPEN, ToolCallParser, parse_llama3_call
+from frontend.tool_calls import CLOSE, OPEN, ToolCallParser, parse_llama3_call
 
 Read = tuple[str, list[tuple[str, str, bool]]]  # content, calls (name, arguments, complete)
 
