@@ -27,11 +27,11 @@ import os
 import signal
 import time
 from collections import deque
-from pathlib import Path
 
 import zmq
 
 from protocol.messages import ModelInfo
+from protocol.process_identity import process_identity
 from protocol.supervision import startup_failure_level
 
 log = logging.getLogger("sluice.scheduler")
@@ -92,7 +92,7 @@ class Workers:
         killed, elsewhere = [], []
         for rank in range(self.size):
             pid, identity = self.processes.pop(rank, (0, ""))
-            if pid and identity and identity == local_process_identity(pid):
+            if pid and identity and identity == process_identity(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
                     killed.append(f"rank {rank} (pid {pid})")
@@ -196,19 +196,6 @@ class Workers:
         self.failure = reason
         self.ready.clear()
         return True
-
-
-def local_process_identity(pid: int) -> str:
-    """Who ``pid`` is on this machine, in the form a worker's heartbeat gives for itself
-    (``worker.process.process_identity``): boot id, pid namespace and the process's start time
-    in clock ticks since boot; "" where ``/proc`` cannot say (no such process, not Linux)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        namespace = os.readlink("/proc/self/ns/pid")
-        start = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
-    return f"{boot} {namespace} {start}"
 
 
 # ------------------------------------------------------------------------------ liveness: progress

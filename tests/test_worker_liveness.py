@@ -20,13 +20,13 @@ from test_serve_worker_crash import SHORT, Stream, complete, wait_until
 from test_worker_process import FakeScheduler
 
 from protocol.messages import NewRequest, SamplingParams, StepPlan, StepTokens, WorkerHeartbeat
+from protocol.process_identity import process_identity
 from scheduler.workers import (
     COLD_FLOOR_S,
     HANG_FLOOR_S,
     LAG_S,
     PlanClock,
     Workers,
-    local_process_identity,
     step_work,
 )
 from worker.model.tiny import materialize_tiny
@@ -179,7 +179,7 @@ def test_step_work_weights_each_token_by_its_context() -> None:
 def test_a_pid_is_killed_only_if_it_is_the_process_the_heartbeats_described() -> None:
     workers = Workers(2, 3)
     workers.heard_process(0, os.getpid(), "another boot, another namespace, another start")
-    workers.heard_process(1, 2**22 + 12345, local_process_identity(os.getpid()))  # no such pid
+    workers.heard_process(1, 2**22 + 12345, process_identity(os.getpid()))  # no such pid
     done = workers.kill()
     assert "killed" not in done and "rank 0, 1 not running on this machine" in done, done
     assert not workers.processes
@@ -207,8 +207,8 @@ def test_heartbeats_carry_the_step_count_and_an_identity_the_scheduler_can_check
             assert isinstance(beat, WorkerHeartbeat)
         assert beat.steps == len(steps) == 5
         assert beat.pid == s.proc.pid
-        assert beat.process and beat.process == local_process_identity(s.proc.pid)
-        assert local_process_identity(os.getpid()) != beat.process  # another process is not it
+        assert beat.process and beat.process == process_identity(s.proc.pid)
+        assert process_identity(os.getpid()) != beat.process  # another process is not it
     finally:
         s.close()
 

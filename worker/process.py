@@ -30,7 +30,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -54,6 +53,7 @@ from protocol.messages import (
     WorkerReady,
     WorkerStopping,
 )
+from protocol.process_identity import process_identity
 from protocol.process_memory import resident_mib
 from protocol.supervision import startup_failure_level, supervised
 from protocol.transport import Endpoints, make_socket, scheduler_worker_codec, worker_codec
@@ -123,19 +123,6 @@ class Stall:
         log.warning("test fault injection (%s): the main loop stalls inside step %d for %g s", STALL_ENV, step,
                     self.seconds)
         time.sleep(self.seconds)
-
-
-def process_identity() -> str:
-    """Which process this is, for the scheduler to check before it kills a hung worker by pid
-    (``scheduler.workers.local_process_identity`` reads the same for a pid): boot id, pid
-    namespace and start time in clock ticks since boot; "" where ``/proc`` cannot say."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        namespace = os.readlink("/proc/self/ns/pid")
-        start = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
-    return f"{boot} {namespace} {start}"
 
 
 def _heartbeat(ctx: zmq.Context[Any], address: str, rank: int, stop: threading.Event,
