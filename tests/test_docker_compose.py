@@ -141,8 +141,16 @@ def test_compose_up_serves_recovers_and_goes_down_clean(tmp_path: Path) -> None:
         held = set(_run("docker", "exec", frontend, "ls", "/keys").stdout.split())
         assert held == {"scheduler.key", "client.key", "client.key_secret"}, held
 
-        # Requests reach both engines: distinct prompts go to the least loaded, in turn.
+        # Requests reach both engines: distinct prompts go to the least loaded, in turn. /ready
+        # answers once one engine serves; the other's worker may still be loading (each compiles
+        # its kernels in its own container), and until it is ready every request goes to the first.
         auth = {"Authorization": f"Bearer {token}"}
+
+        def both_engines_serve() -> bool:
+            engines = httpx.get(f"{url}/admin/stats", headers=auth).json().get("engines", [])
+            return len(engines) == 2 and all("running" in e and "reason" not in e for e in engines)
+
+        _wait(both_engines_serve, 300, "both engines' workers ready")
         for i in range(4):
             r = httpx.post(f"{url}/v1/completions", timeout=120, json={
                 "model": "smollm2", "prompt": f"Question {i}: what is {i} + {i}?", "max_tokens": 2})
