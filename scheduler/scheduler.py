@@ -128,7 +128,7 @@ class Scheduler:
             # the first choice's prompt logprobs, which every choice reports, to be out first).
             if self.pool.enable_caching or msg.sampling.prompt_logprobs is not None:
                 self._held.setdefault(first.rid, []).append(req)
-            else:
+            elif not self.grammars.holds(req):  # (with a grammar, it waits for it beside the first)
                 self.queue.push(req)
         return []
 

@@ -46,7 +46,7 @@ ops = st.lists(
                   st.integers(-2, 2)),
         # ``scored``: echo with logprobs (the first choice computes every prompt position, no hit).
         st.tuples(st.just("choices"), st.integers(1, 40), st.integers(1, 8), st.integers(-2, 2), st.integers(1, 3),
-                  st.booleans()),
+                  st.booleans(), st.booleans()),
         st.tuples(st.just("abort"), st.integers(0, 30)),
         st.tuples(st.just("pause"), st.integers(0, 30)),
         st.tuples(st.just("resume"), st.integers(0, 30)),
@@ -70,7 +70,7 @@ ops = st.lists(
 # and a swap-out later in the same step was handed them; the worker runs swap-outs first, so
 # the swapped-in request read another request's KV back.
 @example(ops=[("shared", 8, 16, 1, 1), ("add", 15, 16, 0, True), ("add", 13, 16, 1, True), ("add", 24, 2, 2, False),
-              ("add", 21, 6, 0, False), ("shared", 16, 18, 4, 0), ("add", 15, 2, 2, False), ("choices", 25, 1, 2, 2, False)],
+              ("add", 21, 6, 0, False), ("shared", 16, 18, 4, 0), ("add", 15, 2, 2, False), ("choices", 25, 1, 2, 2, False, False)],
          policy="fair", num_blocks=27, budget=20, max_seqs=5, steps=1, k=1, mode="swap", priority_preemption=False,
          host_blocks=4, caps={})
 @given(
@@ -168,8 +168,9 @@ def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, bu
             add([j % 90 + 3 for j in range(prefix)] + [(next_rid * 13 + j) % 90 + 3 for j in range(suffix)],
                 max_tokens, priority)
         elif op[0] == "choices":  # n > 1: siblings wait to share the first one's prompt blocks
-            _, prompt, max_tokens, priority, n, scored = op
-            add([(next_rid * 7 + j) % 90 + 3 for j in range(prompt)], max_tokens, priority, n, scored=scored)
+            _, prompt, max_tokens, priority, n, scored, constrained = op
+            add([(next_rid * 7 + j) % 90 + 3 for j in range(prompt)], max_tokens, priority, n, scored=scored,
+                constrained=constrained)
         elif op[0] == "abort":
             f = sched.abort(op[1])
             if f is not None:
