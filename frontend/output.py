@@ -225,46 +225,34 @@ class Output:
         if self.open == 0:
             self._complete()
 
-    def fail(self, message: str) -> None:
-        """An engine error: the response ends with it (its other choices are given up)."""
+    def fail(self, message: str, internal: bool = False) -> None:
+        """The response ends with an error (its other choices are given up): an engine error, or
+        (``internal``) the output path itself failed on it, and then nothing more goes through its
+        renderer or its merged text (either may be what raised)."""
         if self.closed or self.error is not None:
             return
         self.error = message
+        if internal:
+            self.error_status = 500
         for choice in self.choices:
             if not choice.ended:
                 choice.ended = True
                 self.reasons[choice.index] = FinishReason.ERROR
         self.open = 0
         if self.streaming:
-            if self.backlogged:
+            if internal:
+                for choice in self.choices:
+                    choice.unsent_text, choice.unsent_ids = [], []
+                self.backlogged = False
+            elif self.backlogged:
                 self._render_backlog()  # text merged for the next write goes before the error
-            self.put(error_chunk(message))
-        self._complete()
+            self.put(error_chunk(message, code="internal_error" if internal else "engine_error"))
+        self._complete(usage=not internal)
 
-    def fault(self, message: str) -> None:
-        """The output path itself failed on this response: like ``fail``, but nothing more goes
-        through its renderer or its merged text (either may be what raised)."""
-        if self.closed or self.error is not None:
-            return
-        self.error, self.error_status = message, 500
-        for choice in self.choices:
-            if not choice.ended:
-                choice.ended = True
-                self.reasons[choice.index] = FinishReason.ERROR
-            choice.unsent_text, choice.unsent_ids = [], []
-        self.backlogged = False
-        self.open = 0
-        if self.streaming:
-            self.put(error_chunk(message, code="internal_error"))
-            if self.terminal:
-                self.put(SSE_DONE)
-            self.closed = True
-        self.done.set()
-
-    def _complete(self) -> None:
+    def _complete(self, usage: bool = True) -> None:
         if self.streaming:
             if self.terminal:
-                if self.include_usage:
+                if usage and self.include_usage:
                     self.put(self.renderer.usage_chunk(self.usage()))
                 self.put(SSE_DONE)
             self.closed = True
@@ -469,8 +457,8 @@ class OutputProcessor:
         output = c.output
         log.exception("request %s: its output could not be rendered (%s: %s); ending it with an error, the "
                       "other requests go on", c.request_id, type(error).__name__, error, exc_info=error)
-        output.fault(f"the server could not render this response's output ({type(error).__name__}); "
-                     "the request was stopped")
+        output.fail(f"the server could not render this response's output ({type(error).__name__}); "
+                    "the request was stopped", internal=True)
         for rid in self.release(output):
             self._abort(rid)
 
