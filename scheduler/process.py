@@ -73,7 +73,7 @@ from protocol.supervision import supervised
 from protocol.transport import Endpoints, make_socket, scheduler_frontend_codec, scheduler_worker_codec
 from scheduler.frontends import FRONTEND_TIMEOUT_S, Frontends
 from scheduler.scheduler import Scheduler
-from scheduler.workers import HANDSHAKE_FAILED, PlanClock, Workers, step_work
+from scheduler.workers import HANDSHAKE_FAILED, PlanClock, Workers, plan_work
 
 log = logging.getLogger("sluice.scheduler")
 
@@ -248,20 +248,9 @@ class SchedulerProcess:
             self._to_workers(plan)
 
     def _timed(self, plan: StepPlan) -> None:
-        """The plan's clock starts (``PlanClock``) with its steps' work: each row's tokens at the
-        context the row reaches (its request's computed count, once the plan is made)."""
+        """The plan's clock starts (``PlanClock``) with its steps' work."""
         assert self.core is not None
-        get = self.core.requests.get
-        tokens = context = rows_context = 0
-        for rid, n in zip(plan.rids, plan.num_tokens, strict=True):
-            req = get(rid)
-            reached = req.num_computed if req is not None and req.num_computed > n else n
-            tokens += n
-            context += n * reached
-            rows_context += reached
-        rows = len(plan.rids)
-        later = step_work(rows, rows_context + rows * plan.num_steps) if plan.num_steps > 1 else 0.0
-        self.clock.sent(step_work(tokens, context), later, time.monotonic())
+        self.clock.sent(*plan_work(plan, self.core.requests), time.monotonic())
 
     def _close(self) -> None:
         shutdown = self.worker_codec.encode(Shutdown())

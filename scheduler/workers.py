@@ -27,12 +27,17 @@ import os
 import signal
 import time
 from collections import deque
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import zmq
 
-from protocol.messages import ModelInfo
+from protocol.messages import ModelInfo, StepPlan
 from protocol.process_identity import process_identity
 from protocol.supervision import startup_failure_level
+
+if TYPE_CHECKING:
+    from scheduler.request import Request
 
 log = logging.getLogger("sluice.scheduler")
 
@@ -216,6 +221,22 @@ def step_work(tokens: int, context: int) -> float:
     (attention reads every earlier position for each token); ``context`` is the sum of those
     ``c`` over the step's tokens."""
     return tokens + context / CONTEXT_TOKENS
+
+
+def plan_work(plan: StepPlan, requests: Mapping[int, Request]) -> tuple[float, float]:
+    """A plan's first step's ``step_work`` and each later step's (multi-step windows decode one
+    token a row): each row's tokens at the context the row reaches (its request's computed
+    count, once the plan is made)."""
+    tokens = context = rows_context = 0
+    for rid, n in zip(plan.rids, plan.num_tokens, strict=True):
+        req = requests.get(rid)
+        reached = req.num_computed if req is not None and req.num_computed > n else n
+        tokens += n
+        context += n * reached
+        rows_context += reached
+    rows = len(plan.rids)
+    later = step_work(rows, rows_context + rows * plan.num_steps) if plan.num_steps > 1 else 0.0
+    return step_work(tokens, context), later
 
 
 def _smooth(old: float | None, new: float, up: float, down: float) -> float:
