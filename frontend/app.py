@@ -16,11 +16,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from frontend import admin, openai_api, tokenize_api
+from frontend import admin, openai_api, responses_api, tokenize_api
 from frontend.body_limit import BodyLimit
 from frontend.engine_client import EngineClient
 from frontend.engines import EngineGroup
 from frontend.errors import APIError
+from frontend.responses_store import ResponseStore, parse_spec
 from frontend.sse import StreamWatchdog
 from frontend.state import AppState
 from protocol.config import FrontendConfig
@@ -93,7 +94,8 @@ def build_app(config: FrontendConfig, client: EngineClient | None = None) -> Sta
     """The HTTP app over the engines ``config.address`` lists (or over ``client``, a test's)."""
     curve = CurveKeys.load(config.curve_keys, server=False)
     engine = EngineGroup([client]) if client is not None else EngineGroup.connect(config.addresses, curve)
-    state = AppState(config, engine)
+    store_path = parse_spec(config.responses_store)
+    state = AppState(config, engine, ResponseStore(store_path) if store_path is not None else None)
 
     watchdog = StreamWatchdog(lambda: (h.output for h in engine.handles), config.client_stall_timeout,
                               config.sse_keepalive)
@@ -107,10 +109,15 @@ def build_app(config: FrontendConfig, client: EngineClient | None = None) -> Sta
         finally:
             watching.cancel()
             await engine.close()
+            if state.responses is not None:
+                state.responses.close()
 
     routes = [
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses_api.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses_api.get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses_api.delete_response, methods=["DELETE"]),
         Route("/v1/models", openai_api.list_models, methods=["GET"]),
         Route("/tokenize", tokenize_api.tokenize, methods=["POST"]),
         Route("/detokenize", tokenize_api.detokenize, methods=["POST"]),

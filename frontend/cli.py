@@ -75,6 +75,9 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        help="a stream silent this many seconds (a long queue, a paused request, a worker "
                             "restarting) gets a blank line that every SSE client skips, so proxies keep it "
                             "open; 0 = never")
+        p.add_argument("--responses-store", default="sqlite", metavar="none|sqlite|sqlite:PATH",
+                       help="where /v1/responses keeps responses for previous_response_id and GET: sqlite is "
+                            "responses.sqlite3 in $SLUICE_CACHE (~/.cache/sluice); none keeps nothing")
         p.add_argument("--shutdown-grace", type=float, default=3.0,
                        help="on SIGTERM/Ctrl-C, seconds requests in flight get to finish before they are "
                             "aborted (a second signal stops at once)")

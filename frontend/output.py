@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from frontend.metrics import Metrics
-from frontend.render import SSE_DONE, Renderer, error_chunk, usage_dict
+from frontend.render import Renderer, usage_dict
 from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopStringMatcher
 from protocol.messages import (
     AddRequest,
@@ -246,7 +246,7 @@ class Output:
                 self.backlogged = False
             elif self.backlogged:
                 self._render_backlog()  # text merged for the next write goes before the error
-            self.put(error_chunk(message, code="internal_error" if internal else "engine_error"))
+            self.put(self.renderer.error(message, "internal_error" if internal else "engine_error"))
         self._complete(usage=not internal)
 
     def _complete(self, usage: bool = True) -> None:
@@ -254,7 +254,8 @@ class Output:
             if self.terminal:
                 if usage and self.include_usage:
                     self.put(self.renderer.usage_chunk(self.usage()))
-                self.put(SSE_DONE)
+                if self.renderer.stream_end:
+                    self.put(self.renderer.stream_end)
             self.closed = True
         self.done.set()
 

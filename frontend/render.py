@@ -54,6 +54,7 @@ class Piece(Protocol):
 
 class Renderer(Protocol):
     plain: bool  # ``token`` may be used: chunks carry text only
+    stream_end: bytes  # what a stream ends with, after its last chunk (and usage chunk)
 
     def token(self, choice: Piece, text: str) -> bytes: ...
 
@@ -68,10 +69,13 @@ class Renderer(Protocol):
 
     def usage_chunk(self, usage: dict[str, object]) -> bytes: ...
 
+    def error(self, message: str, code: str) -> bytes: ...
+
 
 class _Base:
     object_name = ""
     chunk_object = ""
+    stream_end = SSE_DONE
 
     def __init__(self, request_id: str, created: int, model: str, tokenizer: ModelTokenizer,
                  prompt_ids: list[int], return_token_ids: bool, prompt_logprobs: int | None = None) -> None:
@@ -112,6 +116,9 @@ class _Base:
 
     def usage_chunk(self, usage: dict[str, object]) -> bytes:
         return sse({"id": self.request_id, "object": "usage", "choices": [], "usage": usage})
+
+    def error(self, message: str, code: str) -> bytes:
+        return error_chunk(message, code)
 
 
 def _with_abort_reason(choice: dict[str, Any], finish_reason: str | None, abort_reason: str | None) -> dict[str, Any]:

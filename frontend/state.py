@@ -10,6 +10,7 @@ from starlette.requests import Request
 from frontend.engines import EngineGroup
 from frontend.errors import APIError
 from frontend.metrics import Metrics
+from frontend.responses_store import ResponseStore
 from frontend.structured import GrammarValidator
 from frontend.tokenizer import ModelTokenizer
 from protocol.config import FrontendConfig
@@ -17,8 +18,9 @@ from protocol.messages import ModelInfo
 
 
 class AppState:
-    def __init__(self, config: FrontendConfig, client: EngineGroup) -> None:
+    def __init__(self, config: FrontendConfig, client: EngineGroup, responses: ResponseStore | None = None) -> None:
         self.config = config
+        self.responses = responses  # the Responses API's stored responses; None: none are kept
         self.client = client
         self.started = int(time.time())
         self._tokenizer: ModelTokenizer | None = None

@@ -187,8 +187,13 @@ class FrontendConfig:
     curve_keys: str | None = None
     insecure_zmq: bool = False
     log_level: str = "info"
+    # Stored responses of the Responses API: none, sqlite (the default file) or sqlite:PATH.
+    responses_store: str = "sqlite"
 
     def __post_init__(self) -> None:
+        if not (self.responses_store in ("none", "sqlite") or
+                (self.responses_store.startswith("sqlite:") and len(self.responses_store) > len("sqlite:"))):
+            raise ConfigError(f"--responses-store must be none, sqlite or sqlite:PATH, got {self.responses_store!r}")
         for address in self.addresses:
             check_link_security(address, self.curve_keys, self.insecure_zmq, binds=False)
         if len(set(self.addresses)) != len(self.addresses):
