@@ -87,7 +87,11 @@ def _rid(state: AppState, request: Request) -> tuple[str, int]:
 
 async def list_requests(request: Request) -> Response:
     state = require_admin(request)
-    return _json({"object": "list", "data": (await _ask(state, RequestsQuery())).data})
+    data = (await _ask(state, RequestsQuery())).data
+    for entry in data if isinstance(data, list) else []:
+        if isinstance(entry, dict):
+            entry["endpoint"] = state.client.endpoint_of(str(entry.get("id")))
+    return _json({"object": "list", "data": data})
 
 
 async def get_request(request: Request) -> Response:
@@ -96,7 +100,10 @@ async def get_request(request: Request) -> Response:
     reply = await _ask(state, RequestQuery(rid))
     if not reply.found:
         raise APIError(404, f"no live request {request_id!r} (unknown or finished)", code="request_not_found")
-    return _json(reply.data)
+    data = reply.data
+    if isinstance(data, dict):
+        data["endpoint"] = state.client.endpoint_of(request_id)
+    return _json(data)
 
 
 async def _control(state: AppState, request_id: str, msg: SetPriority | PauseRequest | ResumeRequest) -> None:

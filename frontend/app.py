@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from frontend import admin, openai_api, responses_api, tokenize_api
+from frontend import admin, embeddings_api, openai_api, responses_api, tokenize_api
 from frontend.body_limit import BodyLimit
 from frontend.engine_client import EngineClient
 from frontend.engines import EngineGroup
@@ -115,6 +115,7 @@ def build_app(config: FrontendConfig, client: EngineClient | None = None) -> Sta
     routes = [
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings_api.embeddings, methods=["POST"]),
         Route("/v1/responses", responses_api.create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses_api.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses_api.delete_response, methods=["DELETE"]),

@@ -78,6 +78,9 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
         p.add_argument("--responses-store", default="sqlite", metavar="none|sqlite|sqlite:PATH",
                        help="where /v1/responses keeps responses for previous_response_id and GET: sqlite is "
                             "responses.sqlite3 in $SLUICE_CACHE (~/.cache/sluice); none keeps nothing")
+        p.add_argument("--pooling", default="last", choices=["last", "mean"],
+                       help="/v1/embeddings: the last prompt token's final hidden state, or the mean of every "
+                            "prompt token's (L2-normalised either way)")
         p.add_argument("--shutdown-grace", type=float, default=3.0,
                        help="on SIGTERM/Ctrl-C, seconds requests in flight get to finish before they are "
                             "aborted (a second signal stops at once)")

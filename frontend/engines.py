@@ -178,6 +178,15 @@ class EngineGroup:
     def num_waiting_first_token(self) -> int:
         return sum(e.num_waiting_first_token for e in self.engines)
 
+    def endpoint_of(self, request_id: str) -> str | None:
+        """The route a live request came in by (``/v1/chat/completions``, ...); None if unknown."""
+        for e in self.engines:
+            rid = e.outputs.rid_by_id.get(request_id)
+            choice = e.outputs.choices.get(rid) if rid is not None else None
+            if choice is not None:
+                return choice.output.renderer.endpoint
+        return None
+
     @property
     def rid_by_id(self) -> dict[str, int]:
         merged: dict[str, int] = {}

@@ -124,6 +124,9 @@ class Metrics:
         self.prompt_tokens = Counter("sluice_prompt_tokens", "Prompt tokens of finished requests", label, registry=r)
         self.requests = Counter("sluice_request_success", "Finished requests by finish reason",
                                 [*label, "finished_reason"], registry=r)
+        self.by_endpoint = Counter("sluice_endpoint_requests", "Finished requests by endpoint (an engine request "
+                                   "each: a choice, a prompt of a batch, an input to embed)", [*label, "endpoint"],
+                                   registry=r)
         self.ttft = Histogram("sluice_time_to_first_token_seconds", "Time to first token", label,
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("sluice_e2e_request_latency_seconds", "Arrival to finish", label,
@@ -156,7 +159,7 @@ class Metrics:
             "ttft_recent_ms": 1000 * sum(recent) / len(recent) if recent else 0.0,
         }
 
-    def record(self, *, request_id: str, user: str, priority: int, prompt_tokens: int, completion_tokens: int,
+    def record(self, *, request_id: str, endpoint: str, user: str, priority: int, prompt_tokens: int, completion_tokens: int,
                cached_tokens: int, finish_reason: str, ttft: float | None, itls: list[float], e2e: float,
                queue_s: float | None, preemptions: int | None) -> None:
         """One finished request: metrics, and its structured log line."""
@@ -164,6 +167,7 @@ class Metrics:
         self.prompt_tokens.labels(model).inc(prompt_tokens)
 
         self.requests.labels(model, finish_reason).inc()
+        self.by_endpoint.labels(model, endpoint).inc()
         if ttft is not None:
             self.ttft.labels(model).observe(ttft)
             self._recent_ttft.append(ttft)
@@ -172,9 +176,9 @@ class Metrics:
         if queue_s is not None:
             self.queue.labels(model).observe(queue_s)
         log.info(
-            "finished id=%s user=%s priority=%d prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
+            "finished id=%s endpoint=%s user=%s priority=%d prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
             "ttft_ms=%s e2e_ms=%.1f finish_reason=%s preemptions=%s",
-            request_id, user or "-", priority, prompt_tokens, completion_tokens, cached_tokens,
+            request_id, endpoint, user or "-", priority, prompt_tokens, completion_tokens, cached_tokens,
             f"{ttft * 1000:.1f}" if ttft is not None else "-", e2e * 1000, finish_reason,
             preemptions if preemptions is not None else "-",
         )

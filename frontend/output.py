@@ -36,6 +36,7 @@ from protocol.messages import (
     Logprob,
     PromptLogprob,
     TokenBatch,
+    unpack_embeddings,
     unpack_logprobs,
     unpack_prompt_logprobs,
 )
@@ -122,6 +123,7 @@ class Output:
         # Echo with logprobs, or vLLM's prompt_logprobs: the prompt's, computed by the first
         # choice, reported for every choice.
         self.prompt_logprobs: list[PromptLogprob] | None = None
+        self.embedding: bytes | None = None  # an embedding request's vector (float32 bytes), once it came
         self.reasons: dict[int, str] = {}  # by choice index: how it ended, as the client sees it
         self.error: str | None = None  # an engine error ended the response
         self.error_status = 503  # its status, had no token gone out: 500 when the output path failed
@@ -375,6 +377,13 @@ class OutputProcessor:
                 else:  # (an engine bug) the response goes on, its prompt unscored
                     log.error("rid %d: %d prompt logprobs for a prompt of %d tokens; not shown", rid, len(entries),
                               len(c.output.request.prompt_token_ids))
+        embedded = 0  # embedding requests' tokens here: not generated text (the metrics' tokens/s)
+        if len(batch.embeddings) > 1:  # an embedding request's vector comes with its one token
+            for rid, vector in unpack_embeddings(batch.embeddings).items():
+                c = choices.get(rid)
+                if c is not None:
+                    c.output.embedding = vector
+                    embedded += 1
         # A batch may carry several steps of a request (the scheduler merges the steps it gets
         # at once): a finish goes with the request's last token in it.
         last = {rid: i for i, rid in enumerate(batch.rids) if rid in finishes} if finishes else None
@@ -426,8 +435,8 @@ class OutputProcessor:
                         self._finish(c, finish, "", [], [])
                     except Exception as e:
                         self._fault(c, e)
-        if counted and self.metrics is not None:
-            self.metrics.count_tokens(counted)
+        if counted > embedded and self.metrics is not None:
+            self.metrics.count_tokens(counted - embedded)
 
     def _finish(self, c: Choice, finish: Finish, text: str, token_ids: list[int], logprobs: list[Logprob]) -> None:
         """The scheduler's finish of ``c``, with the token that ended it, if any."""
@@ -480,10 +489,11 @@ class OutputProcessor:
         arrivals = c.arrivals
         self.metrics.record(
             request_id=c.request_id,
+            endpoint=output.renderer.endpoint,
             user=request.user,
             priority=request.priority,
             prompt_tokens=len(request.prompt_token_ids),
-            completion_tokens=c.completion_tokens,
+            completion_tokens=c.completion_tokens if output.embedding is None else 0,
             cached_tokens=c.cached_tokens,
             finish_reason=output.reasons.get(c.index, FinishReason.ABORT),
             ttft=arrivals[0] - output.started if arrivals else None,

@@ -53,6 +53,7 @@ class Piece(Protocol):
 
 
 class Renderer(Protocol):
+    endpoint: str  # the route whose answers it renders (the admin API and the metrics say it)
     plain: bool  # ``token`` may be used: chunks carry text only
     stream_end: bytes  # what a stream ends with, after its last chunk (and usage chunk)
 
@@ -133,6 +134,7 @@ class CompletionRenderer(_Base):
     and with ``logprobs`` its logprobs start with the prompt tokens' (the first token has none),
     as OpenAI's legacy completions gave them: what evaluation harnesses score prompts by."""
 
+    endpoint = "/v1/completions"
     object_name = "text_completion"
     chunk_object = "text_completion"
 
@@ -231,6 +233,7 @@ class CompletionRenderer(_Base):
 
 
 class ChatRenderer(_Base):
+    endpoint = "/v1/chat/completions"
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 

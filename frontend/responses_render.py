@@ -64,6 +64,7 @@ def status_of(finish_reason: str) -> tuple[str, dict[str, str] | None]:
 class ResponsesRenderer:
     """One response's events and object (``frontend.render.Renderer``'s interface; ``n`` is 1)."""
 
+    endpoint = "/v1/responses"
     stream_end = b""  # no ``[DONE]``: the last event says the response is over
 
     def __init__(self, response_id: str, created: float, model: str, echo: dict[str, Any], tools: ToolUse | None,

@@ -189,11 +189,15 @@ class FrontendConfig:
     log_level: str = "info"
     # Stored responses of the Responses API: none, sqlite (the default file) or sqlite:PATH.
     responses_store: str = "sqlite"
+    # /v1/embeddings: the prompt's final hidden states pooled as its last token's, or their mean.
+    pooling: str = "last"
 
     def __post_init__(self) -> None:
         if not (self.responses_store in ("none", "sqlite") or
                 (self.responses_store.startswith("sqlite:") and len(self.responses_store) > len("sqlite:"))):
             raise ConfigError(f"--responses-store must be none, sqlite or sqlite:PATH, got {self.responses_store!r}")
+        if self.pooling not in ("last", "mean"):
+            raise ConfigError(f"--pooling must be last or mean, got {self.pooling!r}")
         for address in self.addresses:
             check_link_security(address, self.curve_keys, self.insecure_zmq, binds=False)
         if len(set(self.addresses)) != len(self.addresses):

@@ -61,6 +61,15 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     # alternatives each (0: none); None = off. Only the choice that computes the prompt carries
     # it, and only until its first output token (``scheduler/request.py``).
     prompt_logprobs: int | None = None
+    # An embedding request (``/v1/embeddings``): its prompt's final hidden states pooled, "last"
+    # (the last token's) or "mean", instead of any output; it ends after its prompt (max_tokens 1).
+    pooling: str | None = None
+
+    @property
+    def every_position(self) -> bool:
+        """Every prompt position must be computed by this request itself (no prefix cache, no
+        swap): it scores them (prompt logprobs) or averages them (mean pooling)."""
+        return self.prompt_logprobs is not None or self.pooling == "mean"
 
     @property
     def reads_history(self) -> bool:
@@ -124,6 +133,21 @@ def pack_prompt_logprobs(pairs: list[tuple[int, list[PromptLogprob]]]) -> msgspe
 def unpack_prompt_logprobs(raw: msgspec.Raw) -> dict[int, list[PromptLogprob]]:
     """The entries ``pack_prompt_logprobs`` packed, by rid; empty for ``NO_LOGPROBS``."""
     return dict(_prompt_logprob_pairs.decode(raw)) if len(raw) > 1 else {}
+
+
+# An embedding request's pooled vector travels the same way, with its one output: (rid, the
+# L2-normalised vector as little-endian float32 bytes) pairs.
+_embedding_pairs = msgspec.msgpack.Decoder(list[tuple[int, bytes]])
+
+
+def pack_embeddings(pairs: list[tuple[int, bytes]]) -> msgspec.Raw:
+    """``(rid, float32 bytes)`` pairs as the opaque field of ``StepTokens`` and ``TokenBatch``."""
+    return msgspec.Raw(msgspec.msgpack.encode(pairs)) if pairs else NO_LOGPROBS
+
+
+def unpack_embeddings(raw: msgspec.Raw) -> dict[int, bytes]:
+    """The vectors ``pack_embeddings`` packed, by rid; empty for ``NO_LOGPROBS``."""
+    return dict(_embedding_pairs.decode(raw)) if len(raw) > 1 else {}
 
 # --------------------------------------------------------------------------------------------
 # frontend -> scheduler
@@ -259,6 +283,7 @@ class TokenBatch(msgspec.Struct, tag=True, array_like=True):
     started: list[tuple[int, int]] = []
     seq: int = 0
     prompt_logprobs: msgspec.Raw = NO_LOGPROBS  # ``pack_prompt_logprobs``, passed through like ``logprobs``
+    embeddings: msgspec.Raw = NO_LOGPROBS  # ``pack_embeddings``, passed through like ``logprobs``
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
@@ -289,6 +314,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # The worker ranks that hold the model between them (tensor parallelism): the scheduler
     # serves once that many have announced themselves.
     tensor_parallel_size: int = 1
+    # The width of the model's final hidden states: an embedding's dimensions (/v1/embeddings).
+    hidden_size: int = 0
 
 
 class EngineReady(msgspec.Struct, tag=True, array_like=True):
@@ -421,6 +448,7 @@ class StepTokens(msgspec.Struct, tag=True, array_like=True):
     busy_s: float = 0.0
     logprobs: msgspec.Raw = NO_LOGPROBS  # ``pack_logprobs`` of the rows that asked
     prompt_logprobs: msgspec.Raw = NO_LOGPROBS  # ``pack_prompt_logprobs``: rows whose first output this is
+    embeddings: msgspec.Raw = NO_LOGPROBS  # ``pack_embeddings``: embedding rows, with their one output
 
 
 class WorkerReady(msgspec.Struct, tag=True, array_like=True):

@@ -114,7 +114,8 @@ class Frontends:
         def part(dest: bytes) -> TokenBatch:
             if dest not in parts:
                 # Each part carries the step's logprobs whole: a frontend reads its own rids'.
-                parts[dest] = TokenBatch([], [], [], batch.logprobs, prompt_logprobs=batch.prompt_logprobs)
+                parts[dest] = TokenBatch([], [], [], batch.logprobs, prompt_logprobs=batch.prompt_logprobs,
+                                         embeddings=batch.embeddings)
             return parts[dest]
 
         started = dict(batch.started)

@@ -213,7 +213,7 @@ class Plans:
         that if this raises midway, the caller still has what was done so far (finishes whose
         blocks are already free)."""
         if batch is None:
-            batch = TokenBatch([], [], [], out.logprobs, prompt_logprobs=out.prompt_logprobs)
+            batch = TokenBatch([], [], [], out.logprobs, prompt_logprobs=out.prompt_logprobs, embeddings=out.embeddings)
         plan = self.in_flight.get(out.plan_id)
         # A speculative plan's first step also computes a token the scheduler has not counted:
         # it was planned before the previous plan's last token arrived.

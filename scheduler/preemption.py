@@ -46,7 +46,7 @@ class Swap(Recompute):
         self.num_swaps = 0
 
     def evict(self, req: Request, step: Step, settled: bool) -> str:
-        if not (settled and self.host_pool.can_allocate(len(req.blocks))) or req.sampling.prompt_logprobs is not None:
+        if not (settled and self.host_pool.can_allocate(len(req.blocks))) or req.sampling.every_position:
             return super().evict(req, step, settled)
         host_blocks = self.host_pool.allocate(len(req.blocks))
         step.swap_out.extend(zip(req.blocks, host_blocks, strict=True))

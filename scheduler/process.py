@@ -591,7 +591,7 @@ class SchedulerProcess:
             return
         if msg.plan_id == self.plans_in_flight[0]:
             self.clock.step_done(msg.busy_s, msg.last, time.monotonic())
-        batch = TokenBatch([], [], [], msg.logprobs, prompt_logprobs=msg.prompt_logprobs)
+        batch = TokenBatch([], [], [], msg.logprobs, prompt_logprobs=msg.prompt_logprobs, embeddings=msg.embeddings)
         failed = False
         try:
             self.core.update(msg, batch)
@@ -678,5 +678,5 @@ def run(config: SchedulerConfig) -> int:
 
 
 def _carries_logprobs(batch: TokenBatch) -> bool:
-    """Its logprobs travel as one opaque field per batch: such a batch is not merged."""
-    return len(batch.logprobs) > 1 or len(batch.prompt_logprobs) > 1
+    """Its logprobs (and embeddings) travel as one opaque field per batch: such a batch is not merged."""
+    return len(batch.logprobs) > 1 or len(batch.prompt_logprobs) > 1 or len(batch.embeddings) > 1

@@ -230,8 +230,8 @@ class Request:
     def cached_prefix(self, pool: BlockPool, block_size: int) -> list[int]:
         """The pool's blocks holding the longest cached prefix of these tokens, found by their
         links; their keys are the pool's, so no sha256 is computed here. None for a request
-        that wants its prompt's logprobs: every position's logits must be computed."""
-        if self.sampling.prompt_logprobs is not None:
+        that wants its prompt's logprobs or its mean: every position must be computed."""
+        if self.sampling.every_position:
             return []
         keys, tokens, pack = self.block_keys, self.token_ids, _packer(block_size)
         found: list[int] = []

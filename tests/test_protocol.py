@@ -98,21 +98,22 @@ def test_stop_rule_each_case_and_min_tokens_with_ignore_eos() -> None:
 # other order. These bytes were taken from the format as released; a change here is a protocol
 # change, for every component at once.
 _S = m.SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[7], seed=3)
-# (SamplingParams' last fields, ``grammar`` and ``prompt_logprobs``, were appended: nil here; so
-# were AddRequest's ``output_token_ids`` (an empty array) and the ``prompt_logprobs`` of
-# TokenBatch and StepTokens (nil). A message without an appended field still decodes.)
-_SAMPLING_HEX = ("dc001005cb0000000000000000cb3ff00000000000000000039107c2c0cb0000000000000000cb3ff0000000000000"
-                 "cb0000000000000000cb000000000000000090c0c0")
+# (SamplingParams' last fields, ``grammar``, ``prompt_logprobs`` and ``pooling``, were appended:
+# nil here; so were AddRequest's ``output_token_ids`` (an empty array) and the ``prompt_logprobs``
+# and ``embeddings`` of TokenBatch and StepTokens (nil). A message without an appended field
+# still decodes.)
+_SAMPLING_HEX = ("dc001105cb0000000000000000cb3ff00000000000000000039107c2c0cb0000000000000000cb3ff0000000000000"
+                 "cb0000000000000000cb000000000000000090c0c0c0")
 FIXED_BYTES = [
     (m.AddRequest(1, "cmpl-1", [1, 2, 3], _S, priority=-1, user="u", arrival_time=1.5, n=2),
      "9aaa4164645265717565737401a6636d706c2d3193010203" + _SAMPLING_HEX + "ffa175cb3ff80000000000000290"),
     (m.TokenBatch([1, 2], [5, 6], [m.Finish(1, "stop", 3, 0, 1)], m.pack_logprobs([(2, (-0.5, [6], [-0.5]))]),
                   [(2, 16)], 7),
-     "98aa546f6b656e4261746368920102920506919801a473746f70030001a0cb00000000000000000091920293cbbfe000000000"
-     "0000910691cbbfe00000000000009192021007c0"),
+     "99aa546f6b656e4261746368920102920506919801a473746f70030001a0cb00000000000000000091920293cbbfe000000000"
+     "0000910691cbbfe00000000000009192021007c0c0"),
     (m.StepPlan(7, [m.NewRequest(1, [1, 2], 2, _S, num_computed=1)], [1], [2], [[0]], num_steps=8, forget=[3]),
      "9ca853746570506c616e0791950192010202" + _SAMPLING_HEX + "0191019102919100089103909090c2"),
-    (m.StepTokens(7, 0, [1], [9], False, 0.25), "99aa53746570546f6b656e73070091019109c2cb3fd0000000000000c0c0"),
+    (m.StepTokens(7, 0, [1], [9], False, 0.25), "9aaa53746570546f6b656e73070091019109c2cb3fd0000000000000c0c0c0"),
     (m.Pong(1.0, True, False, None, 9, "", 4), "98a4506f6e67cb3ff0000000000000c3c2c009a004"),
 ]
 

@@ -39,13 +39,21 @@ from collections.abc import Iterator
 
 import torch
 
-from protocol.messages import CancelRows, StepPlan, StepTokens, pack_logprobs, pack_prompt_logprobs
+from protocol.messages import (
+    CancelRows,
+    StepPlan,
+    StepTokens,
+    pack_embeddings,
+    pack_logprobs,
+    pack_prompt_logprobs,
+)
 from worker.attention import select_backend
 from worker.cpu_threads import ThreadPlan
 from worker.host_copy import HostCopier, PendingCopy
 from worker.input_batch import InputBatch
 from worker.kv_cache import KVCache, SwapSpace
 from worker.model.llama import LlamaForCausalLM
+from worker.pooling import PoolPositions, embedding_bytes
 from worker.sampler import Sampler, SamplerOutput, SamplingRow, TopLogprobs
 from worker.sequence import PlanError, SequenceState
 from worker.structured import GrammarEngine
@@ -69,6 +77,7 @@ class StepBatch:
     device_ids: torch.Tensor | None = None
     keep: torch.Tensor | None = None
     prompt: PromptPositions | None = None  # positions whose logits score the next prompt token
+    pool: PoolPositions | None = None  # positions whose hidden states embedding rows pool
 
 
 @dataclasses.dataclass
@@ -237,6 +246,7 @@ class ModelRunner:
         kept: list[int] = []
         logprobs = []
         prompt_logprobs = []
+        embeddings = []
         for i, (seq, token) in enumerate(zip(launched.samplers, tokens, strict=True)):
             if seq.stopped:
                 continue
@@ -247,6 +257,9 @@ class ModelRunner:
             if seq.prompt_logprobs:  # its first output: they go with it
                 prompt_logprobs.append((seq.rid, seq.prompt_logprobs))
                 seq.prompt_logprobs = []
+            if seq.pooled is not None:  # an embedding row's one output: its vector goes with it
+                embeddings.append((seq.rid, embedding_bytes(seq)))
+                seq.pooled = None
             if seq.grammar is not None:
                 seq.grammar.consume(token)
             if seq.append(token, self.eos_token_ids, self.max_model_len):
@@ -260,7 +273,7 @@ class ModelRunner:
                         self.forget(seq.rid)
                         break
         return StepTokens(plan_id, launched.step, rids, kept, False, 0.0, pack_logprobs(logprobs),
-                          pack_prompt_logprobs(prompt_logprobs))
+                          pack_prompt_logprobs(prompt_logprobs), pack_embeddings(embeddings))
 
     def _jumps(self, seq: SequenceState) -> bool:
         """Whether a constrained row may jump forward: not when it asked for logprobs (a forced
@@ -293,6 +306,7 @@ class ModelRunner:
         ids: list[int] = []
         seqs, starts, lengths, samplers, logits_indices = [], [], [], [], []
         prompt: PromptPositions | None = None
+        pool: PoolPositions | None = None
         for rid, n, new_blocks in zip(plan.rids, plan.num_tokens, plan.new_block_ids, strict=True):
             seq = self.seqs.get(rid)
             if seq is None:
@@ -306,6 +320,9 @@ class ModelRunner:
             if seq.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 prompt = prompt or PromptPositions()
                 prompt.add(seq, len(ids), start, n)
+            if seq.sampling.pooling is not None and start < seq.num_prompt_tokens:
+                pool = pool or PoolPositions()
+                pool.add(seq, len(ids), start, n)
             ids.extend(seq.token_ids[start : start + n])
             seqs.append(seq)
             starts.append(start)
@@ -317,7 +334,7 @@ class ModelRunner:
         if not seqs:
             return None
         return StepBatch(seqs, starts, lengths, samplers, logits_indices, host_ids=torch.tensor(ids, dtype=torch.long),
-                         prompt=prompt)
+                         prompt=prompt, pool=pool)
 
     def _decode_batch(self, prev: LaunchedStep, keep: list[int]) -> StepBatch:
         """The next multi-step step: rows ``keep`` of the previous step each compute the token
@@ -371,7 +388,13 @@ class ModelRunner:
             input_ids = batch.device_ids
             if batch.keep is not None:
                 input_ids, moved = input_ids[moved[0]], moved[1:]
-        logits = self.model(input_ids, meta)
+        pool = batch.pool
+        hidden_rows = torch.tensor(pool.indices, device=input_ids.device) if pool is not None and pool.indices else None
+        logits = self.model(input_ids, meta, hidden_rows)
+        if hidden_rows is not None:
+            assert pool is not None and self.model.hidden is not None
+            pool.pool(self.model.hidden)
+            self.model.hidden = None
         if prompt is not None and logits is not None:  # (on rank 0 alone under tensor parallelism)
             num_samplers = len(batch.samplers)
             _score_prompt(prompt, logits[num_samplers:])

@@ -15,6 +15,8 @@ from protocol.messages import NewRequest, PromptLogprob, SamplingParams
 from protocol.stop import length_reached, stop_reason
 
 if TYPE_CHECKING:
+    import torch
+
     from worker.structured import GrammarState
 
 
@@ -42,6 +44,10 @@ class SequenceState:
     # Prompt logprobs computed so far (``sampling.prompt_logprobs``), chunk by chunk: entry i for
     # prompt token i + 1. They leave with the first output token.
     prompt_logprobs: list[PromptLogprob] = dataclasses.field(default_factory=list)
+    # An embedding request's pooled final hidden states so far (``worker/pooling.py``): their
+    # sum over ``num_pooled`` positions (mean), or the last position's (last).
+    pooled: torch.Tensor | None = None
+    num_pooled: int = 0
 
     @classmethod
     def from_new(cls, new: NewRequest) -> SequenceState:

@@ -123,6 +123,7 @@ def build_gguf_model_info(checkpoint: GGUFCheckpoint, cfg: LlamaConfig, *, name:
         add_bos_token=checkpoint.add_bos_token() and cfg.bos_token_id is not None,
         num_kv_blocks=num_kv_blocks,
         block_size=block_size,
+        hidden_size=cfg.hidden_size,
     )
 
 
@@ -150,4 +151,5 @@ def build_model_info(model_dir: Path, cfg: LlamaConfig, *, name: str, max_model_
         add_bos_token=_add_bos_token(tok_cfg, tokenizer, bos),
         num_kv_blocks=num_kv_blocks,
         block_size=block_size,
+        hidden_size=cfg.hidden_size,
     )

@@ -119,6 +119,8 @@ class LlamaForCausalLM(nn.Module):
         # Tensor parallel (``use_tensor_parallel``): this rank's part of the model and its group.
         self.group: TensorParallelGroup | None = None
         self.vocab_start, self.full_vocab = 0, cfg.vocab_size
+        # The last forward's final hidden states at its ``hidden_rows`` (embedding requests).
+        self.hidden: torch.Tensor | None = None
 
     def use_tensor_parallel(self, group: TensorParallelGroup, vocab_start: int, full_vocab: int) -> None:
         """Built from a rank's ``ShardLayout.local_config()`` and loaded with its slices: sum the
@@ -142,9 +144,11 @@ class LlamaForCausalLM(nn.Module):
             layer.input_layernorm.kernel = layer.post_attention_layernorm.kernel = kernels
             layer.mlp.silu_kernel = kernels
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                hidden_rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits of the positions in ``meta.logits_indices`` only (the ones that sample); None
-        on a tensor-parallel rank other than 0."""
+        on a tensor-parallel rank other than 0. ``hidden_rows``: positions whose final hidden
+        states (after the last norm, in float32) are kept in ``self.hidden`` (embeddings)."""
         x = self._embed(input_ids)
         decoding = meta.decode_only() if self.cpu_decoder is not None else None
         if decoding is not None:
@@ -156,6 +160,8 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.model.layers:
                 x, residual = layer(x, residual, meta, rope)
         assert residual is not None
+        if hidden_rows is not None:
+            self.hidden = self.model.norm(x[hidden_rows] + residual[hidden_rows]).float()
         x = self.model.norm(x[meta.logits_indices] + residual[meta.logits_indices])
         logits = self.lm_head(x).float()
         if self.group is None:
