@@ -240,11 +240,14 @@ def test_client_libraries_unchanged(server: SluiceServer) -> None:
 
 
 def test_every_block_back_and_still_serving(server: SluiceServer, client: OpenAI) -> None:
-    """After everything above (streams, calls, refusals, a client gone mid-stream)."""
+    """After everything above (streams, calls, refusals, a client gone mid-stream); the admin API
+    lists a live response with its endpoint."""
     with httpx.stream("POST", f"{server.url}/v1/responses", timeout=60,
                       json={"input": "Write a long story.", "stream": True, "max_output_tokens": 500}) as r:
         for line in r.iter_lines():
             if "output_text.delta" in line:
+                live = httpx.get(f"{server.url}/admin/requests", headers=ADMIN).json()["data"]
+                assert [e["endpoint"] for e in live if e["id"] == r.headers["x-request-id"]] == ["/v1/responses"]
                 break  # hang up mid-stream
     assert client.responses.create(model=MODEL, input="Say yes.", max_output_tokens=5).output_text
     stats = settled_stats(server, ADMIN)
