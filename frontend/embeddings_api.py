@@ -23,12 +23,12 @@ from starlette.responses import Response
 
 from frontend.errors import APIError, bad_request
 from frontend.openai_api import (
-    _check_capacity,
-    _check_model,
-    _check_priority,
-    _check_token_ids,
-    _json_response,
-    _tokenize,
+    check_capacity,
+    check_model,
+    check_priority,
+    check_token_ids,
+    json_response,
+    tokenize_off_loop,
 )
 from frontend.output import Output
 from frontend.render import Piece
@@ -102,8 +102,8 @@ async def embeddings(request: Request) -> Response:
     body: EmbeddingRequest = decode(await request.body(), EmbeddingRequest)
     tokenizer = state.require_tokenizer()
     model = state.require_model()
-    _check_model(state, body.model)
-    _check_priority(state, request, body.priority)
+    check_model(state, body.model)
+    check_priority(state, request, body.priority)
     if body.encoding_format not in ("float", "base64"):
         raise bad_request(f"encoding_format must be float or base64, got {body.encoding_format!r}",
                           "encoding_format")
@@ -122,7 +122,7 @@ async def embeddings(request: Request) -> Response:
             if not item:
                 raise bad_request("the input is empty", param)
             try:
-                ids = await _tokenize(len(item), tokenizer.encode_prompt, item, max_chars)
+                ids = await tokenize_off_loop(len(item), tokenizer.encode_prompt, item, max_chars)
             except PromptTooLong as e:
                 raise bad_request(str(e), param) from None
         else:
@@ -134,9 +134,9 @@ async def embeddings(request: Request) -> Response:
         if len(ids) > limit:
             raise bad_request(f"the input has {len(ids)} tokens; this server embeds at most {limit} (the model's "
                               "context, or its KV cache, less one)", param)
-        _check_token_ids(ids, tokenizer.vocab_size, param)
+        check_token_ids(ids, tokenizer.vocab_size, param)
         prompts.append(ids)
-    _check_capacity(state)
+    check_capacity(state)
     request_id = f"embd-{uuid.uuid4().hex}"
     sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling=state.config.pooling)
     renderer = _NoText()
@@ -159,5 +159,5 @@ async def embeddings(request: Request) -> Response:
             if body.encoding_format == "base64" else np.frombuffer(output.embedding, dtype="<f4").tolist()
         data.append({"object": "embedding", "index": i, "embedding": vector})
     tokens = sum(len(ids) for ids in prompts)
-    return _json_response({"object": "list", "data": data, "model": state.model_name,
+    return json_response({"object": "list", "data": data, "model": state.model_name,
                            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, request_id)

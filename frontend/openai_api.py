@@ -41,11 +41,11 @@ from protocol.messages import AddRequest, SamplingParams
 _json = msgspec.json.Encoder()
 
 
-def _json_response(body: object, request_id: str) -> Response:
+def json_response(body: object, request_id: str) -> Response:
     return Response(_json.encode(body), media_type="application/json", headers={"X-Request-Id": request_id})
 
 
-async def _tokenize(size: int, encode: Callable[..., list[int]], *args: Any) -> list[int]:
+async def tokenize_off_loop(size: int, encode: Callable[..., list[int]], *args: Any) -> list[int]:
     """``encode(*args)``; on a thread when the text is long (``size`` characters or so), so a
     long prompt does not stall the event loop (other streams, /health, the scheduler's pings)."""
     if size >= ModelTokenizer.GIL_FREE_CHARS:
@@ -56,20 +56,20 @@ async def _tokenize(size: int, encode: Callable[..., list[int]], *args: Any) -> 
 # ------------------------------------------------------------------------------------ validation
 
 
-def _check_model(state: AppState, name: str | None) -> None:
+def check_model(state: AppState, name: str | None) -> None:
     if name is not None and name != state.model_name:
         shown = name if len(name) <= 100 else name[:100] + "..."
         raise APIError(404, f"The model `{shown}` does not exist; this server serves `{state.model_name}`.",
                        param="model", code="model_not_found")
 
 
-def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     if ids and max(ids) >= vocab_size:  # max() runs in C; the scan below names the first bad id
         bad = next(t for t in ids if t >= vocab_size)
         raise bad_request(f"token id {bad} is out of vocabulary (vocab size {vocab_size})", param)
 
 
-async def _constraint(state: AppState, body: SamplingFields, calls: Constraint | None = None) -> str | None:
+async def constraint_grammar(state: AppState, body: SamplingFields, calls: Constraint | None = None) -> str | None:
     """The request's structured-output grammar, validated (a 400 naming the field if it cannot
     be used); None when it asks for free text. ``calls``: a tool choice's grammar of calls."""
     constraint = constraint_of(body.response_format, body.structured_outputs, body.guided())
@@ -89,7 +89,7 @@ async def _constraint(state: AppState, body: SamplingFields, calls: Constraint |
     return constraint.grammar
 
 
-def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens: int | None,
+def sampling_params(state: AppState, body: SamplingFields, prompt_len: int, max_tokens: int | None,
               logprobs: int | None, default_max_tokens: int | None, grammar: str | None = None,
               prompt_param: str = "prompt", max_tokens_param: str = "max_tokens",
               prompt_logprobs: int | None = None) -> SamplingParams:
@@ -123,7 +123,7 @@ def _sampling(state: AppState, body: SamplingFields, prompt_len: int, max_tokens
     defaults = model.sampling_defaults
     top_k = int(body.sampling_field("top_k", defaults))
     stop_ids = list(dict.fromkeys(body.stop_token_ids or []))
-    _check_token_ids(stop_ids, model.vocab_size, "stop_token_ids")
+    check_token_ids(stop_ids, model.vocab_size, "stop_token_ids")
     logit_bias = _logit_bias(body.logit_bias or {}, model.vocab_size)
     return SamplingParams(
         max_tokens=max_tokens,
@@ -174,13 +174,13 @@ def _plain_token_id(key: str) -> int | None:
     return int(digits) if len(digits) <= 18 else None
 
 
-def _check_priority(state: AppState, request: Request, priority: int) -> None:
+def check_priority(state: AppState, request: Request, priority: int) -> None:
     if priority < 0 and not state.is_admin(request):
         raise APIError(403, "priority below 0 (more urgent than default) requires the admin token",
                        param="priority", code="priority_requires_admin")
 
 
-def _check_capacity(state: AppState) -> None:
+def check_capacity(state: AppState) -> None:
     if state.client.num_waiting_first_token >= state.config.max_queued_requests:
         raise APIError(503, "the server is overloaded: too many queued requests; retry later",
                        code="overloaded", headers={"Retry-After": "1"})
@@ -189,7 +189,7 @@ def _check_capacity(state: AppState) -> None:
 # ------------------------------------------------------------------------------------ running
 
 
-def _output(state: AppState, body: SamplingFields, prompt_ids: list[int], sampling: SamplingParams,
+def engine_output(state: AppState, body: SamplingFields, prompt_ids: list[int], sampling: SamplingParams,
             request_id: str, renderer: Renderer, first_index: int = 0, terminal: bool = True) -> Output:
     """One prompt's engine request (its ``n`` choices, sent as one message) and the ``Output``
     its answers are rendered into."""
@@ -214,13 +214,13 @@ async def _run(state: AppState, request: Request, body: SamplingFields, prompt_i
     """Shared by both endpoints: one engine request per choice (``n``, sent as one message),
     their output rendered by ``renderer`` as it arrives — streamed as SSE chunks, or collected
     into one body."""
-    _check_capacity(state)
-    output = _output(state, body, prompt_ids, sampling, request_id, renderer)
+    check_capacity(state)
+    output = engine_output(state, body, prompt_ids, sampling, request_id, renderer)
     handle = await state.client.add(output)
     if body.stream:
         return StreamResponse(handle, {"X-Request-Id": request_id})
     await collect(handle, request.receive)
-    return _json_response(output.body(), request_id)
+    return json_response(output.body(), request_id)
 
 
 async def _run_batch(state: AppState, request: Request, body: CompletionRequest,
@@ -229,8 +229,8 @@ async def _run_batch(state: AppState, request: Request, body: CompletionRequest,
     """Several prompts in one completion request: one engine request each, run together, their
     choices numbered across the prompts (prompt p's choice j is ``p * n + j``), in one body or
     one stream."""
-    _check_capacity(state)
-    outputs = [_output(state, body, ids, sampling, request_id if p == 0 else f"{request_id}-p{p}", renderer,
+    check_capacity(state)
+    outputs = [engine_output(state, body, ids, sampling, request_id if p == 0 else f"{request_id}-p{p}", renderer,
                        first_index=p * body.n, terminal=False) for p, (ids, sampling, renderer) in enumerate(prompts)]
 
     def usage() -> dict[str, object]:
@@ -247,7 +247,7 @@ async def _run_batch(state: AppState, request: Request, body: CompletionRequest,
             return BatchStreamResponse(handles, {"X-Request-Id": request_id},
                                        lambda: renderer.usage_chunk(usage()) if include_usage else b"")
         await collect_all(outputs, request.receive)
-    return _json_response(renderer.body([answer for output in outputs for answer in output.answers()], usage()),
+    return json_response(renderer.body([answer for output in outputs for answer in output.answers()], usage()),
                           request_id)
 
 
@@ -258,12 +258,12 @@ async def completions(request: Request) -> Response | StreamResponse | BatchStre
     state: AppState = request.app.state.sluice
     body: CompletionRequest = decode(await request.body(), CompletionRequest)
     tokenizer = state.require_tokenizer()
-    _check_model(state, body.model)
-    _check_priority(state, request, body.priority)
+    check_model(state, body.model)
+    check_priority(state, request, body.priority)
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     prompts = body.prompts()
-    grammar = await _constraint(state, body)
+    grammar = await constraint_grammar(state, body)
     # Echo with logprobs, or vLLM's prompt_logprobs: the worker scores every prompt token too.
     asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
     prompt_logprobs = max(asked) if asked else None
@@ -277,15 +277,15 @@ async def completions(request: Request) -> Response | StreamResponse | BatchStre
                 raise bad_request("the prompt is empty", param)
             max_chars = tokenizer.max_text_chars(state.require_model().max_model_len - 1)
             try:
-                prompt_ids = await _tokenize(len(prompt), tokenizer.encode_prompt, prompt, max_chars)
+                prompt_ids = await tokenize_off_loop(len(prompt), tokenizer.encode_prompt, prompt, max_chars)
             except PromptTooLong as e:
                 raise bad_request(str(e), param) from None
         else:
             prompt_ids = list(prompt)
         # The length checks come before the id check: a million ids is refused for its length.
-        sampling = _sampling(state, body, len(prompt_ids), body.max_tokens, body.logprobs, default_max_tokens=16,
+        sampling = sampling_params(state, body, len(prompt_ids), body.max_tokens, body.logprobs, default_max_tokens=16,
                              grammar=grammar, prompt_param=param, prompt_logprobs=prompt_logprobs)
-        _check_token_ids(prompt_ids, tokenizer.vocab_size, param)
+        check_token_ids(prompt_ids, tokenizer.vocab_size, param)
         renderer = CompletionRenderer(request_id, created, state.model_name, tokenizer, prompt_ids,
                                       body.return_token_ids, body.logprobs, echo=body.echo,
                                       prompt_logprobs=body.prompt_logprobs,
@@ -312,7 +312,7 @@ async def chat_prompt_ids(tokenizer: ModelTokenizer, messages: list[ChatMessage]
         rendered = prompt_messages([m.as_dict() for m in messages], shown, tokenizer.knows_tools)
         tools = shown.tools if shown is not None and tokenizer.knows_tools else None
         size = sum(len(m["content"] or "") for m in rendered) + len(str(tools or ""))
-        return await _tokenize(size, tokenizer.encode_chat, rendered, max_chars, tools, template_kwargs)
+        return await tokenize_off_loop(size, tokenizer.encode_chat, rendered, max_chars, tools, template_kwargs)
     except (ValueError, ChatTemplateError) as e:  # PromptTooLong is a ValueError too
         raise bad_request(str(e), "messages") from None
 
@@ -321,16 +321,16 @@ async def chat_completions(request: Request) -> Response | StreamResponse:
     state: AppState = request.app.state.sluice
     body: ChatCompletionRequest = decode(await request.body(), ChatCompletionRequest)
     tokenizer: ModelTokenizer = state.require_tokenizer()
-    _check_model(state, body.model)
-    _check_priority(state, request, body.priority)
+    check_model(state, body.model)
+    check_priority(state, request, body.priority)
     use = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls)
     max_chars = tokenizer.max_text_chars(state.require_model().max_model_len - 1)
     prompt_ids = await chat_prompt_ids(tokenizer, body.messages, use, max_chars, body.chat_template_kwargs)
     max_tokens, max_tokens_param = (body.max_completion_tokens, "max_completion_tokens") \
         if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens")
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    grammar = await _constraint(state, body, calls_constraint(use))
-    sampling = _sampling(state, body, len(prompt_ids), max_tokens, top_logprobs, default_max_tokens=None,
+    grammar = await constraint_grammar(state, body, calls_constraint(use))
+    sampling = sampling_params(state, body, len(prompt_ids), max_tokens, top_logprobs, default_max_tokens=None,
                          grammar=grammar, prompt_param="messages", max_tokens_param=max_tokens_param,
                          prompt_logprobs=body.prompt_logprobs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -20,14 +20,14 @@ from starlette.responses import Response
 
 from frontend.errors import APIError, bad_request
 from frontend.openai_api import (
-    _check_capacity,
-    _check_model,
-    _check_priority,
-    _constraint,
-    _json_response,
-    _output,
-    _sampling,
     chat_prompt_ids,
+    check_capacity,
+    check_model,
+    check_priority,
+    constraint_grammar,
+    engine_output,
+    json_response,
+    sampling_params,
 )
 from frontend.responses_input import (
     ResponsesRequest,
@@ -91,8 +91,8 @@ async def create_response(request: Request) -> Response | StreamResponse:
     body: ResponsesRequest = decode(await request.body(), ResponsesRequest)
     check_unsupported(body)
     tokenizer = state.require_tokenizer()
-    _check_model(state, body.model)
-    _check_priority(state, request, body.priority)
+    check_model(state, body.model)
+    check_priority(state, request, body.priority)
     tools, choice = chat_tool_choice(body.tool_choice, chat_tools(body.tools))
     use = tool_use(tools, choice, body.parallel_tool_calls)
     conversation = input_messages(body.input, await _history(state, body.previous_response_id))
@@ -108,8 +108,8 @@ async def create_response(request: Request) -> Response | StreamResponse:
     try:
         max_chars = tokenizer.max_text_chars(state.require_model().max_model_len - 1)
         prompt_ids = await chat_prompt_ids(tokenizer, messages, use, max_chars)
-        grammar = await _constraint(state, fields, calls_constraint(use))
-        sampling = _sampling(state, fields, len(prompt_ids), body.max_output_tokens, None, default_max_tokens=None,
+        grammar = await constraint_grammar(state, fields, calls_constraint(use))
+        sampling = sampling_params(state, fields, len(prompt_ids), body.max_output_tokens, None, default_max_tokens=None,
                              grammar=grammar, prompt_param="input", max_tokens_param="max_output_tokens")
     except APIError as e:
         raise _renamed(e) from None
@@ -123,13 +123,13 @@ async def create_response(request: Request) -> Response | StreamResponse:
     renderer = ResponsesRenderer(response_id, int(time.time()), state.model_name,
                                  _echo(body, use.parallel if use else body.parallel_tool_calls is not False,
                                        store is not None), use, finished)
-    _check_capacity(state)
-    output = _output(state, fields, prompt_ids, sampling, response_id, renderer)
+    check_capacity(state)
+    output = engine_output(state, fields, prompt_ids, sampling, response_id, renderer)
     handle = await state.client.add(output)
     if body.stream:
         return StreamResponse(handle, {"X-Request-Id": response_id})
     await collect(handle, request.receive)
-    return _json_response(output.body(), response_id)
+    return json_response(output.body(), response_id)
 
 
 def _store(state: AppState) -> ResponseStore:
@@ -144,7 +144,7 @@ async def get_response(request: Request) -> Response:
     stored = await _store(state).get(rid)
     if stored is None:
         raise APIError(404, f"Response with id '{rid[:100]}' not found.", code="not_found")
-    return _json_response(stored.response, rid)
+    return json_response(stored.response, rid)
 
 
 async def delete_response(request: Request) -> Response:
@@ -152,4 +152,4 @@ async def delete_response(request: Request) -> Response:
     rid = request.path_params["response_id"]
     if not await _store(state).delete(rid):
         raise APIError(404, f"Response with id '{rid[:100]}' not found.", code="not_found")
-    return _json_response({"id": rid, "object": "response", "deleted": True}, rid)
+    return json_response({"id": rid, "object": "response", "deleted": True}, rid)

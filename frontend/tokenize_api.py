@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.errors import bad_request
-from frontend.openai_api import _check_model, _check_token_ids, _tokenize, chat_prompt_ids
+from frontend.openai_api import chat_prompt_ids, check_model, check_token_ids, tokenize_off_loop
 from frontend.schemas import DetokenizeRequest, TokenizeRequest, decode
 from frontend.state import AppState
 from frontend.tools import tool_use
@@ -31,15 +31,15 @@ _json = msgspec.json.Encoder()
 async def tokenize(request: Request) -> Response:
     state: AppState = request.app.state.sluice
     body = decode(await request.body(), TokenizeRequest)
-    _check_model(state, body.model)
+    check_model(state, body.model)
     tokenizer = state.require_tokenizer()
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
     if body.prompt is not None:
         if body.add_special_tokens:
-            tokens = await _tokenize(len(body.prompt), tokenizer.encode_prompt, body.prompt)
+            tokens = await tokenize_off_loop(len(body.prompt), tokenizer.encode_prompt, body.prompt)
         else:
-            tokens = await _tokenize(len(body.prompt), tokenizer.encode_text, body.prompt)
+            tokens = await tokenize_off_loop(len(body.prompt), tokenizer.encode_text, body.prompt)
     else:
         assert body.messages is not None
         use = tool_use(body.tools, body.tool_choice, None)
@@ -51,9 +51,9 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     state: AppState = request.app.state.sluice
     body = decode(await request.body(), DetokenizeRequest)
-    _check_model(state, body.model)
+    check_model(state, body.model)
     tokenizer = state.require_tokenizer()
-    _check_token_ids(body.tokens, tokenizer.vocab_size, "tokens")
+    check_token_ids(body.tokens, tokenizer.vocab_size, "tokens")
     text = tokenizer.decode(body.tokens, skip_special_tokens=False)
     return Response(_json.encode({"prompt": text}), media_type="application/json")
 
