@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from sluice_server import SluiceServer, running_server
+from sluice_server import SluiceServer, running_servers
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,9 +30,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SluiceSe
     """Jump-forward on (recompute preemption), on with swap preemption, and off."""
     # 20 blocks of 16 tokens for six requests of up to ~70 + 80 tokens: preemption is certain.
     flags = ("--model", "tiny", "--admin-token", ADMIN, "--num-kv-blocks", "20", "--num-scheduler-steps", "6")
-    with running_server(*flags, log_dir=tmp_path_factory.mktemp("jump-on")) as on, \
-            running_server(*flags, "--preemption-mode", "swap", log_dir=tmp_path_factory.mktemp("jump-swap")) as swap, \
-            running_server(*flags, "--no-jump-forward", log_dir=tmp_path_factory.mktemp("jump-off")) as off:
+    with running_servers(flags, (*flags, "--preemption-mode", "swap"), (*flags, "--no-jump-forward"),
+                         log_dir=tmp_path_factory.mktemp("jump")) as (on, swap, off):
         yield on, swap, off
 
 
