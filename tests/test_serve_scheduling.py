@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from sluice_server import SluiceServer, running_server
+from sluice_server import SluiceServer, running_servers
 
 ADMIN = "sched-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -43,22 +42,28 @@ def stats(server: SluiceServer) -> dict:
     return httpx.get(f"{server.url}/admin/stats", headers=AUTH).json()
 
 
-def serve(tmp_path_factory: pytest.TempPathFactory, *flags: str) -> Iterator[SluiceServer]:
-    log_dir: Path = tmp_path_factory.mktemp("sched")
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SluiceServer]]:
+    """Every server the tests below use, started side by side."""
     # 24 blocks of 16 tokens; six requests of 41 + 60 tokens need 42: preemption is certain.
-    with running_server("--admin-token", ADMIN, "--num-kv-blocks", "24", "--max-num-batched-tokens", "256",
-                        *flags, log_dir=log_dir) as s:
-        yield s
+    small = ("--admin-token", ADMIN, "--num-kv-blocks", "24", "--max-num-batched-tokens", "256")
+    flags = {"recompute": (*small, "--preemption-mode", "recompute"),
+             "swap": (*small, "--preemption-mode", "swap"),
+             "cut-in": ("--admin-token", ADMIN, "--max-num-seqs", "1", "--no-priority-preemption",
+                        "--num-kv-blocks", "64"),
+             "seats": ("--admin-token", ADMIN, "--max-num-seqs", "2", "--max-num-seqs-per-priority", "5:1")}
+    with running_servers(*flags.values(), log_dir=tmp_path_factory.mktemp("sched")) as started:
+        yield dict(zip(flags, started, strict=True))
 
 
 @pytest.fixture(scope="module")
-def recompute_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
-    yield from serve(tmp_path_factory, "--preemption-mode", "recompute")
+def recompute_server(servers: dict[str, SluiceServer]) -> SluiceServer:
+    return servers["recompute"]
 
 
 @pytest.fixture(scope="module")
-def swap_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
-    yield from serve(tmp_path_factory, "--preemption-mode", "swap")
+def swap_server(servers: dict[str, SluiceServer]) -> SluiceServer:
+    return servers["swap"]
 
 
 def test_recompute_preemption_keeps_greedy_outputs(recompute_server: SluiceServer) -> None:
@@ -137,86 +142,81 @@ def test_pause_and_resume_keep_greedy_output(recompute_server: SluiceServer) -> 
     assert asyncio.run(paused_run()) == want
 
 
-def test_cut_in_runs_next_and_everyone_keeps_their_output(tmp_path_factory: pytest.TempPathFactory) -> None:
-    log_dir = tmp_path_factory.mktemp("cutin")
-    with running_server("--admin-token", ADMIN, "--max-num-seqs", "1", "--no-priority-preemption",
-                        "--num-kv-blocks", "64", log_dir=log_dir) as server:
-        url = server.url
-        long_prompt, short_prompt = PROMPTS[1], PROMPTS[2]
-        want_long, want_short = asyncio.run(undisturbed(url, [long_prompt, short_prompt], 150))
+def test_cut_in_runs_next_and_everyone_keeps_their_output(servers: dict[str, SluiceServer]) -> None:
+    server = servers["cut-in"]
+    url = server.url
+    long_prompt, short_prompt = PROMPTS[1], PROMPTS[2]
+    want_long, want_short = asyncio.run(undisturbed(url, [long_prompt, short_prompt], 150))
 
-        async def scenario() -> tuple[list[int], list[int], list[str]]:
-            done: list[str] = []
-            async with httpx.AsyncClient(timeout=120) as client:
-                async def run(name: str, prompt: list[int], priority: int) -> list[int]:
-                    out = await generate(client, url, prompt, 150, priority)
-                    done.append(name)
-                    return out["choices"][0]["token_ids"]
+    async def scenario() -> tuple[list[int], list[int], list[str]]:
+        done: list[str] = []
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def run(name: str, prompt: list[int], priority: int) -> list[int]:
+                out = await generate(client, url, prompt, 150, priority)
+                done.append(name)
+                return out["choices"][0]["token_ids"]
 
-                long_task = asyncio.create_task(run("long", long_prompt, 0))
-                for _ in range(200):  # wait until the long one holds the only seat
-                    running = (await client.get(f"{url}/admin/requests", headers=AUTH)).json()["data"]
-                    if any(r["state"] == "running" for r in running):
-                        break
-                    await asyncio.sleep(0.01)
-                short_task = asyncio.create_task(run("short", short_prompt, 5))
-                listing: list[dict] = []
-                for _ in range(200):
-                    listing = (await client.get(f"{url}/admin/requests", headers=AUTH)).json()["data"]
-                    if any(r["priority"] == 5 and r["state"] == "waiting" for r in listing):
-                        break
-                    await asyncio.sleep(0.02)
-                short_id = next(r["id"] for r in listing if r["priority"] == 5)
-                r = await client.post(f"{url}/admin/requests/{short_id}/priority", headers=AUTH,
-                                      json={"priority": -1, "cut_in": True})
-                assert r.status_code == 200, r.text
-                return await long_task, await short_task, done
+            long_task = asyncio.create_task(run("long", long_prompt, 0))
+            for _ in range(200):  # wait until the long one holds the only seat
+                running = (await client.get(f"{url}/admin/requests", headers=AUTH)).json()["data"]
+                if any(r["state"] == "running" for r in running):
+                    break
+                await asyncio.sleep(0.01)
+            short_task = asyncio.create_task(run("short", short_prompt, 5))
+            listing: list[dict] = []
+            for _ in range(200):
+                listing = (await client.get(f"{url}/admin/requests", headers=AUTH)).json()["data"]
+                if any(r["priority"] == 5 and r["state"] == "waiting" for r in listing):
+                    break
+                await asyncio.sleep(0.02)
+            short_id = next(r["id"] for r in listing if r["priority"] == 5)
+            r = await client.post(f"{url}/admin/requests/{short_id}/priority", headers=AUTH,
+                                  json={"priority": -1, "cut_in": True})
+            assert r.status_code == 200, r.text
+            return await long_task, await short_task, done
 
-        got_long, got_short, order = asyncio.run(scenario())
-        assert order == ["short", "long"]  # the cut-in finished first, though it came second
-        assert got_long == want_long and got_short == want_short
-        assert stats(server)["preemptions"] >= 1
+    got_long, got_short, order = asyncio.run(scenario())
+    assert order == ["short", "long"]  # the cut-in finished first, though it came second
+    assert got_long == want_long and got_short == want_short
+    assert stats(server)["preemptions"] >= 1
 
 
-def test_urgent_request_takes_a_seat_and_batch_class_keeps_to_its_cap(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_urgent_request_takes_a_seat_and_batch_class_keeps_to_its_cap(servers: dict[str, SluiceServer]) -> None:
     # Two seats, priority >= 5 capped at one of them. Issue 13, defect 1: with every seat held by
     # running decodes, a more urgent arrival waited for a whole long request to finish.
-    log_dir: Path = tmp_path_factory.mktemp("seats")
-    with running_server("--admin-token", ADMIN, "--max-num-seqs", "2", "--max-num-seqs-per-priority", "5:1",
-                        log_dir=log_dir) as server:
-        url = server.url
+    server = servers["seats"]
+    url = server.url
 
-        def state(request_id: str) -> dict:
-            return httpx.get(f"{url}/admin/requests/{request_id}", headers=AUTH).json()
+    def state(request_id: str) -> dict:
+        return httpx.get(f"{url}/admin/requests/{request_id}", headers=AUTH).json()
 
-        async def scenario() -> None:
-            async with httpx.AsyncClient(timeout=300) as client:
-                long = {"prompt": PROMPTS[0], "max_tokens": 3000, "ignore_eos": True, "stream": True}
-                streams, ids = [], []
-                for priority in (5, 5, 3):  # batch, batch (capped: waits), then an interactive one
-                    r = await client.send(client.build_request(
-                        "POST", f"{url}/v1/completions", json=long | {"priority": priority}), stream=True)
-                    streams.append(r)
-                    ids.append(r.headers["X-Request-Id"])
-                    await asyncio.sleep(0.3)
-                batch, capped, interactive = ids
-                assert state(capped)["state"] == "waiting"  # its class's one seat is taken
-                assert state(interactive)["state"] == "running"
-                assert stats(server)["seats_by_priority"] == {"5": 1}
-                started = time.monotonic()
-                urgent = await generate(client, url, PROMPTS[1], max_tokens=8, priority=1)
-                assert urgent["usage"]["completion_tokens"] == 8
-                assert time.monotonic() - started < 30  # not after the 3000-token streams
-                assert state(batch)["preemptions"] >= 1  # the least urgent gave its seat
-                assert state(interactive)["preemptions"] == 0
-                for request_id in ids:
-                    httpx.post(f"{url}/admin/requests/{request_id}/abort", headers=AUTH)
-                for r in streams:
-                    await r.aread()
-                    await r.aclose()
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=300) as client:
+            long = {"prompt": PROMPTS[0], "max_tokens": 3000, "ignore_eos": True, "stream": True}
+            streams, ids = [], []
+            for priority in (5, 5, 3):  # batch, batch (capped: waits), then an interactive one
+                r = await client.send(client.build_request(
+                    "POST", f"{url}/v1/completions", json=long | {"priority": priority}), stream=True)
+                streams.append(r)
+                ids.append(r.headers["X-Request-Id"])
+                await asyncio.sleep(0.3)
+            batch, capped, interactive = ids
+            assert state(capped)["state"] == "waiting"  # its class's one seat is taken
+            assert state(interactive)["state"] == "running"
+            assert stats(server)["seats_by_priority"] == {"5": 1}
+            started = time.monotonic()
+            urgent = await generate(client, url, PROMPTS[1], max_tokens=8, priority=1)
+            assert urgent["usage"]["completion_tokens"] == 8
+            assert time.monotonic() - started < 30  # not after the 3000-token streams
+            assert state(batch)["preemptions"] >= 1  # the least urgent gave its seat
+            assert state(interactive)["preemptions"] == 0
+            for request_id in ids:
+                httpx.post(f"{url}/admin/requests/{request_id}/abort", headers=AUTH)
+            for r in streams:
+                await r.aread()
+                await r.aclose()
 
-        asyncio.run(scenario())
-        time.sleep(0.5)
-        s = stats(server)
-        assert s["running"] == s["waiting"] == 0 and s["kv_blocks_used"] == 0
+    asyncio.run(scenario())
+    time.sleep(0.5)
+    s = stats(server)
+    assert s["running"] == s["waiting"] == 0 and s["kv_blocks_used"] == 0
