@@ -14,16 +14,30 @@ import httpx
 import pytest
 from checkpoints import hf_prompt_logprobs, save_llama_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
-from sluice_server import SluiceServer, running_server, settled_stats
+from sluice_server import SluiceServer, running_servers, settled_stats
 
 TOKEN = "evaluation-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
-    with running_server("--model", "tiny", "--admin-token", TOKEN, log_dir=tmp_path_factory.mktemp("logs")) as s:
-        yield s
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_llama_checkpoint(tmp_path_factory.mktemp("llama") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SluiceServer]]:
+    """The tiny model's server and the Llama checkpoint's, started side by side."""
+    # A 32-token step budget for the checkpoint: the prompt is prefilled in three chunks, each scoring its part.
+    with running_servers(("--model", "tiny", "--admin-token", TOKEN),
+                         ("--model", str(checkpoint), "--max-num-batched-tokens", "32", "--admin-token", TOKEN),
+                         log_dir=tmp_path_factory.mktemp("logs")) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def server(servers: list[SluiceServer]) -> SluiceServer:
+    return servers[0]
 
 
 def _complete(url: str, **body: object) -> httpx.Response:
@@ -148,16 +162,8 @@ PROMPT = [1, *(t % 300 + 3 for t in range(69))]  # 70 tokens: three chunks of a 
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_llama_checkpoint(tmp_path_factory.mktemp("llama") / "ckpt")
-
-
-@pytest.fixture(scope="module")
-def llama(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
-    # A 32-token step budget: the prompt is prefilled in three chunks, each scoring its part.
-    flags = ["--model", str(checkpoint), "--max-num-batched-tokens", "32", "--admin-token", TOKEN]
-    with running_server(*flags, log_dir=tmp_path_factory.mktemp("llama-logs")) as s:
-        yield s
+def llama(servers: list[SluiceServer]) -> SluiceServer:
+    return servers[1]
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(llama: SluiceServer, checkpoint: Path) -> None:
