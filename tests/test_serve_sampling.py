@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sluice_server import SluiceServer, running_server
+from sluice_server import SluiceServer, running_servers
 
 from worker.model.tiny import materialize_tiny
 
@@ -19,9 +19,27 @@ PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
-    with running_server("--model", "tiny", log_dir=tmp_path_factory.mktemp("logs")) as s:
-        yield s
+def greedy_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with temperature 0 in its generation_config.json."""
+    model = tmp_path_factory.mktemp("model") / "greedy-tiny"
+    shutil.copytree(materialize_tiny(), model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(config | {"temperature": 0.0}))
+    return model
+
+
+@pytest.fixture(scope="module")
+def servers(greedy_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SluiceServer]]:
+    """The tiny model; the greedy one; the greedy one with --generation-config none: side by side."""
+    greedy = ("--model", str(greedy_model), "--num-kv-blocks", "64")
+    with running_servers(("--model", "tiny"), greedy, (*greedy, "--generation-config", "none"),
+                         log_dir=tmp_path_factory.mktemp("logs")) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def server(servers: list[SluiceServer]) -> SluiceServer:
+    return servers[0]
 
 
 def _ids(url: str, **body: object) -> list[int]:
@@ -97,29 +115,25 @@ def test_logit_bias_keys_that_are_not_plain_token_ids_are_400s(server: SluiceSer
     assert _ids(server.url, max_tokens=2, logit_bias={"077": 100}) == [77, 77]
 
 
-def test_the_models_sampling_defaults_apply_to_requests_that_leave_them_unset(tmp_path: Path) -> None:
+def test_the_models_sampling_defaults_apply_to_requests_that_leave_them_unset(
+        servers: list[SluiceServer], greedy_model: Path) -> None:
     """A generation_config.json with temperature 0: a request that sets no temperature is greedy
     (the same text as an explicit temperature 0), one that sets 1.5 samples; with
     --generation-config none, OpenAI's default (temperature 1) applies again. Start-up says
     which defaults apply."""
-    model = tmp_path / "greedy-tiny"
-    shutil.copytree(materialize_tiny(), model)
-    config = json.loads((model / "generation_config.json").read_text())
-    (model / "generation_config.json").write_text(json.dumps(config | {"temperature": 0.0}))
+    _, server, none = servers
     body = {"prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True}
-    with running_server("--model", str(model), "--num-kv-blocks", "64", log_dir=tmp_path) as server:
-        def text(**extra: object) -> str:
-            r = httpx.post(f"{server.url}/v1/completions", json=body | extra, timeout=60)
-            assert r.status_code == 200, r.text
-            return str(r.json()["choices"][0]["text"])
 
-        greedy = text(temperature=0)
-        assert text() == text() == greedy
-        assert len({text(temperature=1.5, seed=s) for s in range(4)} - {greedy}) >= 1
-        assert f"sampling defaults from {model / 'generation_config.json'}: temperature 0" in server.log()
-    with running_server("--model", str(model), "--num-kv-blocks", "64", "--generation-config", "none",
-                        log_dir=tmp_path) as server:
-        samples = {httpx.post(f"{server.url}/v1/completions", json=body | {"seed": s}, timeout=60)
-                   .json()["choices"][0]["text"] for s in range(4)}
-        assert samples != {greedy}, "OpenAI's default temperature 1 samples"
-        assert "sampling defaults from" not in server.log()
+    def text(**extra: object) -> str:
+        r = httpx.post(f"{server.url}/v1/completions", json=body | extra, timeout=60)
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["text"])
+
+    greedy = text(temperature=0)
+    assert text() == text() == greedy
+    assert len({text(temperature=1.5, seed=s) for s in range(4)} - {greedy}) >= 1
+    assert f"sampling defaults from {greedy_model / 'generation_config.json'}: temperature 0" in server.log()
+    samples = {httpx.post(f"{none.url}/v1/completions", json=body | {"seed": s}, timeout=60)
+               .json()["choices"][0]["text"] for s in range(4)}
+    assert samples != {greedy}, "OpenAI's default temperature 1 samples"
+    assert "sampling defaults from" not in none.log()
