@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from sluice_server import SluiceServer, running_server
+from sluice_server import SluiceServer, running_servers
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -32,10 +32,17 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
-    with running_server("--sse-keepalive", "1", "--admin-token", ADMIN, "--num-kv-blocks", "512",
-                        log_dir=tmp_path_factory.mktemp("logs")) as s:
-        yield s
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SluiceServer]]:
+    """Heartbeats every second, and none: started side by side."""
+    with running_servers(("--sse-keepalive", "1", "--admin-token", ADMIN, "--num-kv-blocks", "512"),
+                         ("--sse-keepalive", "0", "--admin-token", ADMIN, "--num-kv-blocks", "64"),
+                         log_dir=tmp_path_factory.mktemp("logs")) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def server(servers: list[SluiceServer]) -> SluiceServer:
+    return servers[0]
 
 
 class BenchReader:
@@ -131,12 +138,11 @@ def test_the_official_client_and_a_line_reader_read_through_heartbeats(server: S
     assert all(line == "" or line.startswith("data: ") for line in lines), "nothing else on the wire"
 
 
-def test_no_heartbeats_when_turned_off(tmp_path_factory: pytest.TempPathFactory) -> None:
-    with running_server("--sse-keepalive", "0", "--admin-token", ADMIN, "--num-kv-blocks", "64",
-                        log_dir=tmp_path_factory.mktemp("logs")) as s:
-        resumer = paused_for(s, PAUSED_S)
-        with httpx.stream("POST", f"{s.url}/v1/completions", timeout=120,
-                          json={"prompt": "Hi", "max_tokens": 2, "stream": True}) as r:
-            raw = b"".join(r.iter_raw())
-        resumer.join()
+def test_no_heartbeats_when_turned_off(servers: list[SluiceServer]) -> None:
+    s = servers[1]
+    resumer = paused_for(s, PAUSED_S)
+    with httpx.stream("POST", f"{s.url}/v1/completions", timeout=120,
+                      json={"prompt": "Hi", "max_tokens": 2, "stream": True}) as r:
+        raw = b"".join(r.iter_raw())
+    resumer.join()
     assert raw.startswith(b"data: {"), "the first bytes are the first event"

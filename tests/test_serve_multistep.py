@@ -8,11 +8,10 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from sluice_server import SluiceServer, running_server
+from sluice_server import SluiceServer, running_servers
 
 TOKEN = "multistep-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -20,10 +19,17 @@ PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
-    with running_server("--model", "tiny", "--num-scheduler-steps", "8", "--admin-token", TOKEN,
-                        log_dir=tmp_path_factory.mktemp("logs")) as s:
-        yield s
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SluiceServer]]:
+    """Eight steps a plan, and one (the reference), started side by side."""
+    with running_servers(("--model", "tiny", "--num-scheduler-steps", "8", "--admin-token", TOKEN),
+                         ("--model", "tiny", "--num-scheduler-steps", "1"),
+                         log_dir=tmp_path_factory.mktemp("logs")) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def server(servers: list[SluiceServer]) -> SluiceServer:
+    return servers[0]
 
 
 def _stream_chunks(url: str, body: dict) -> list[dict]:
@@ -52,9 +58,9 @@ def _greedy_ids(url: str, max_tokens: int, **extra: object) -> list[int]:
     return list(r.json()["choices"][0]["token_ids"])
 
 
-def test_stops_falling_mid_window_emit_nothing_past_them(server: SluiceServer, tmp_path: Path) -> None:
-    with running_server("--model", "tiny", "--num-scheduler-steps", "1", log_dir=tmp_path) as single:
-        reference = _greedy_ids(single.url, 40, ignore_eos=True)
+def test_stops_falling_mid_window_emit_nothing_past_them(servers: list[SluiceServer]) -> None:
+    server, single = servers
+    reference = _greedy_ids(single.url, 40, ignore_eos=True)
     assert _greedy_ids(server.url, 40, ignore_eos=True) == reference  # n=8 equals n=1
     assert _greedy_ids(server.url, 13, ignore_eos=True) == reference[:13]  # max_tokens mid-window
     stop = reference[11]
