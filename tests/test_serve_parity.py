@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from checkpoints import hf_greedy, save_llama_checkpoint, save_mistral, save_qwen2
-from sluice_server import SluiceServer, running_server
+from sluice_server import SluiceServer, started_server
 
 NEW_TOKENS = 40
 # Lengths 5..70 with a budget of 32 tokens per step: the two longer prompts prefill in chunks.
@@ -41,11 +41,18 @@ def expected(checkpoint: Path) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
+def starting(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
     # No --max-model-len and no --num-kv-blocks: both come from the model and the memory budget.
     flags = ["--model", str(checkpoint), "--max-num-batched-tokens", "32", "--kv-cache-memory", "4MiB"]
-    with running_server(*flags, log_dir=tmp_path_factory.mktemp("parity-logs")) as s:
+    with started_server(*flags, log_dir=tmp_path_factory.mktemp("parity-logs")) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def server(starting: SluiceServer, expected: list[list[int]]) -> SluiceServer:
+    """Ready; transformers computes ``expected`` here while it starts."""
+    starting.wait_ready()
+    return starting
 
 
 async def _generate(url: str, prompt: list[int]) -> list[int]:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
-from sluice_server import SluiceServer, running_server
+from sluice_server import SluiceServer, started_server
 from tokenizers import Tokenizer
 
 from protocol.config import WorkerConfig
@@ -46,8 +46,8 @@ MAX_TIPPED = 8  # at most one token in eight a tipped near-tie (measured: 15 of 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
-    with running_server("--model", "smollm2", "--dtype", "auto", "--num-kv-blocks", "256",
+def starting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
+    with started_server("--model", "smollm2", "--dtype", "auto", "--num-kv-blocks", "256",
                         log_dir=tmp_path_factory.mktemp("logs")) as s:
         yield s
 
@@ -55,6 +55,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
 @pytest.fixture(scope="module")
 def reference() -> Worker:
     return Worker(WorkerConfig(model="smollm2", num_kv_blocks=40, dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def server(starting: SluiceServer, reference: Worker) -> SluiceServer:
+    """Ready; the reference loads here while it starts."""
+    starting.wait_ready()
+    return starting
 
 
 def _prompt(worker: Worker, question: str) -> list[int]:
