@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from checkpoints import hf_greedy, hf_prompt_logprobs, save_llama_checkpoint
-from sluice_server import SluiceServer, child_pid, free_port, running_server, stop_processes
+from sluice_server import SluiceServer, child_pid, free_port, running_servers, stop_processes
 from test_components_tcp import _free_port_block
 from test_serve_worker_crash import Stream, complete, wait_until
 
@@ -45,12 +45,20 @@ def kv1(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(kv2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
+def servers(kv2: Path, kv1: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SluiceServer]]:
+    """Two ranks on kv2, one worker on kv2 (the same flags otherwise), two ranks on kv1: side by side."""
     # A small token budget: prompts prefill in chunks, beside other rows' decodes.
-    with running_server("--model", str(kv2), "--tensor-parallel-size", "2", "--admin-token", "t",
-                        "--max-num-batched-tokens", "16", "--max-model-len", "512",
-                        log_dir=tmp_path_factory.mktemp("tp-serve")) as s:
-        yield s
+    chunked = ("--max-num-batched-tokens", "16", "--max-model-len", "512")
+    flags = {"tp": ("--model", str(kv2), "--tensor-parallel-size", "2", "--admin-token", "t", *chunked),
+             "one": ("--model", str(kv2), *chunked),
+             "kv1": ("--model", str(kv1), "--tensor-parallel-size", "2", "--max-model-len", "512")}
+    with running_servers(*flags.values(), log_dir=tmp_path_factory.mktemp("tp-serve")) as started:
+        yield dict(zip(flags, started, strict=True))
+
+
+@pytest.fixture(scope="module")
+def server(servers: dict[str, SluiceServer]) -> SluiceServer:
+    return servers["tp"]
 
 
 async def _generate(url: str, prompt: list[int]) -> list[int]:
@@ -67,15 +75,14 @@ async def _all_at_once(url: str) -> list[list[int]]:
     return list(await asyncio.gather(*(_generate(url, p) for p in PROMPTS)))
 
 
-def test_two_ranks_generate_what_one_worker_and_transformers_generate(server: SluiceServer, kv2: Path,
-                                                                        tmp_path: Path) -> None:
+def test_two_ranks_generate_what_one_worker_and_transformers_generate(servers: dict[str, SluiceServer],
+                                                                        kv2: Path) -> None:
+    server = servers["tp"]
     want = hf_greedy(kv2, PROMPTS, NEW_TOKENS)
     for prompt, expected in zip(PROMPTS, want, strict=True):
         assert asyncio.run(_generate(server.url, prompt)) == expected
     assert asyncio.run(_all_at_once(server.url)) == want
-    with running_server("--model", str(kv2), "--max-num-batched-tokens", "16", "--max-model-len", "512",
-                        log_dir=tmp_path) as one:
-        assert asyncio.run(_all_at_once(one.url)) == want
+    assert asyncio.run(_all_at_once(servers["one"].url)) == want
     log = server.log()
     assert "rank 0 of 2: heads 0-1 of 4, KV heads 0-0 of 2" in log and "rank 1 of 2: heads 2-3 of 4" in log
     memory = httpx.get(f"{server.url}/admin/stats", headers=AUTH).json()["process_memory"]
@@ -94,12 +101,10 @@ def test_two_ranks_score_an_echoed_prompt_as_transformers_does(server: SluiceSer
         assert sorted(top.values(), reverse=True)[:2] == pytest.approx(values, abs=1e-4)  # (and the token itself)
 
 
-def test_one_replicated_kv_head_and_a_padded_vocabulary(kv1: Path, tmp_path: Path) -> None:
-    want = hf_greedy(kv1, PROMPTS, NEW_TOKENS)
-    with running_server("--model", str(kv1), "--tensor-parallel-size", "2", "--max-model-len", "512",
-                        log_dir=tmp_path) as s:
-        assert asyncio.run(_all_at_once(s.url)) == want
-        assert "KV head 0 (replicated: 1 KV heads for 2 ranks)" in s.log()
+def test_one_replicated_kv_head_and_a_padded_vocabulary(servers: dict[str, SluiceServer], kv1: Path) -> None:
+    s = servers["kv1"]
+    assert asyncio.run(_all_at_once(s.url)) == hf_greedy(kv1, PROMPTS, NEW_TOKENS)
+    assert "KV head 0 (replicated: 1 KV heads for 2 ranks)" in s.log()
 
 
 def _rank_pid(server: SluiceServer, rank: int) -> int:
