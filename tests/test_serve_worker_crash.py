@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
-from sluice_server import SluiceServer, child_pid, running_server
+from sluice_server import SluiceServer, child_pid, running_servers
 
 AUTH = {"Authorization": "Bearer t"}
 SHORT = [1, *((5 * j) % 250 + 3 for j in range(20))]
@@ -75,12 +75,34 @@ def complete(url: str, prompt: list[int], max_tokens: int) -> str:
     return str(r.json()["choices"][0]["text"])
 
 
+# The half-precision servers: each where its kernels run (else the test skips, saying why).
+HALF = {"bfloat16": ("--dtype", "bfloat16"), "smollm2-quantized": ("--model", "smollm2", "--dtype", "auto")}
+
+
+def _half_unsupported(name: str) -> str | None:
+    from worker.kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.has_linear(cpu_kernels.load(), torch.bfloat16):
+        return "no bfloat16 linear kernel here (AVX512-BF16): bfloat16 products depend on the batch"
+    if name == "smollm2-quantized" and not cpu_kernels.has_quantized_linear(cpu_kernels.load()):
+        return "no quantized kernel here (AVX-512 VNNI or AVX2)"
+    return None
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SluiceServer]]:
+    """Every server the tests below use, started side by side."""
     # A small token budget: the long prompt takes several steps to prefill.
-    with running_server("--admin-token", "t", "--max-num-batched-tokens", "64",
-                        log_dir=tmp_path_factory.mktemp("crash")) as s:
-        yield s
+    crash = ("--admin-token", "t", "--max-num-batched-tokens", "64")
+    flags = {"crash": crash, "no-restarts": ("--max-worker-restarts", "0"), "auto": ("--dtype", "auto")}
+    flags |= {name: (*half, *crash) for name, half in HALF.items() if _half_unsupported(name) is None}
+    with running_servers(*flags.values(), log_dir=tmp_path_factory.mktemp("crash")) as started:
+        yield dict(zip(flags, started, strict=True))
+
+
+@pytest.fixture(scope="module")
+def server(servers: dict[str, SluiceServer]) -> SluiceServer:
+    return servers["crash"]
 
 
 def wait_until(predicate, timeout: float) -> float:  # type: ignore[no-untyped-def]
@@ -126,15 +148,15 @@ def test_killed_worker_is_restarted_and_streams_continue_with_the_undisturbed_te
 
 
 def test_past_the_restart_limit_streams_end_with_an_error_naming_the_cause(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
-    with running_server("--max-worker-restarts", "0", log_dir=tmp_path_factory.mktemp("nolimit")) as server:
-        stream = Stream(server.url, SHORT, 2000)
-        wait_until(lambda: stream.tokens >= 5, 60)
-        os.kill(worker_pid(server), signal.SIGKILL)
-        stream.join()
-        assert stream.errors and "max-worker-restarts 0" in stream.errors[-1], stream.errors
-        reason = httpx.get(f"{server.url}/health").json()["reason"]
-        assert "max-worker-restarts" in reason
+        servers: dict[str, SluiceServer]) -> None:
+    server = servers["no-restarts"]
+    stream = Stream(server.url, SHORT, 2000)
+    wait_until(lambda: stream.tokens >= 5, 60)
+    os.kill(worker_pid(server), signal.SIGKILL)
+    stream.join()
+    assert stream.errors and "max-worker-restarts 0" in stream.errors[-1], stream.errors
+    reason = httpx.get(f"{server.url}/health").json()["reason"]
+    assert "max-worker-restarts" in reason
 
 
 def test_killed_scheduler_ends_open_streams_with_an_error_and_serving_resumes(server: SluiceServer) -> None:
@@ -184,66 +206,61 @@ def test_streams_ended_by_a_scheduler_restart_leave_nothing_running(server: Slui
 
 
 def test_a_worker_restarted_on_a_busy_machine_keeps_its_engines_dtype(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+        servers: dict[str, SluiceServer]) -> None:
     # --dtype auto was once decided by timing two matmuls at start-up: under load the timing is
     # noise, and a worker restarted after a crash came back as float32 where the first ran
     # bfloat16, so the streams it recomputed went on in another precision. Now the hardware decides.
     from worker.model.cpu_matmul import choose_dtype
 
     want = str(choose_dtype().dtype).removeprefix("torch.")
-    with running_server("--dtype", "auto", log_dir=tmp_path_factory.mktemp("dtype")) as server:
-        url = server.url
+    server = servers["auto"]
+    url = server.url
 
-        def dtype() -> str:
-            return str(httpx.get(f"{url}/v1/models").json()["data"][0]["dtype"])
+    def dtype() -> str:
+        return str(httpx.get(f"{url}/v1/models").json()["data"][0]["dtype"])
 
-        assert dtype() == want
-        before = complete(url, SHORT, 24)
-        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
-        try:
-            old = worker_pid(server)
-            os.kill(old, signal.SIGKILL)
-            wait_until(lambda: httpx.get(f"{url}/health").status_code == 503, 10)
-            wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, 120)  # loaded while the cores are busy
-            assert worker_pid(server) != old
-        finally:
-            for p in busy:
-                p.kill()
-                p.wait()
-        assert dtype() == want
-        assert complete(url, SHORT, 24) == before  # the same precision: the same greedy text
-        assert f"dtype: {want} (auto: " in server.log()
+    assert dtype() == want
+    before = complete(url, SHORT, 24)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        old = worker_pid(server)
+        os.kill(old, signal.SIGKILL)
+        wait_until(lambda: httpx.get(f"{url}/health").status_code == 503, 10)
+        wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, 120)  # loaded while the cores are busy
+        assert worker_pid(server) != old
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert dtype() == want
+    assert complete(url, SHORT, 24) == before  # the same precision: the same greedy text
+    assert f"dtype: {want} (auto: " in server.log()
 
 
-@pytest.mark.parametrize("flags", [("--dtype", "bfloat16"), ("--model", "smollm2", "--dtype", "auto")],
-                         ids=["bfloat16", "smollm2-quantized"])
+@pytest.mark.parametrize("name", list(HALF))
 def test_a_half_precision_stream_recomputed_after_a_restart_continues_with_the_undisturbed_text(
-        tmp_path_factory: pytest.TempPathFactory, flags: tuple[str, ...]) -> None:
+        servers: dict[str, SluiceServer], name: str) -> None:
     # The recompute prefills the prompt and the tokens so far in one chunk. When prefill chunks
     # went through a masked SDPA that rounds differently from the decode kernel, greedy text in
     # bfloat16 parted from the undisturbed run after the restart. Every kernel now computes a
     # token's row the same way whatever the step's shape, so it continues exactly: in bfloat16,
     # and with the weights kept quantized (each row's activations quantized on their own).
-    from worker.kernels import cpu as cpu_kernels
-
-    if not cpu_kernels.has_linear(cpu_kernels.load(), torch.bfloat16):
-        pytest.skip("no bfloat16 linear kernel here (AVX512-BF16): bfloat16 products depend on the batch")
-    if "smollm2" in flags and not cpu_kernels.has_quantized_linear(cpu_kernels.load()):
-        pytest.skip("no quantized kernel here (AVX-512 VNNI or AVX2)")
-    with running_server(*flags, "--admin-token", "t", "--max-num-batched-tokens", "64",
-                        log_dir=tmp_path_factory.mktemp("halfcrash")) as server:
-        url = server.url
-        want_decode = complete(url, SHORT, 1200)
-        want_prefill = complete(url, LONG_PROMPT, 16)
-        httpx.post(f"{url}/admin/prefix-cache/reset", headers=AUTH)
-        decoding = Stream(url, SHORT, 1200)
-        wait_until(lambda: decoding.tokens >= 300, 60)
-        prefilling = Stream(url, LONG_PROMPT, 16)
-        wait_until(lambda: any(0 < r["computed_tokens"] < r["prompt_tokens"] for r in
-                               httpx.get(f"{url}/admin/requests", headers=AUTH).json()["data"]), 30)
-        os.kill(worker_pid(server), signal.SIGKILL)
-        decoding.join()
-        prefilling.join()
-        assert decoding.errors == [] and prefilling.errors == []
-        assert decoding.text == want_decode
-        assert prefilling.text == want_prefill
+    unsupported = _half_unsupported(name)
+    if unsupported is not None:
+        pytest.skip(unsupported)
+    server = servers[name]
+    url = server.url
+    want_decode = complete(url, SHORT, 1200)
+    want_prefill = complete(url, LONG_PROMPT, 16)
+    httpx.post(f"{url}/admin/prefix-cache/reset", headers=AUTH)
+    decoding = Stream(url, SHORT, 1200)
+    wait_until(lambda: decoding.tokens >= 300, 60)
+    prefilling = Stream(url, LONG_PROMPT, 16)
+    wait_until(lambda: any(0 < r["computed_tokens"] < r["prompt_tokens"] for r in
+                           httpx.get(f"{url}/admin/requests", headers=AUTH).json()["data"]), 30)
+    os.kill(worker_pid(server), signal.SIGKILL)
+    decoding.join()
+    prefilling.join()
+    assert decoding.errors == [] and prefilling.errors == []
+    assert decoding.text == want_decode
+    assert prefilling.text == want_prefill
