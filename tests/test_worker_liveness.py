@@ -7,17 +7,15 @@ Also the hang rule alone (``PlanClock``): a long prefill is not a hang, a stalle
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from sluice_server import SluiceServer, child_pid, started_server
+from sluice_server import child_pid, running_server
 from test_serve_worker_crash import SHORT, Stream, complete, wait_until
 from test_worker_process import FakeScheduler
 
@@ -218,34 +216,13 @@ def test_heartbeats_carry_the_step_count_and_an_identity_the_scheduler_can_check
 # ------------------------------------------------------------------ through the real server
 
 
-@pytest.fixture(scope="module")
-def kv2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from checkpoints import save_llama_checkpoint
-
-    return save_llama_checkpoint(tmp_path_factory.mktemp("tp") / "kv2")
-
-
-@pytest.fixture(scope="module")
-def stalling(kv2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[SluiceServer, Path]]]:
-    """One engine, two data-parallel engines, a tensor-parallel group, started side by side:
-    each server's workers stall inside their 20th step, once (rank 1 alone in the group). Each
-    with the marker file that says which worker did."""
-    flags: dict[str, tuple[tuple[str, ...], int | None]] = {
-        "one": (("--admin-token", "t"), None),
-        "data-parallel": (("--data-parallel-size", "2", "--admin-token", "t", "--num-kv-blocks", "256"), None),
-        "tensor-parallel": (("--model", str(kv2), "--tensor-parallel-size", "2", "--admin-token", "t",
-                             "--max-model-len", "512"), 1)}
-    with contextlib.ExitStack() as stack:
-        started = {}
-        for name, (server_flags, rank) in flags.items():
-            log_dir = tmp_path_factory.mktemp(name)
-            marker = log_dir / "stalled.json"
-            env = {"SLUICE_TEST_STALL_STEP": f"20:{STALL_S}" + (f":{rank}" if rank is not None else ""),
-                   "SLUICE_TEST_STALL_ONCE": str(marker)}
-            started[name] = (stack.enter_context(started_server(*server_flags, log_dir=log_dir, env=env)), marker)
-        for server, _ in started.values():
-            server.wait_ready()
-        yield started
+def _stall(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, step: int, rank: int | None = None) -> Path:
+    """Have the server's workers stall inside their ``step``th step, once (the marker file says
+    which worker did); returns the marker's path."""
+    marker = tmp_path / "stalled.json"
+    monkeypatch.setenv("SLUICE_TEST_STALL_STEP", f"{step}:{STALL_S}" + (f":{rank}" if rank is not None else ""))
+    monkeypatch.setenv("SLUICE_TEST_STALL_ONCE", str(marker))
+    return marker
 
 
 def _stalled(marker: Path) -> tuple[dict[str, Any], float]:
@@ -262,82 +239,94 @@ def _status(url: str) -> int | None:
 
 
 def test_one_engine_a_worker_stuck_inside_a_step_is_killed_restarted_and_its_stream_completes(
-        stalling: dict[str, tuple[SluiceServer, Path]]) -> None:
-    server, marker = stalling["one"]
-    url = server.url
-    old = child_pid(server, b"worker")
-    stream = Stream(url, SHORT, 300)
-    who, stalled_at = _stalled(marker)
-    assert who["pid"] == old and who["rank"] == 0
-    reasons: list[str] = []
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = _stall(monkeypatch, tmp_path, 20)
+    with running_server("--admin-token", "t", log_dir=tmp_path) as server:
+        url = server.url
+        old = child_pid(server, b"worker")
+        stream = Stream(url, SHORT, 300)
+        who, stalled_at = _stalled(marker)
+        assert who["pid"] == old and who["rank"] == 0
+        reasons: list[str] = []
 
-    def unhealthy() -> bool:
-        r = httpx.get(f"{url}/health", timeout=5)
-        reasons.append(r.json().get("reason", "") if r.status_code == 503 else "")
-        return r.status_code == 503
+        def unhealthy() -> bool:
+            r = httpx.get(f"{url}/health", timeout=5)
+            reasons.append(r.json().get("reason", "") if r.status_code == 503 else "")
+            return r.status_code == 503
 
-    wait_until(unhealthy, 30)
-    noticed = time.monotonic() - stalled_at
-    assert noticed < HANG_FLOOR_S + 10, f"the stuck worker was noticed only after {noticed:.1f} s"
-    assert "worker lost (no progress for" in reasons[-1], reasons[-1]
-    stream.join()
-    assert stream.errors == [] and stream.finish_reason == "length", (stream.errors, server.log())
-    assert child_pid(server, b"worker") != old  # killed and started again
-    assert stream.text == complete(url, SHORT, 300)  # recomputed: the undisturbed greedy text
-    log = server.log()
-    assert f"killed rank 0 (pid {old})" in log, log
+        wait_until(unhealthy, 30)
+        noticed = time.monotonic() - stalled_at
+        assert noticed < HANG_FLOOR_S + 10, f"the stuck worker was noticed only after {noticed:.1f} s"
+        assert "worker lost (no progress for" in reasons[-1], reasons[-1]
+        stream.join()
+        assert stream.errors == [] and stream.finish_reason == "length", (stream.errors, server.log())
+        assert child_pid(server, b"worker") != old  # killed and started again
+        assert stream.text == complete(url, SHORT, 300)  # recomputed: the undisturbed greedy text
+        log = server.log()
+        assert f"killed rank 0 (pid {old})" in log, log
 
 
 def test_data_parallel_the_engine_whose_worker_is_stuck_leaves_the_rotation_and_requests_complete(
-        stalling: dict[str, tuple[SluiceServer, Path]]) -> None:
-    server, marker = stalling["data-parallel"]
-    url = server.url
-    stream = Stream(url, SHORT, 300)
-    who, stalled_at = _stalled(marker)
-    engine = int(str(who["address"])[-1])
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = _stall(monkeypatch, tmp_path, 20)
+    with running_server("--data-parallel-size", "2", "--admin-token", "t", "--num-kv-blocks", "256",
+                        log_dir=tmp_path) as server:
+        url = server.url
+        stream = Stream(url, SHORT, 300)
+        who, stalled_at = _stalled(marker)
+        engine = int(str(who["address"])[-1])
 
-    def engine_stats() -> dict[str, Any]:
-        return dict(httpx.get(f"{url}/admin/stats", headers=AUTH).json()["engines"][engine])
+        def engine_stats() -> dict[str, Any]:
+            return dict(httpx.get(f"{url}/admin/stats", headers=AUTH).json()["engines"][engine])
 
-    seen: list[dict[str, Any]] = []
+        seen: list[dict[str, Any]] = []
 
-    def out_of_rotation() -> bool:
-        seen[:] = [engine_stats()]
-        return not seen[0]["in_rotation"]
+        def out_of_rotation() -> bool:
+            seen[:] = [engine_stats()]
+            return not seen[0]["in_rotation"]
 
-    wait_until(out_of_rotation, HANG_FLOOR_S + 15)
-    assert time.monotonic() - stalled_at < HANG_FLOOR_S + 15
-    assert "worker lost (no progress for" in seen[0].get("reason", ""), seen[0]
-    for i in range(3):  # the other engine serves meanwhile: nothing waits on the stuck one
-        started = time.monotonic()
-        assert complete(url, [1, 7 + i, 9, 11], 4)
-        assert time.monotonic() - started < 10
-    stream.join()
-    assert stream.errors == [] and stream.finish_reason == "length", (stream.errors, server.log())
-    assert stream.text == complete(url, SHORT, 300)
-    wait_until(lambda: engine_stats()["in_rotation"], 60)  # its restarted worker brought it back
-    assert f"killed rank 0 (pid {who['pid']})" in server.log()
+        wait_until(out_of_rotation, HANG_FLOOR_S + 15)
+        assert time.monotonic() - stalled_at < HANG_FLOOR_S + 15
+        assert "worker lost (no progress for" in seen[0].get("reason", ""), seen[0]
+        for i in range(3):  # the other engine serves meanwhile: nothing waits on the stuck one
+            started = time.monotonic()
+            assert complete(url, [1, 7 + i, 9, 11], 4)
+            assert time.monotonic() - started < 10
+        stream.join()
+        assert stream.errors == [] and stream.finish_reason == "length", (stream.errors, server.log())
+        assert stream.text == complete(url, SHORT, 300)
+        wait_until(lambda: engine_stats()["in_rotation"], 60)  # its restarted worker brought it back
+        assert f"killed rank 0 (pid {who['pid']})" in server.log()
+
+
+@pytest.fixture(scope="module")
+def kv2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from checkpoints import save_llama_checkpoint
+
+    return save_llama_checkpoint(tmp_path_factory.mktemp("tp") / "kv2")
 
 
 def test_tensor_parallel_a_rank_stuck_inside_a_step_restarts_the_whole_group(
-        stalling: dict[str, tuple[SluiceServer, Path]]) -> None:
-    server, marker = stalling["tensor-parallel"]
-    url = server.url
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kv2: Path) -> None:
+    marker = _stall(monkeypatch, tmp_path, 20, rank=1)
+    with running_server("--model", str(kv2), "--tensor-parallel-size", "2", "--admin-token", "t",
+                        "--max-model-len", "512", log_dir=tmp_path) as server:
+        url = server.url
 
-    def rank_pid(rank: int) -> int:
-        return child_pid(server, b"worker", f'"rank":{rank},'.encode())
+        def rank_pid(rank: int) -> int:
+            return child_pid(server, b"worker", f'"rank":{rank},'.encode())
 
-    olds = [rank_pid(0), rank_pid(1)]
-    stream = Stream(url, SHORT, 200)
-    who, stalled_at = _stalled(marker)
-    assert who["rank"] == 1 and who["pid"] == olds[1]
-    wait_until(lambda: _status(f"{url}/health") == 503, 30)
-    assert time.monotonic() - stalled_at < HANG_FLOOR_S + 10
-    stream.join()
-    assert stream.errors == [] and stream.finish_reason == "length", (stream.errors, server.log())
-    assert stream.text == complete(url, SHORT, 200)
-    assert rank_pid(0) != olds[0] and rank_pid(1) != olds[1]  # the group started again whole
-    log = server.log()
-    assert f"killed rank 0 (pid {olds[0]}), rank 1 (pid {olds[1]})" in log, log
-    assert log.count("the hung worker:") == 1, log  # (not while the ranks announced themselves one by one)
+        olds = [rank_pid(0), rank_pid(1)]
+        stream = Stream(url, SHORT, 200)
+        who, stalled_at = _stalled(marker)
+        assert who["rank"] == 1 and who["pid"] == olds[1]
+        wait_until(lambda: _status(f"{url}/health") == 503, 30)
+        assert time.monotonic() - stalled_at < HANG_FLOOR_S + 10
+        stream.join()
+        assert stream.errors == [] and stream.finish_reason == "length", (stream.errors, server.log())
+        assert stream.text == complete(url, SHORT, 200)
+        assert rank_pid(0) != olds[0] and rank_pid(1) != olds[1]  # the group started again whole
+        log = server.log()
+        assert f"killed rank 0 (pid {olds[0]}), rank 1 (pid {olds[1]})" in log, log
+        assert log.count("the hung worker:") == 1, log  # (not while the ranks announced themselves one by one)
 
