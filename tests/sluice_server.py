@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -32,7 +32,7 @@ def free_port() -> int:
 
 
 class SluiceServer:
-    def __init__(self, *flags: str, log_dir: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, *flags: str, log_dir: Path) -> None:
         if "--model" not in flags:
             flags = ("--model", "tiny", *flags)  # tests run the built-in model unless they say otherwise
         if "--dtype" not in flags:
@@ -41,11 +41,12 @@ class SluiceServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"sluice-{self.port}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "frontend", "serve", "--port", str(self.port), *flags],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env=env,
             start_new_session=True,  # its own process group: stop() can reach every child
         )
 
@@ -120,11 +121,10 @@ def stop_processes(procs: list[subprocess.Popen[bytes]], timeout: float = 10.0) 
 
 
 @contextlib.contextmanager
-def started_server(*flags: str, log_dir: Path, env: Mapping[str, str] | None = None) -> Iterator[SluiceServer]:
+def started_server(*flags: str, log_dir: Path) -> Iterator[SluiceServer]:
     """A server still starting: ``wait_ready()`` before using it. Its start-up (seconds of CPU,
-    mostly one process at a time) goes on beside whatever the test computes meanwhile. ``env``:
-    variables its processes get on top of this one's."""
-    server = SluiceServer(*flags, log_dir=log_dir, env=env)
+    mostly one process at a time) goes on beside whatever the test computes meanwhile."""
+    server = SluiceServer(*flags, log_dir=log_dir)
     try:
         yield server
     finally:
