@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -28,10 +27,8 @@ NEW_TOKENS = 40  # min_tokens = max_tokens: every answer is exactly this long, E
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
-    with running_server("--model", "smollm2", "--num-kv-blocks", "256",
-                        log_dir=tmp_path_factory.mktemp("logs")) as s:
-        yield s
+def server(smollm2_server: SluiceServer) -> SluiceServer:
+    return smollm2_server  # shared with the other modules that serve SmolLM2 so (conftest.py)
 
 
 @pytest.fixture(scope="module")

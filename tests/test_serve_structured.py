@@ -8,13 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 
 import httpx
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
-from sluice_server import SluiceServer, running_server
+from sluice_server import SluiceServer
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -27,9 +26,8 @@ ASK = [{"role": "user", "content": "Describe a famous scientist as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
-    with running_server("--model", "smollm2", "--num-kv-blocks", "256", log_dir=tmp_path_factory.mktemp("logs")) as s:
-        yield s
+def server(smollm2_server: SluiceServer) -> SluiceServer:
+    return smollm2_server  # shared with the other modules that serve SmolLM2 so (conftest.py)
 
 
 def chat(server: SluiceServer, **body: object) -> dict:

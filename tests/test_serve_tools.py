@@ -7,13 +7,12 @@ back are rendered into the prompt; and every malformed tool request is a 400 nam
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from sluice_server import SluiceServer, running_server
+from sluice_server import SluiceServer
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -31,9 +30,8 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER,
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
-    with running_server("--model", "smollm2", "--num-kv-blocks", "256", log_dir=tmp_path_factory.mktemp("logs")) as s:
-        yield s
+def server(smollm2_server: SluiceServer) -> SluiceServer:
+    return smollm2_server  # shared with the other modules that serve SmolLM2 so (conftest.py)
 
 
 def chat(server: SluiceServer, **body: object) -> dict:
