@@ -3,13 +3,14 @@ variables that set a server flag (SLUICE_MODEL, SLUICE_PORT, SLUICE_INSECURE_ZMQ
 before any test runs, so the servers tests start (children inherit the environment) take only the
 flags the tests give them. Variables that are not flags (SLUICE_CACHE, SLUICE_NO_C_KERNELS) stay.
 
-Also the servers that modules share (``smollm2_server``)."""
+Also what modules share that takes long to build: a SmolLM2 server, transformers' SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
 import os
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from sluice_server import SluiceServer, running_server
@@ -27,3 +28,15 @@ def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceS
     no admin token, so no test can read another's counters."""
     with running_server("--model", "smollm2", "--num-kv-blocks", "256", log_dir=tmp_path_factory.mktemp("smollm2")) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer() -> Any:
+    """transformers' tokenizer from SmolLM2's GGUF file (about ten seconds to build), for
+    test_gguf and test_serve_smollm2: they only encode, decode and apply the chat template."""
+    from transformers import AutoTokenizer
+
+    from worker.model.loader import smollm2_path
+
+    path = smollm2_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

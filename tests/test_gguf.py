@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -87,10 +88,8 @@ def smollm2() -> Path:
     return smollm2_path()
 
 
-def test_tokenizer_encodes_as_transformers_does(smollm2: Path) -> None:
-    from transformers import AutoTokenizer
-
-    theirs = AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
+def test_tokenizer_encodes_as_transformers_does(smollm2: Path, smollm2_hf_tokenizer: Any) -> None:
+    theirs = smollm2_hf_tokenizer
     ours = GGUFCheckpoint(smollm2).tokenizer()
     texts = _texts()
     assert len(texts) > 300

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -32,13 +33,13 @@ def server(smollm2_server: SluiceServer) -> SluiceServer:
 
 
 @pytest.fixture(scope="module")
-def expected() -> dict[str, list[int]]:
+def expected(smollm2_hf_tokenizer: Any) -> dict[str, list[int]]:
     """transformers' greedy continuation of each chat prompt, from the same GGUF file."""
     import gguf
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = smollm2_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = smollm2_hf_tokenizer
     with pytest.MonkeyPatch.context() as patch:
         # transformers builds gguf's tensor-name table again for each of the model's 397 modules
         # (a third of its load); the table depends on the architecture and the depth alone.
