@@ -1,5 +1,5 @@
 """Every server flag from a SLUICE_* variable: parsed as the flag is, named in the error when it
-is bad, beaten by the command line, and listed in the README's table."""
+is bad, beaten by the command line, and listed in docs/configuration.md's table."""
 
 from __future__ import annotations
 
@@ -79,11 +79,11 @@ def test_a_kubernetes_service_link_is_not_a_port(monkeypatch: pytest.MonkeyPatch
     assert build_parser(env_command="serve").parse_args(["serve"]).port == 9000
 
 
-def test_the_readme_lists_every_variable() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_the_configuration_page_lists_every_variable() -> None:
+    page = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     names = re.findall(r"`(SLUICE_[A-Z_]+)`", environment_table())
     assert len(names) > 30
-    missing = [n for n in names if f"`{n}`" not in readme]
-    assert not missing, f"README lacks {missing}: paste python -c 'from frontend.cli import environment_table; " \
+    missing = [n for n in names if f"`{n}`" not in page]
+    assert not missing, f"docs/configuration.md lacks {missing}: paste python -c 'from frontend.cli import environment_table; " \
                         "print(environment_table())'"
     assert env_name("--max-num-seqs") == "SLUICE_MAX_NUM_SEQS"
