@@ -230,7 +230,7 @@ SERVER_COMMANDS = ("serve", "frontend", "scheduler", "worker")
 
 
 def environment_table() -> str:
-    """The README's table of SLUICE_* variables, from the parser itself."""
+    """docs/configuration.md's table of SLUICE_* variables, from the parser itself."""
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return env_table({name: sub.choices[name] for name in SERVER_COMMANDS})

@@ -18,7 +18,7 @@ again costs a dictionary look-up. The worker compiles the same text into its mat
 
 llguidance, not xgrammar: both are what vLLM and SGLang use, and both held SmolLM2's masks to a
 few microseconds a token here; llguidance has no dependencies (xgrammar brings transformers and
-triton, several GB), see the README's figures.
+triton, several GB), see docs/structured-output.md's figures.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ container mid-stream is restarted and its streams finish as if nothing happened,
 leaves no container, network or volume behind.
 
 Skipped, saying why, where no Docker engine answers or no compose command is installed (CI
-starts one where it can). The build's inputs come from docker/prepare-offline.sh, as the README
+starts one where it can). The build's inputs come from docker/prepare-offline.sh, as docs/deployment.md
 tells air-gapped users: the host's extra CA certificates and its torch wheel go into the build
 context's docker/ca-certificates and docker/wheels (removed after), and where no registry is
 reachable the base image is built from Debian packages with docker/build-base.sh.
@@ -77,7 +77,7 @@ def _base_image() -> str:
 
 @contextlib.contextmanager
 def _build_inputs(env_file: Path) -> Iterator[None]:
-    """The build's inputs from this host, as the README tells air-gapped users to get them:
+    """The build's inputs from this host, as docs/deployment.md tells air-gapped users to get them:
     ``docker/prepare-offline.sh`` (CA certificates, a torch wheel, the base image); what it added
     to the build context is removed after."""
     folders = [ROOT / "docker" / "ca-certificates", ROOT / "docker" / "wheels"]
