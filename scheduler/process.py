@@ -37,9 +37,7 @@ from protocol.curve import CurveKeys, start_authenticator
 from protocol.messages import (
     AbortRequest,
     AddRequest,
-    Announce,
     CancelRows,
-    EngineError,
     EngineReady,
     Finish,
     FinishReason,
@@ -48,7 +46,6 @@ from protocol.messages import (
     PauseAll,
     PauseRequest,
     Ping,
-    Pong,
     PrepareGrammar,
     QueryReply,
     RequestQuery,
@@ -68,11 +65,13 @@ from protocol.messages import (
     WorkerStopping,
     new_epoch,
 )
-from protocol.process_memory import resident_mib
 from protocol.supervision import supervised
 from protocol.transport import Endpoints, make_socket, scheduler_frontend_codec, scheduler_worker_codec
 from scheduler.frontends import FRONTEND_TIMEOUT_S, Frontends
+from scheduler.outbox import Outbox
+from scheduler.reports import BusyMeter, engine_stats, ping_stats, pong, request_summaries, request_summary
 from scheduler.scheduler import Scheduler
+from scheduler.worker_events import WorkerEvents
 from scheduler.workers import HANDSHAKE_FAILED, PlanClock, Workers, plan_work
 
 log = logging.getLogger("sluice.scheduler")
@@ -82,7 +81,12 @@ CHECK_INTERVAL_S = 0.05  # how often silent workers and frontends and a long out
 MALFORMED_LOG_INTERVAL_S = 10.0
 
 
-class SchedulerProcess:
+class SchedulerProcess(WorkerEvents):
+    """The loop, the sockets and the dispatch of every message. What the workers' coming and going
+    means for the requests is ``WorkerEvents`` (scheduler/worker_events.py); the pongs' and the
+    admin queries' contents are built in scheduler/reports.py, and batches reach their frontends
+    through the ``Outbox``."""
+
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         ep = Endpoints.from_base(config.address)
@@ -110,6 +114,7 @@ class SchedulerProcess:
         self.workers = Workers(config.tensor_parallel_size, config.max_worker_restarts, config.worker_restart_wait)
         self.worker_memory: dict[int, dict[str, float]] = {}  # rank -> its last heartbeat's figures
         self.frontends = Frontends(self.to_frontend, self.frontend_codec)
+        self.outbox = Outbox(self.frontends, self._output_lost)
         self.internal_errors = 0
         self.malformed_frames = 0
         self._malformed_logged = 0.0
@@ -122,12 +127,7 @@ class SchedulerProcess:
         # pauses also reach the worker: ``_cancel_in_flight``).
         self.reset_cache_pending = False
         self._next_check = 0.0
-        self._merging = False  # token batches are being merged (``_to_owners``)
-        self._outgoing: TokenBatch | None = None
-        # Worker compute time, for the device-idle ratio: busy seconds over wall seconds since
-        # the previous ping (1.0 = the device did nothing).
-        self.busy_total_s = 0.0
-        self._busy_mark = (time.monotonic(), 0.0)
+        self.busy = BusyMeter()  # worker compute time, for the device-idle ratio
         self.handlers: dict[type, Callable[[Any], None]] = {
             AddRequest: self.on_add,
             AbortRequest: self.on_abort,
@@ -282,38 +282,13 @@ class SchedulerProcess:
         forget = core.rids_on_worker()
         self.core = self._new_core(self.model, first_plan_id=core.last_plan_id)
         self.core.forget_on_worker(forget)
-        self._to_owners(TokenBatch([], [], finishes))
+        self.outbox.send(TokenBatch([], [], finishes))
 
-
-    def _to_owners(self, batch: TokenBatch) -> None:
-        """Tokens and finishes to the frontends that own them (merged with the batches before
-        it while the worker's inbox is drained: ``_flush_outgoing`` sends them)."""
-        if not self._merging:
-            self._send_to_owners(batch)
-            return
-        pending = self._outgoing
-        if pending is not None and not _carries_logprobs(pending) and not _carries_logprobs(batch):
-            # In order: a request's tokens, then its finish (nothing of it follows a finish).
-            pending.rids += batch.rids
-            pending.token_ids += batch.token_ids
-            pending.finished += batch.finished
-            pending.started += batch.started
-            return
-        self._flush_outgoing()
-        self._outgoing = batch
-
-    def _flush_outgoing(self) -> None:
-        batch, self._outgoing = self._outgoing, None
-        if batch is not None:
-            self._send_to_owners(batch)
-
-    def _send_to_owners(self, batch: TokenBatch) -> None:
-        """A batch a frontend could not be sent (its link is down or reconnecting) is lost to
-        it: the requests in it that are still running are aborted now, freeing their blocks, and
-        the frontend, finding a gap in its batches' numbers, ends its streams with an error."""
-        for rid in self.frontends.to_owners(batch):
-            if self.core is not None and rid in self.core.requests:
-                self._abort(rid, FinishReason.ERROR, "output lost on the link to the frontend")
+    def _output_lost(self, rid: int) -> None:
+        """A batch with ``rid``'s output could not reach its frontend (``Outbox``): if it is still
+        running it is aborted now, freeing its blocks."""
+        if self.core is not None and rid in self.core.requests:
+            self._abort(rid, FinishReason.ERROR, "output lost on the link to the frontend")
 
     def _to_workers(self, msg: object) -> None:
         """To the worker (a tensor-parallel group's rank 0, which relays to the other ranks)."""
@@ -344,7 +319,7 @@ class SchedulerProcess:
             self.frontends.own(rid)
         rejected = self.core.add(msg)
         if rejected:
-            self._to_owners(TokenBatch([], [], rejected))
+            self.outbox.send(TokenBatch([], [], rejected))
         else:
             self._prepare_grammars()
             self._cut_speculative()
@@ -372,7 +347,7 @@ class SchedulerProcess:
         plans = self.core.plans_with(rid)
         finish = self.core.abort(rid, reason, message)
         if finish is not None:
-            self._to_owners(TokenBatch([], [], [finish]))
+            self.outbox.send(TokenBatch([], [], [finish]))
             self._cancel_in_flight(plans, [rid], forget=True)
 
     def _acknowledge(self, query_id: int, rid: int) -> None:
@@ -408,60 +383,31 @@ class SchedulerProcess:
     def on_ping(self, msg: Ping) -> None:
         sender = self.frontends.sender
         if sender is not None:
-            self.frontends.send(sender, self._pong(msg.sent_at, sender, self._ping_stats()))
+            stats = ping_stats(self.core, self._counters(), self.busy)
+            self.frontends.send(sender, pong(msg.sent_at, self.workers, self.model, self.epoch,
+                                             self.frontends.seq.get(sender, 0), stats))
         if msg.need_model and self.model is not None and self.workers.failure is None:
             self.frontends.reply(EngineReady(self.model))
 
-    def _pong(self, sent_at: float, frontend: bytes, stats: dict[str, float | int | bool | None] | None) -> Pong:
-        ready = self.model is not None and self.workers.failure is None
-        return Pong(sent_at, self.workers.alive(), ready, stats, self.epoch,
-                    self.workers.failure or self.workers.outage or "", self.frontends.seq.get(frontend, 0))
-
-    def _tell_frontends(self) -> None:
-        """The workers' state changed (lost, back): every frontend hears it now, so /health,
-        /ready and admission turn at once, not at the next ping."""
-        for frontend in list(self.frontends.last_heard):
-            self.frontends.send(frontend, self._pong(0.0, frontend, None))
-
     def _counters(self) -> dict[str, float | int]:
-        return {"worker_busy_s_total": self.busy_total_s, "internal_errors": self.internal_errors,
+        return {"worker_busy_s_total": self.busy.total_s, "internal_errors": self.internal_errors,
                 "lost_batches": self.frontends.lost_batches, "malformed_frames": self.malformed_frames}
 
-    def _ping_stats(self) -> dict[str, float | int | bool | None] | None:
-        """The numbers /metrics shows, with the device-idle ratio since the previous ping."""
-        if self.core is None:
-            return None
-        now = time.monotonic()
-        mark_t, mark_busy = self._busy_mark
-        wall = now - mark_t
-        idle = 1.0 - min(1.0, (self.busy_total_s - mark_busy) / wall) if wall > 0 else 1.0
-        self._busy_mark = (now, self.busy_total_s)
-        stats: dict[str, float | int | bool | None] = {
-            k: v for k, v in self.core.stats().items() if isinstance(v, (int, float, bool))}
-        return stats | self._counters() | {"device_idle_ratio": idle}
-
     def on_stats_query(self, msg: StatsQuery) -> None:
-        core = self.core
-        if core is None:
+        if self.core is None:
             self.frontends.reply(QueryReply(msg.query_id, False))
             return
-        memory = {"scheduler": resident_mib()} | {f"worker {rank}": m for rank, m in sorted(self.worker_memory.items())}
-        stats = core.stats() | self._counters() | {
-            "workers_alive": self.workers.alive(), "frontends": len(self.frontends),
-            "plan_in_flight": self.plans_in_flight[0] if self.plans_in_flight else None,
-            "process_memory": memory}
+        stats = engine_stats(self.core, self._counters(), self.workers, self.frontends, self.plans_in_flight,
+                             self.worker_memory)
         self.frontends.reply(QueryReply(msg.query_id, True, stats))
 
     def on_requests_query(self, msg: RequestsQuery) -> None:
-        # Only the asking frontend's requests: another frontend's ids mean nothing to it.
-        core = self.core
-        items = [core.summary(r) for r in core.requests.values() if self.frontends.owns(r.rid)] if core else []
-        self.frontends.reply(QueryReply(msg.query_id, core is not None, items))
+        self.frontends.reply(QueryReply(msg.query_id, self.core is not None,
+                                        request_summaries(self.core, self.frontends)))
 
     def on_request_query(self, msg: RequestQuery) -> None:
-        req = self.core.requests.get(msg.rid) if self.core is not None else None
-        summary = self.core.summary(req) if self.core is not None and req is not None else None
-        self.frontends.reply(QueryReply(msg.query_id, req is not None, summary))
+        summary = request_summary(self.core, msg.rid)
+        self.frontends.reply(QueryReply(msg.query_id, summary is not None, summary))
 
     def on_pause_all(self, msg: PauseAll) -> None:
         if self.core is not None:
@@ -495,69 +441,12 @@ class SchedulerProcess:
 
     # ------------------------------------------------------------------ worker messages
 
-    def on_worker_ready(self, msg: WorkerReady) -> None:
-        outage = self.workers.outage
-        info = self.workers.announced(msg.rank, msg.model)
-        if info is None:
-            return  # more ranks to come
-        core = self.core
-        same_engine = self.model is not None and (
-            info.num_kv_blocks, info.block_size, info.dtype, info.quantization) == (
-            self.model.num_kv_blocks, self.model.block_size, self.model.dtype, self.model.quantization)
-        if core is not None and core.requests and same_engine:
-            # A worker came back (or announced itself again) with an empty state: every live
-            # request is recomputed from its prompt and the tokens it has streamed.
-            if outage is None:
-                core.recompute_all()
-            log.info("workers ready again: %s; %d live requests resume (recomputed)", info.name, len(core.requests))
-        else:
-            if core is not None and core.requests:
-                finishes = core.finish_all(FinishReason.ERROR, "the worker came back with a different KV cache or dtype")
-                self._to_owners(TokenBatch([], [], finishes))
-            self.core = self._new_core(info)
-            log.info("workers ready: %s, %d KV blocks of %d tokens", info.name, info.num_kv_blocks, info.block_size)
-        self.model = info
-        self.plans_in_flight = []
-        self.cut_short.clear()
-        self.clock.new_life(time.monotonic())
-        self._tell_frontends()
-        self._prepare_grammars()
-
-    def _new_core(self, info: ModelInfo, first_plan_id: int = 0) -> Scheduler:
-        return Scheduler(self.config, info.num_kv_blocks, info.block_size, info.max_model_len, info.eos_token_ids,
-                         first_plan_id)
-
-    def on_heartbeat(self, msg: WorkerHeartbeat) -> None:
-        self.workers.heard(msg.rank)
-        self.workers.heard_process(msg.rank, msg.pid, msg.process)
-        self.clock.heartbeat(msg.rank, msg.pid, msg.steps, time.monotonic())
-        if msg.memory:
-            self.worker_memory[msg.rank] = msg.memory
-        if self.workers.should_ask_to_announce(msg.rank):
-            with contextlib.suppress(zmq.Again):
-                self.to_workers.send(self.worker_codec.encode(Announce()), zmq.NOBLOCK)
-
-    def on_worker_stopping(self, msg: WorkerStopping) -> None:
-        if msg.rank in self.workers.ready and not self.stopping:
-            self._worker_lost(f"worker {msg.rank} was told to stop", crashed=False)
-
-    def on_worker_failed(self, msg: WorkerFailed) -> None:
-        reason = f"worker {msg.rank} failed: {msg.message}"
-        if msg.rank in self.workers.ready:
-            self._worker_lost(reason)
-        else:
-            self._fail(reason)  # it never came up: nothing to wait for
-
     def _drain_workers(self) -> None:
         """Everything the workers sent. The steps' tokens drained in one wake-up go to each
         frontend as one batch: nothing waits for it (they have all arrived), and a scheduler that
         fell behind catches up with a send per wake-up, not one per step."""
-        self._merging = True
-        try:
+        with self.outbox.merged():
             self._drain(self.from_workers, self.worker_codec, routed=False)
-        finally:
-            self._merging = False
-            self._flush_outgoing()
 
     def _on_worker_link_event(self) -> None:
         # A worker that is told to stop says goodbye and then disconnects: the monitor may report
@@ -569,24 +458,9 @@ class SchedulerProcess:
             if lost is not None:
                 self._worker_lost(lost)
 
-    def _worker_lost(self, reason: str, crashed: bool = True) -> None:
-        """A ready worker is gone with every KV block it held: its live requests are set to be
-        recomputed on the next one (an outage), or end with an error past the restart budget."""
-        if self.core is None or not self.workers.serving or self.stopping:
-            return  # (stopping: the workers were told to stop with it)
-        failure = self.workers.lose(reason, crashed)
-        if failure is not None:
-            self._fail(failure)
-            return
-        self.plans_in_flight = []
-        self.cut_short.clear()
-        self.clock.clear(time.monotonic())
-        self.workers.start_outage(reason, crashed, self.core.recompute_all())
-        self._tell_frontends()
-
     def on_step_tokens(self, msg: StepTokens) -> None:
         self.workers.heard(0)
-        self.busy_total_s += msg.busy_s
+        self.busy.add(msg.busy_s)
         if self.core is None or msg.plan_id not in self.plans_in_flight:
             return
         if msg.plan_id == self.plans_in_flight[0]:
@@ -602,13 +476,13 @@ class SchedulerProcess:
                 self.plans_in_flight.remove(msg.plan_id)
                 self.cut_short.discard(msg.plan_id)
         if batch.rids or batch.finished:
-            self._to_owners(batch)  # what was done before a failure: those finishes are real
+            self.outbox.send(batch)  # what was done before a failure: those finishes are real
         if failed:
             self._core_failed()
         elif msg.last:
             self._send_continuation()
 
-    # ------------------------------------------------------------------ failure
+    # ------------------------------------------------------------------ liveness
 
     def _check_frontends(self) -> None:
         """A frontend silent for FRONTEND_TIMEOUT_S is gone (crashed, restarted, cut off): its
@@ -628,35 +502,9 @@ class SchedulerProcess:
             self._drain_workers()
             hang = self._hang()
         if hang is not None:
-            # As after a crash: its requests go back in line to be recomputed, and the process
-            # (every rank of its group) is killed, so that it exits and is restarted.
-            self._worker_lost(hang)
-            self.clock.clear(time.monotonic())
-            log.error("the hung worker: %s", self.workers.kill())
+            self._worker_hung(hang)
         if (expired := self.workers.outage_expired()) is not None:
             self._fail(expired)
-
-    def _hang(self) -> str | None:
-        """A worker silent for ``WORKER_TIMEOUT_S``, or a plan in flight that made no progress
-        within ``PlanClock``'s limit: the loss to declare, if so (only while serving: before every
-        rank has announced itself a rank is not late, only not there yet)."""
-        overdue = self.clock.overdue(time.monotonic())
-        if self.core is None or not self.workers.serving or self.stopping:
-            return None
-        return overdue if overdue is not None and self.plans_in_flight else self.workers.silent()
-
-    def _fail(self, reason: str) -> None:
-        if not self.workers.fail(reason):
-            return
-        self.plans_in_flight = []
-        self.cut_short.clear()
-        self.clock.clear(time.monotonic())
-        if self.core is not None:
-            finishes = self.core.finish_all(FinishReason.ERROR, reason)
-            if finishes:
-                self._to_owners(TokenBatch([], [], finishes))
-        self._flush_outgoing()  # the finishes go before the word that the engine failed
-        self.frontends.broadcast(EngineError(reason))
 
 
 def run(config: SchedulerConfig) -> int:
@@ -676,7 +524,3 @@ def run(config: SchedulerConfig) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # already stopping: a second signal changes nothing
     return 0
 
-
-def _carries_logprobs(batch: TokenBatch) -> bool:
-    """Its logprobs (and embeddings) travel as one opaque field per batch: such a batch is not merged."""
-    return len(batch.logprobs) > 1 or len(batch.prompt_logprobs) > 1 or len(batch.embeddings) > 1
