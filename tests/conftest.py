@@ -3,7 +3,8 @@ variables that set a server flag (SLUICE_MODEL, SLUICE_PORT, SLUICE_INSECURE_ZMQ
 before any test runs, so the servers tests start (children inherit the environment) take only the
 flags the tests give them. Variables that are not flags (SLUICE_CACHE, SLUICE_NO_C_KERNELS) stay.
 
-Also what modules share that takes long to build: a SmolLM2 server, transformers' SmolLM2 tokenizer."""
+Also what modules share that takes long to build: a SmolLM2 server, transformers' SmolLM2 tokenizer,
+the hostile-input tests' server."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hostile import Served, hostile_server
 from sluice_server import SluiceServer, running_server
 
 from frontend.cli import environment_table
@@ -40,3 +42,11 @@ def smollm2_hf_tokenizer() -> Any:
 
     path = smollm2_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def hostile_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The tiny-model server (with an admin token) that test_serve_hostile and _admin attack: it
+    starts once, not once a module; the admin file's last test checks it after both."""
+    with hostile_server(tmp_path_factory.mktemp("serve-hostile")) as served:
+        yield served

@@ -1,161 +1,52 @@
-"""Hostile input through a real ``sluice serve`` (tiny model): property-based tests over the whole
-JSON API, the completions, chat and admin routes.
+"""Hostile input to the OpenAI routes of a real ``sluice serve`` (tiny model): property-based tests
+over the whole JSON API of the completions and chat routes.
 
 Bodies with the wrong type in every field, numbers out of range (huge, negative, ``NaN``,
 ``Infinity``, ``1e999``), nesting thousands of levels deep, invalid UTF-8, huge ``n`` /
 ``max_tokens`` / ``stop`` / ``logit_bias`` / prompts, unknown fields, odd content types, empty
-and non-object bodies. Every answer must arrive within ``TIMEOUT_S``, never be a 5xx, be a 4xx in
-OpenAI's error shape where the input is bad (naming the field when one field is to blame), and
-afterwards the server must still be healthy, hold no request, log no traceback, and answer a
-greedy request token for token as it did before. One server for the whole file.
+and non-object bodies. Every answer must arrive within ``TIMEOUT_S``, never be a 5xx, and be a 4xx
+in OpenAI's error shape where the input is bad (naming the field when one field is to blame). The
+server is the session's one hostile server (tests/hostile.py): test_serve_hostile_admin attacks
+its admin routes next, then checks that it is still healthy and serves as before.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import threading
 import time
-import urllib.parse
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hostile import (
+    BODIES,
+    CONTEXT,
+    KINDS,
+    NOT_JSON,
+    OUT_OF_RANGE_NUMBER,
+    PROPERTY,
+    VOCAB,
+    Raw,
+    Served,
+    anything,
+    check,
+    emit,
+    ints_outside,
+    post,
+    whole_bodies,
+    wrong_kind,
+)
+from hypothesis import given
 from hypothesis import strategies as st
-from sluice_server import SluiceServer, running_server
-
-ADMIN = "hostile-admin-token"
-AUTH = {"Authorization": f"Bearer {ADMIN}"}
-TIMEOUT_S = 30.0
-VOCAB = 512  # the tiny model's vocabulary
-CONTEXT = 8192  # and its context
-GREEDY = {"prompt": "The hostile fox", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-          "return_token_ids": True}
-
-PROPERTY = settings(max_examples=300, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-@dataclass
-class Served:
-    server: SluiceServer
-    client: httpx.Client
-    greedy_ids: list[int] = field(default_factory=list)
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    log_dir: Path = tmp_path_factory.mktemp("serve-hostile")
-    # 256 KV blocks (4096 tokens): a chat request without max_tokens asks for the whole context
-    # and is refused, so no example can start a long generation by leaving max_tokens out.
-    with running_server("--admin-token", ADMIN, "--num-kv-blocks", "256", log_dir=log_dir) as server, \
-            httpx.Client(base_url=server.url, timeout=TIMEOUT_S,
-                         limits=httpx.Limits(max_keepalive_connections=0)) as client:
-        # No keep-alive: each example gets a fresh connection, as a stranger's request would.
-        r = client.post("/v1/completions", json=GREEDY)
-        assert r.status_code == 200, r.text
-        yield Served(server, client, r.json()["choices"][0]["token_ids"])
+def served(hostile_served: Served) -> Served:
+    """The session's hostile server (conftest), shared with test_serve_hostile_admin."""
+    return hostile_served
 
 
-# ------------------------------------------------------------------------------------ bodies
-
-
-@dataclass(frozen=True)
-class Raw:
-    """Bytes written into the body as they are: tokens JSON lacks, invalid UTF-8, deep nesting."""
-
-    data: bytes
-    label: str
-
-    def __repr__(self) -> str:
-        return f"Raw({self.label})"
-
-
-def emit(value: Any) -> bytes:
-    """``value`` as JSON bytes, with ``Raw`` pieces (values or keys) written verbatim."""
-    raws: list[Raw] = []
-
-    def placeholder(raw: Any) -> str:
-        assert isinstance(raw, Raw)
-        raws.append(raw)
-        return f"\0raw{len(raws) - 1}\0"
-
-    try:  # json.dumps is fast on giant lists; Raw values go in as placeholders
-        out = json.dumps(value, default=placeholder).encode()
-    except TypeError:  # a Raw key
-        return _emit_slowly(value)
-    for i, raw in enumerate(raws):
-        out = out.replace(f'"\\u0000raw{i}\\u0000"'.encode(), raw.data, 1)
-    return out
-
-
-def _emit_slowly(value: Any) -> bytes:
-    if isinstance(value, Raw):
-        return value.data
-    if isinstance(value, dict):
-        return b"{" + b",".join(_emit_slowly(k) + b":" + _emit_slowly(v) for k, v in value.items()) + b"}"
-    if isinstance(value, list):
-        return b"[" + b",".join(_emit_slowly(v) for v in value) + b"]"
-    return json.dumps(value).encode()
-
-
-def deep(depth: int, opener: bytes = b"[") -> Raw:
-    inner = b"[" * depth + b"]" * depth if opener == b"[" else b'{"a":' * depth + b"1" + b"}" * depth
-    return Raw(inner, f"{opener.decode()}*{depth}")
-
-
-# Not JSON at all: the body is malformed wherever they appear (a 400 that may name no field).
-NOT_UTF8 = [Raw(b'"\xff\xfe"', "invalid UTF-8"), Raw(b'"x\xc3"', "truncated UTF-8"),
-            Raw(b'"\xed\xa0\x80"', "UTF-8 surrogate")]
-NOT_JSON = [Raw(b"NaN", "NaN"), Raw(b"Infinity", "Infinity"), Raw(b"-Infinity", "-Infinity"), *NOT_UTF8,
-            Raw(b'"\\ud800"', "lone surrogate escape"), Raw(b"01", "leading zero"), Raw(b"[1,]", "trailing comma"),
-            Raw(b"'x'", "single quotes"), Raw(b"undefined", "undefined")]
-DEEP = [deep(1_000), deep(10_000), deep(100_000), deep(10_000, b"{")]
-
-# Small valid counts stay small (no example may start a long generation); the rest are hostile.
-INTS = [-(2**64), -(2**63) - 1, -(2**63), -(2**31) - 1, -(2**31), -1, 0, 1, 2, 3, 20, 21, 129,
-        2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64, 10**30, -(10**30), 10**400]
-FLOATS = [0.5, -0.5, 1.5, 1e-320, -1e-320, 1e300, -1e300, 2.0**63, 100.5, -2.5]
-STRINGS = ["", "0", "1", "-1", "NaN", "true", "null", "tiny", "x" * 300, "\u0000", "\U0001f4a5" * 3, "{{ 7*7 }}",
-           "<|assistant|>", "</s>"]
-OUT_OF_RANGE_NUMBER = Raw(b"1e999", "1e999")
-
-scalars = st.one_of(st.none(), st.booleans(), st.sampled_from(INTS), st.sampled_from(FLOATS),
-                    st.sampled_from(STRINGS), st.text(max_size=12))
-KINDS = {
-    "null": st.none(),
-    "bool": st.booleans(),
-    "int": st.sampled_from(INTS),
-    "float": st.one_of(st.sampled_from(FLOATS), st.just(OUT_OF_RANGE_NUMBER)),
-    "str": st.one_of(st.sampled_from(STRINGS), st.text(max_size=12)),
-    "list": st.lists(scalars, max_size=4),
-    "object": st.dictionaries(st.text(max_size=8), scalars, max_size=4),
-}
-# Any JSON value, valid for some field or not, the malformed ones included.
-anything_utf8 = st.one_of(*KINDS.values(), st.sampled_from([raw for raw in NOT_JSON if raw not in NOT_UTF8]),
-                          st.sampled_from(DEEP), st.lists(st.one_of(scalars, st.lists(scalars, max_size=2)), max_size=3))
-anything = st.one_of(anything_utf8, st.sampled_from(NOT_UTF8))
-
-
-def wrong_kind(accepted: set[str]) -> st.SearchStrategy[Any]:
-    """A value of a JSON kind the field does not take (``1e999`` counts as a float)."""
-    if "float" in accepted:
-        accepted = accepted | {"int"}
-    return st.one_of(*(strategy for kind, strategy in KINDS.items() if kind not in accepted))
-
-
-def ints_outside(lo: int | None, hi: int | None) -> st.SearchStrategy[int]:
-    parts = []
-    if lo is not None:
-        parts += [st.integers(max_value=lo - 1), st.sampled_from([lo - 1, lo - 2**64, -(10**30)])]
-    if hi is not None:
-        parts += [st.integers(min_value=hi + 1), st.sampled_from([hi + 1, hi + 2**64, 10**30])]
-    return st.one_of(*parts)
+# ------------------------------------------------------------------------------------ fields
 
 
 def floats_outside(lo: float, hi: float, *, lo_open: bool = False) -> st.SearchStrategy[Any]:
@@ -285,58 +176,12 @@ CHAT_BAD = SAMPLING_BAD | {
     "top_logprobs": ints_outside(0, 20),
 }
 
-ROUTES = {
-    "/v1/completions": ({"prompt": "hi", "max_tokens": 1}, COMPLETION_KINDS, COMPLETION_BAD),
-    "/v1/chat/completions": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, CHAT_KINDS,
-                             CHAT_BAD),
+
+ROUTES = {  # path -> (a valid body, its fields' kinds, their bad values)
+    "/v1/completions": (BODIES["/v1/completions"], COMPLETION_KINDS, COMPLETION_BAD),
+    "/v1/chat/completions": (BODIES["/v1/chat/completions"], CHAT_KINDS, CHAT_BAD),
 }
 route_names = st.sampled_from(sorted(ROUTES))
-
-
-# ------------------------------------------------------------------------------------ checks
-
-
-def post(served: Served, path: str, content: bytes, headers: dict[str, str] | None = None) -> httpx.Response:
-    headers = {"Content-Type": "application/json"} if headers is None else headers
-    started = time.monotonic()
-    try:
-        r = served.client.post(path, content=content, headers=headers)
-    except httpx.TimeoutException:
-        pytest.fail(f"no answer within {TIMEOUT_S} s to {content[:300]!r}")
-    except httpx.TransportError as e:
-        pytest.fail(f"{type(e).__name__} ({e}) for {content[:300]!r}: the server dropped the connection")
-    assert time.monotonic() - started < TIMEOUT_S
-    return r
-
-
-def check(r: httpx.Response, *, statuses: set[int] | None = None, params: set[str | None] | None = None) -> None:
-    """No 5xx; a 4xx in OpenAI's error shape (status in ``statuses`` and param in ``params`` when
-    given); a 200 a well-formed answer."""
-    context = f"{r.status_code} {r.text[:500]} for {r.request.content[:300]!r}"
-    assert r.status_code < 500, context
-    if statuses is not None:
-        assert r.status_code in statuses, context
-    if r.status_code >= 400:
-        assert r.headers["content-type"].startswith("application/json"), context
-        body = r.json()
-        assert set(body) == {"error"}, context
-        error = body["error"]
-        assert set(error) == {"message", "type", "param", "code"}, context
-        assert isinstance(error["message"], str) and error["message"], context
-        assert error["type"] != "server_error", context
-        assert error["param"] is None or isinstance(error["param"], str), context
-        if params is not None:
-            assert error["param"] in params, context
-        return
-    assert r.status_code == 200, context
-    if r.headers["content-type"].startswith("text/event-stream"):
-        events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
-        assert events and events[-1] == "[DONE]", context
-        for event in events[:-1]:
-            assert "error" not in json.loads(event), context
-        return
-    if r.request.url.path.startswith("/v1/"):
-        assert r.json()["choices"], context
 
 
 # ------------------------------------------------------------------------------------ OpenAI routes
@@ -377,35 +222,6 @@ def test_any_value_in_any_field_known_or_not_is_served_or_refused_cleanly(
     malformed = any(isinstance(v, Raw) and v in NOT_JSON for v in changes.values()) or \
         any(isinstance(k, Raw) for k in changes)
     check(post(served, path, emit(body)), statuses={400} if malformed else {200, 400, 403, 404})
-
-
-def as_raw(data: bytes) -> Raw:
-    return Raw(data, repr(data) if len(data) <= 80 else f"{data[:60]!r}... ({len(data)} bytes)")
-
-
-def whole_bodies(utf8: bool = False) -> st.SearchStrategy[tuple[Raw, bool]]:
-    """(body, surely bad): bodies broken as a whole rather than in one field; ``utf8``: none of
-    them with invalid UTF-8."""
-    valid = st.sampled_from(sorted(ROUTES)).map(lambda p: emit(ROUTES[p][0]))
-    not_utf8 = st.one_of(
-        st.binary(min_size=1, max_size=40).map(lambda b: b + b"\xff"),
-        # a valid body with a byte no UTF-8 text can hold spliced in
-        st.tuples(valid, st.integers(0, 10**6), st.sampled_from([b"\x80", b"\xbf", b"\xc3", b"\xe2\x82", b"\xf0\x9f",
-                                                                  b"\xf8", b"\xff"]))
-        .map(lambda t: t[0][: t[1] % len(t[0])] + t[2] + t[0][t[1] % len(t[0]):]))
-    bad = st.one_of(
-        st.just(b""),
-        st.sampled_from([b"null", b"[]", b"1", b'"x"', b"true", b"[{}]", b"{}", b"[1,2]"]),
-        st.sampled_from(DEEP).map(lambda raw: raw.data),
-        st.sampled_from([raw for raw in NOT_JSON if not (utf8 and raw in NOT_UTF8)]).map(lambda raw: raw.data),
-        st.text(max_size=40).map(str.encode),
-        # a valid body cut short, or with junk after it
-        st.tuples(valid, st.integers(0, 10**6)).map(lambda t: t[0][: t[1] % len(t[0])]),
-        st.tuples(valid, st.sampled_from([b"x", b"}", b"\x00", b" {}", b"\n]"])).map(lambda t: t[0] + t[1]),
-        *([] if utf8 else [not_utf8]),
-    )
-    # a valid body is the last choice: with the odd content types below, still served
-    return st.one_of(bad.map(lambda b: (as_raw(b), True)), valid.map(lambda b: (as_raw(b), False)))
 
 
 content_types = st.one_of(st.none(), st.sampled_from([
@@ -481,156 +297,3 @@ def test_huge_but_legal_parts_are_served(served: Served) -> None:
         assert time.monotonic() - started < 15.0, body
 
 
-# ------------------------------------------------------------------------------------ admin routes
-
-
-ADMIN_ROUTES = [("GET", "/admin/stats"), ("GET", "/admin/requests"), ("GET", "/admin/requests/{id}"),
-                ("POST", "/admin/requests/{id}/abort"), ("POST", "/admin/requests/{id}/priority"),
-                ("POST", "/admin/requests/{id}/pause"), ("POST", "/admin/requests/{id}/resume"),
-                ("POST", "/admin/pause"), ("POST", "/admin/resume"), ("POST", "/admin/prefix-cache/reset")]
-SERVER_WIDE = {"/admin/pause", "/admin/resume"}  # not sent with the token: they would stall the tests
-# One path segment each (percent-encoded text; NUL and invalid UTF-8 as they are).
-request_ids = st.one_of(st.text(min_size=1, max_size=30).filter(lambda t: t not in (".", ".."))
-                        .map(lambda t: urllib.parse.quote(t, safe="")),
-                        st.sampled_from(["cmpl-", "x" * 5000, "%00", "%ff%fe", "%C3", "cmpl-%0A"]))
-bad_tokens = st.one_of(st.none(), st.sampled_from(
-    ["", "Bearer", "Basic " + ADMIN, f"Bearer {ADMIN}x", f"Bearer {ADMIN[:-1]}", f"bearer  {ADMIN[1:]}",
-     "Bearer " + "x" * 10_000, f"{ADMIN}"]),
-    st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=40).map(str.strip))
-
-
-@PROPERTY
-@given(route=st.sampled_from(ADMIN_ROUTES), request_id=request_ids, token=bad_tokens, with_token=st.booleans(),
-       body=whole_bodies().map(lambda t: t[0]))
-def test_admin_routes_refuse_strangers_and_unknown_ids(served: Served, route: tuple[str, str], request_id: str,
-                                                       token: str | None, with_token: bool, body: Raw) -> None:
-    method, template = route
-    path = template.replace("{id}", request_id)
-    if with_token and template in SERVER_WIDE:
-        with_token = False
-    headers = AUTH if with_token else {} if token is None else {"Authorization": token}
-    try:
-        r = served.client.request(method, path, headers=headers, content=body.data)
-    except httpx.TransportError as e:
-        pytest.fail(f"{type(e).__name__} ({e}) for {method} {path}")
-    if not with_token:
-        check(r, statuses={401, 403})
-    elif "{id}" in template:
-        check(r, statuses={404}, params={"request_id", None})  # nobody has this id
-    else:
-        check(r, statuses={200})
-
-
-@dataclass
-class Held:
-    """A live request, paused, that the admin tests can address."""
-
-    request_id: str
-    thread: threading.Thread
-    done: threading.Event
-
-
-@contextlib.contextmanager
-def holding(served: Served) -> Iterator[Held]:
-    ready = threading.Event()
-    done = threading.Event()
-    box: dict[str, str] = {}
-
-    def consume() -> None:
-        body = {"prompt": "held", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-        try:
-            with httpx.stream("POST", f"{served.server.url}/v1/completions", json=body, timeout=120) as r:
-                box["id"] = r.headers["X-Request-Id"]
-                ready.set()
-                for _ in r.iter_lines():
-                    if done.is_set():
-                        break
-        except httpx.HTTPError:
-            pass  # the assertions are the tests'; this thread only keeps the request alive
-
-    thread = threading.Thread(target=consume, daemon=True)
-    thread.start()
-    if not ready.wait(30):
-        pytest.fail("the request to hold did not start")
-    held = Held(box["id"], thread, done)
-    try:
-        pause(served, held)
-        yield held
-    finally:
-        served.client.post(f"/admin/requests/{held.request_id}/abort", headers=AUTH)
-        done.set()
-        thread.join(30)
-
-
-@pytest.fixture(scope="module")
-def held(served: Served) -> Iterator[Held]:
-    with holding(served) as h:
-        yield h
-
-
-def pause(served: Served, held: Held) -> None:
-    r = served.client.post(f"/admin/requests/{held.request_id}/pause", headers=AUTH)
-    if r.status_code != 200:
-        pytest.fail(f"pause: {r.status_code} {r.text}")
-
-
-def priority_bodies() -> st.SearchStrategy[tuple[Raw, bool]]:
-    """(body, valid): ``{"priority": int32, "cut_in": bool}`` and every way to get it wrong."""
-    valid = st.fixed_dictionaries({"priority": st.integers(-(2**31), 2**31 - 1)},
-                                  optional={"cut_in": st.booleans()})
-    invalid = st.one_of(
-        st.fixed_dictionaries({"priority": st.one_of(wrong_kind({"int"}), ints_outside(-(2**31), 2**31 - 1),
-                                                     st.sampled_from(DEEP))}),
-        st.fixed_dictionaries({"priority": st.just(0), "cut_in": st.one_of(
-            wrong_kind({"bool"}), st.sampled_from([raw for raw in NOT_JSON if raw not in NOT_UTF8]))}),
-        st.fixed_dictionaries({"priority": st.just(0)}).flatmap(  # an unknown field, however deep
-            lambda d: st.tuples(st.text(max_size=8).filter(lambda k: k not in ("priority", "cut_in")), anything_utf8)
-            .map(lambda kv: d | {kv[0]: kv[1]})),
-        st.dictionaries(st.sampled_from(["cut_in", "Priority", "prio"]), st.booleans(), max_size=2),  # no priority
-    )
-    # No invalid UTF-8 here: in a key it is still a 500 (test_admin_priority_invalid_utf8_key).
-    return st.one_of(valid.map(lambda d: (Raw(emit(d), repr(d)), True)),
-                     invalid.map(lambda d: (Raw(emit(d), repr(d)), False)),
-                     whole_bodies(utf8=True).map(lambda t: (t[0], False)))
-
-
-@PROPERTY
-@given(body=priority_bodies())
-def test_admin_priority_bodies(served: Served, held: Held, body: tuple[Raw, bool]) -> None:
-    content, valid = body[0].data, body[1]
-    r = post(served, f"/admin/requests/{held.request_id}/priority", content, AUTH)
-    check(r, statuses={200} if valid else {400})
-    if valid:
-        assert r.json()["status"] == "applied"
-        pause(served, held)  # cut_in runs a paused request again
-
-
-# ------------------------------------------------------------------------------------ afterwards
-
-
-def test_after_all_that_the_server_is_healthy_and_serves_as_before(served: Served, held: Held) -> None:
-    assert served.client.post(f"/admin/requests/{held.request_id}/abort", headers=AUTH).status_code == 200
-    assert served.server.proc.poll() is None
-    assert served.client.get("/health").status_code == 200
-    r = served.client.post("/v1/completions", json=GREEDY)
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == GREEDY["max_tokens"]
-    assert r.json()["choices"][0]["token_ids"] == served.greedy_ids  # nothing leaked into sampling
-    stats: dict[str, Any] = {}
-    for _ in range(100):  # aborts land asynchronously
-        stats = served.client.get("/admin/stats", headers=AUTH).json()
-        if stats["running"] == stats["waiting"] == stats["paused"] == stats["kv_blocks_used"] == 0:
-            break
-        time.sleep(0.1)
-    assert stats["running"] == stats["waiting"] == stats["paused"] == stats["kv_blocks_used"] == 0, stats
-    assert stats["internal_errors"] == 0, stats
-    log = served.server.log_path.read_text(errors="replace")
-    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-8000:]
-
-
-def test_admin_priority_invalid_utf8_key(served: Served) -> None:
-    # An invalid UTF-8 field name raised UnicodeDecodeError past msgspec's DecodeError: a 500.
-    with holding(served) as held:
-        r = served.client.post(f"/admin/requests/{held.request_id}/priority", content=b'{"\xff": 1}',
-                               headers=AUTH)
-    check(r, statuses={400})
