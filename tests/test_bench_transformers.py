@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -55,7 +57,25 @@ def test_flags_quick_defaults_and_explicit_wins(bench: ModuleType) -> None:
 
 def test_process_figures(bench: ModuleType) -> None:
     assert bench.peak_mib() > 0
-    assert bench.CpuWatch(["self"]).other_cores() >= 0
+
+
+def test_cpu_watch_sees_a_busy_neighbour_unless_it_is_watched(bench: ModuleType) -> None:
+    """A process spinning for 2 s is seen as most of a core kept busy by others; named among the
+    watched processes, it is not. (Bounds generous for a loaded 2-core machine: the spinner gets
+    at least a third of a core; both watches span the same 2 s, so other load cancels out.)"""
+    spin = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end:\n    pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        others = bench.CpuWatch(["self"])
+        others_but_spinner = bench.CpuWatch(["self", spinner.pid])
+        time.sleep(2.0)
+        seen, seen_without = others.other_cores(), others_but_spinner.other_cores()
+        assert spinner.poll() is None, "the spinner must still run when read: a gone process counts 0 ticks"
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert seen > 0.3, f"a spinning process kept only {seen:.2f} cores busy"
+    assert seen - seen_without > 0.3, f"watching the spinner took only {seen - seen_without:.2f} cores off"
 
 
 def test_hf_generate_makes_every_row_the_batch_length(bench: ModuleType) -> None:
