@@ -11,6 +11,8 @@ Streams every request (``stream_options.include_usage``) and reports, overall an
 class, what ``vllm bench serve`` reports, defined as it defines them (``client.stream``,
 ``client.stats``): request and token throughput, TTFT, TPOT, ITL and end-to-end latency.
 
+Each run draws a new seed unless ``--seed`` is given, and prints it.
+
 This module is imported whenever any ``sluice`` command builds its parser, so its top level
 imports only argparse, os and sys; the client modules (httpx, rich, matplotlib) load in ``run``.
 """
@@ -111,7 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "(Sluice takes priorities < 0 only with the admin token: pass it as --api-key)")
     work.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                       help="every prompt starts with the same N-token prefix (prefix caching)")
-    work.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths, priorities and arrivals")
+    work.add_argument("--seed", type=int, default=None,
+                      help="seeds prompts, lengths, priorities and arrivals: the same seed and flags send the same "
+                           "workload (default: a new seed each run, printed at the start and saved in --save's "
+                           "JSON, so that a second run is not answered from the server's prefix cache)")
     out = p.add_argument_group("output")
     out.add_argument("--save", default=None, metavar="FILE.json",
                      help="write the report, the configuration and every request's record as JSON")
@@ -193,6 +198,22 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
     }
     for name, value in defaults.items():
         given.setdefault(name, value)
+    _resolve_seed(args)
+
+
+def _resolve_seed(args: argparse.Namespace) -> None:
+    """A seed drawn for this run unless --seed was given (``seed_drawn`` says which, in the JSON too)."""
+    from client.workload import draw_seed
+
+    args.seed_drawn = args.seed is None
+    if args.seed_drawn:
+        args.seed = draw_seed()
+
+
+def seed_line(args: argparse.Namespace, what: str = "") -> str:
+    if args.seed_drawn:
+        return f"seed {args.seed}{what} (drawn for this run: --seed {args.seed} repeats its workload)"
+    return f"seed {args.seed}{what} (--seed)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -213,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
     from client.orchestrate import benchmark
     from client.stream import run_loop
 
+    print(seed_line(args), file=sys.stderr)
     return _exit_status(lambda: run_loop(benchmark(args)), "no report")
 
 
@@ -222,6 +244,7 @@ def _run_scenario(args: argparse.Namespace) -> int:
         print(f"sluice bench: --url {args.url} ignored: --scenario starts its own servers", file=sys.stderr)
     from client.compare import run_scenario
 
+    print(seed_line(args, " for every setting"), file=sys.stderr)
     return _exit_status(lambda: run_scenario(args), "no report (the servers were stopped)")
 
 

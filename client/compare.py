@@ -165,7 +165,8 @@ def _save(path: Path, scenario: Scenario, args: argparse.Namespace, workload: Wo
     doc = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "scenario": scenario.name, "upstream": scenario.upstream, "question": scenario.question,
-        "scale": args.scale, "seed": args.seed, "server_model": args.server_model, "server_args": args.server_args,
+        "scale": args.scale, "seed": args.seed, "seed_drawn": args.seed_drawn, "server_model": args.server_model,
+        "server_args": args.server_args,
         "workload": dataclasses.asdict(workload),
         "comparison": {m.label: {run.name: m.value(run.report) for run in runs}
                        for m in (*COMMON_ROWS, *scenario.metrics)},

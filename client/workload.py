@@ -1,9 +1,9 @@
 """What ``sluice bench`` sends: prompts of given token lengths, output lengths, priorities, arrival times.
 
-Everything here is a pure function of the flags and the seed (no I/O), so a run can be repeated
-exactly and a test can compute the very schedule the runner follows. Each purpose draws from its
-own seeded stream (``Random(f"{seed}:purpose")``), so changing, say, ``--request-rate`` leaves the
-prompts of a run as they were.
+Everything here is a pure function of the flags and the seed (no I/O; ``draw_seed`` aside), so a
+run can be repeated exactly and a test can compute the very schedule the runner follows. Each
+purpose draws from its own seeded stream (``Random(f"{seed}:purpose")``), so changing, say,
+``--request-rate`` leaves the prompts of a run as they were.
 """
 
 from __future__ import annotations
@@ -117,6 +117,12 @@ def calibration_prompts() -> list[tuple[int, str]]:
 # Token-id prompts: ids above the special tokens most vocabularies put first (SmolLM2 0..16, Llama
 # 0..2) and below 512, so they exist in any vocabulary, Sluice's 512-id tiny model's included.
 DEFAULT_TOKEN_IDS = (100, 500)
+
+
+def draw_seed() -> int:
+    """A seed for a run given no ``--seed``: from the OS's entropy, so that two runs send different
+    prompts (the same prompts again would be answered from a server's prefix cache)."""
+    return random.SystemRandom().randrange(1 << 31)
 
 
 def random_words(rng: random.Random, count: int) -> str:

@@ -183,6 +183,39 @@ def test_dataset_rows(tmp_path: Path, server: PacedServer) -> None:
     assert rc == 2
 
 
+def test_a_seed_is_drawn_per_run_printed_and_repeatable(tmp_path: Path, server: PacedServer,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    def run(*flags: str) -> tuple[dict[str, Any], list[Any], str]:
+        server.bodies.clear()
+        rc, doc = run_bench(tmp_path, server, "--num-prompts", "3", "--token-ids", "--input-len", "8",
+                            "--output-len", "2", "--warmup", "1", *flags)
+        assert rc == 0
+        return doc, [b["prompt"] for b in server.bodies], capsys.readouterr().err
+
+    first, first_prompts, first_err = run()
+    second, second_prompts, second_err = run()
+    seed = first["config"]["seed"]
+    again, again_prompts, again_err = run("--seed", str(seed))
+    for doc, err in ((first, first_err), (second, second_err)):
+        drawn = doc["config"]["seed"]
+        assert doc["config"]["seed_drawn"] is True
+        assert f"seed {drawn} (drawn for this run: --seed {drawn} repeats its workload)" in err
+    assert second["config"]["seed"] != seed and second_prompts != first_prompts
+    # The warm-up's and the measured prompts, in order: the same workload again.
+    assert again_prompts == first_prompts and again["config"] == first["config"] | {"seed_drawn": False}
+    assert f"seed {seed} (--seed)" in again_err
+
+
+def test_the_default_seed_is_drawn() -> None:
+    args = build_parser().parse_args(["bench"])
+    assert args.seed is None
+    bench._resolve_defaults(args)
+    assert args.seed_drawn and isinstance(args.seed, int)
+    args = build_parser().parse_args(["bench", "--seed", "0"])
+    bench._resolve_defaults(args)
+    assert (args.seed, args.seed_drawn) == (0, False)
+
+
 def test_the_module_imports_cheaply() -> None:
     """``client.bench`` is imported whenever any ``sluice`` command builds its parser."""
     code = ("import argparse, sys; from client import bench; p = argparse.ArgumentParser(); bench.add_arguments(p); "

@@ -28,10 +28,12 @@ from client.workload import (
     DatasetRow,
     Length,
     PromptShape,
+    RequestSpec,
     arrival_times,
     assign_priorities,
     build_requests,
     calibration_prompts,
+    draw_seed,
     fit_shape,
     parse_length,
     parse_priority_mix,
@@ -205,6 +207,16 @@ def test_text_prompts_follow_the_shape_and_share_the_prefix() -> None:
                           stream="warmup")
     assert isinstance(warm[0].prompt, str) and warm[0].prompt != specs[0].prompt
     assert warm[0].prompt.split()[:5] == texts[0][:5]
+
+
+def test_drawn_seeds_differ_and_so_do_their_requests() -> None:
+    a, b = draw_seed(), draw_seed()
+    assert a != b and all(0 <= s < 2**31 for s in (a, b))
+
+    def specs(seed: int) -> list[RequestSpec]:
+        return build_requests(4, seed=seed, input_len=Length(8, 8), output_len=Length(2, 2), token_ids=(100, 500))
+
+    assert specs(a) == specs(a) and specs(a) != specs(b)
 
 
 def test_token_id_prompts_are_exact() -> None:
