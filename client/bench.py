@@ -11,7 +11,8 @@ Streams every request (``stream_options.include_usage``) and reports, overall an
 class, what ``vllm bench serve`` reports, defined as it defines them (``client.stream``,
 ``client.stats``): request and token throughput, TTFT, TPOT, ITL and end-to-end latency.
 
-Each run draws a new seed unless ``--seed`` is given, and prints it.
+Each run draws a new seed unless ``--seed`` is given, and prints it. Ctrl-C stops the measured run
+and reports, saves and plots the requests that finished (exit status 130; ``client.interrupt``).
 
 This module is imported whenever any ``sluice`` command builds its parser, so its top level
 imports only argparse, os and sys; the client modules (httpx, rich, matplotlib) load in ``run``.
@@ -119,7 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "JSON, so that a second run is not answered from the server's prefix cache)")
     out = p.add_argument_group("output")
     out.add_argument("--save", default=None, metavar="FILE.json",
-                     help="write the report, the configuration and every request's record as JSON")
+                     help="write the report, the configuration and every request's record as JSON (after "
+                          'Ctrl-C: the requests that finished, with "completed": false)')
     out.add_argument("--plot-dir", default=None, metavar="DIR", help="write PNG plots into DIR")
     out.add_argument("--admin-token", default=UNSET,
                      help="sample Sluice's GET /admin/stats every 0.5 s for KV cache and queue plots "
@@ -231,11 +233,11 @@ def run(args: argparse.Namespace) -> int:
     if problem := _check(args):
         print(f"sluice bench: error: {problem}", file=sys.stderr)
         return 2
-    from client.orchestrate import benchmark
+    from client.orchestrate import benchmark, finish
     from client.stream import run_loop
 
     print(seed_line(args), file=sys.stderr)
-    return _exit_status(lambda: run_loop(benchmark(args)), "no report")
+    return _exit_status(lambda: finish(args, run_loop(benchmark(args))), "no report")
 
 
 def _run_scenario(args: argparse.Namespace) -> int:
@@ -249,7 +251,10 @@ def _run_scenario(args: argparse.Namespace) -> int:
 
 
 def _exit_status(run_it: Callable[[], int], interrupted: str) -> int:
-    """``run_it()``'s status; a ``BenchError`` is one error line and 1, Ctrl-C a note and 130."""
+    """``run_it()``'s status; a ``BenchError`` is one error line and 1. Ctrl-C during the measured
+    run is ``run_it``'s to handle (it reports what finished and returns 130); before it, or a second
+    one, is a note here and 130."""
+    from client.interrupt import Interrupted
     from client.orchestrate import BenchError
 
     try:
@@ -257,6 +262,9 @@ def _exit_status(run_it: Callable[[], int], interrupted: str) -> int:
     except BenchError as e:
         print(f"sluice bench: error: {e}", file=sys.stderr)
         return 1
+    except Interrupted:
+        print(f"sluice bench: interrupted before the measured run; {interrupted}", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
         print(f"sluice bench: interrupted; {interrupted}", file=sys.stderr)
         return 130

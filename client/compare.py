@@ -104,11 +104,11 @@ async def run_setting(base: str, name: str, flags: list[str], scenario: Scenario
         specs, arrivals = workload.requests(args.seed)
         records = records_for(specs)
         before = await _counters(client, base, token)
-        duration, sampler = await measure(base, url, bodies(specs), records, arrivals, max_concurrency=None,
+        load, sampler = await measure(base, url, bodies(specs), records, arrivals, max_concurrency=None,
                                           timeout=timeout, headers=None, admin_token=token, label=name)
         after = await _counters(client, base, token)
 
-    report = build_report(records, duration, by_priority=False, by_class=True)
+    report = build_report(records, load.duration, by_priority=False, by_class=True)
     report["notes"] = notes
     samples = sampler.samples if sampler else []
     doc = {"flags": flags, "model": model, "max_model_len": max_model_len, **report,
