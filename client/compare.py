@@ -5,14 +5,19 @@ and a line per other setting saying what its headline figures came to.
 
 Each server gets a fresh admin token (in its environment), so the run samples ``GET /admin/stats``
 for the KV and queue plots and reads the server's preemption and swap counts before and after the
-measured requests. A warm-up request (``--warmup``) goes to each server first, uncounted.
+measured requests. A warm-up request (``--warmup``) goes to each server first, uncounted. Every
+setting gets the same seed (``--seed``, or the one drawn for the run), so the same workload.
+
+Ctrl-C stops the setting that is running (its server is stopped; its requests that finished are
+saved, marked ``"completed": false``); the settings that finished before it are tabulated, saved
+and plotted as usual, those after it are named as not run, and the exit status is 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
-import json
 import secrets
 import shlex
 import tempfile
@@ -24,8 +29,18 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from client.orchestrate import BenchError, measure, records_for, warm_up
+from client.interrupt import Interrupted, ctrl_c_stops, unless_stopped
+from client.orchestrate import (
+    BenchError,
+    interruption,
+    interruption_note,
+    measure,
+    records_for,
+    warm_up,
+    write_json,
+)
 from client.report import fmt
+from client.runner import finished
 from client.scenarios import SCENARIOS, Metric, Scenario, Workload
 from client.serve_process import ServeError, serving
 from client.server_stats import ServerSample
@@ -45,8 +60,10 @@ class SettingRun:
     name: str
     flags: list[str]
     report: dict[str, Any]  # the bench's report, with "server" (counters) and "server_stats" (samples)
-    records: list[RequestRecord]
+    records: list[RequestRecord]  # the finished requests'
     samples: list[ServerSample]
+    completed: bool = True  # False: Ctrl-C stopped it (report["interrupted"] says what was left)
+    ctrl_c: bool = False  # Ctrl-C came during it (after its last request, it still completed)
 
 
 def describe(workload: Workload) -> str:
@@ -85,10 +102,17 @@ async def _counters(client: httpx.AsyncClient, base: str, token: str) -> dict[st
 
 async def run_setting(base: str, name: str, flags: list[str], scenario: Scenario, args: argparse.Namespace,
                       token: str) -> tuple[SettingRun, Workload]:
-    """The workload, fitted to the server's max_model_len, against the server at ``base``."""
+    """The workload, fitted to the server's max_model_len, against the server at ``base``. Ctrl-C
+    before the measured requests raises Interrupted; during them, it ends the run (not completed)."""
+    with ctrl_c_stops() as stop:
+        return await _run_setting(base, name, flags, scenario, args, token, stop)
+
+
+async def _run_setting(base: str, name: str, flags: list[str], scenario: Scenario, args: argparse.Namespace,
+                       token: str, stop: asyncio.Event) -> tuple[SettingRun, Workload]:
     timeout = args.timeout or None
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout)) as client:  # the model lookup and counters
-        model, max_model_len = await _served_model(client, base)
+        model, max_model_len = await unless_stopped(_served_model(client, base), stop)
         workload = scenario.build(args.scale, max_model_len)
         url = f"{base}/v1/completions"
 
@@ -99,23 +123,27 @@ async def run_setting(base: str, name: str, flags: list[str], scenario: Scenario
         if args.warmup:
             warm = build_requests(args.warmup, seed=args.seed, input_len=Length(16, 16), output_len=Length(4, 4),
                                   token_ids=DEFAULT_TOKEN_IDS, stream="warmup")
-            if note := await warm_up(url, bodies(warm), max_concurrency=None, timeout=timeout, headers=None):
+            if note := await warm_up(url, bodies(warm), max_concurrency=None, timeout=timeout, headers=None,
+                                     stop=stop):
                 notes.append(note)
         specs, arrivals = workload.requests(args.seed)
         records = records_for(specs)
-        before = await _counters(client, base, token)
+        before = await unless_stopped(_counters(client, base, token), stop)
         load, sampler = await measure(base, url, bodies(specs), records, arrivals, max_concurrency=None,
-                                          timeout=timeout, headers=None, admin_token=token, label=name)
+                                      timeout=timeout, headers=None, admin_token=token, label=name, stop=stop)
         after = await _counters(client, base, token)
 
-    report = build_report(records, load.duration, by_priority=False, by_class=True)
-    report["notes"] = notes
+    done = finished(records)
+    report = build_report(done, load.duration, by_priority=False, by_class=True)
+    report["notes"] = [interruption_note(load, len(records))] if load.stopped else []
+    report["notes"] += notes
     samples = sampler.samples if sampler else []
-    doc = {"flags": flags, "model": model, "max_model_len": max_model_len, **report,
+    doc = {"completed": not load.stopped, "interrupted": interruption(load, len(records)),
+           "flags": flags, "model": model, "max_model_len": max_model_len, **report,
            "server": {k: after[k] - before[k] for k in SERVER_COUNTERS if k in after and k in before}
            | {"kv_blocks_total": after.get("kv_blocks_total")},
            "server_stats": {"samples": [s.as_dict() for s in samples], "note": sampler.note if sampler else None}}
-    return SettingRun(name, flags, doc, records, samples), workload
+    return SettingRun(name, flags, doc, done, samples, completed=not load.stopped, ctrl_c=stop.is_set()), workload
 
 
 def _ratio(value: Any, base: Any) -> float | None:
@@ -161,25 +189,27 @@ def focus_class(scenario: Scenario) -> str | None:
     return first.path[1] if first.path[0] == "by_class" else None
 
 
-def _save(path: Path, scenario: Scenario, args: argparse.Namespace, workload: Workload, runs: list[SettingRun]) -> None:
+def _save(path: Path, scenario: Scenario, args: argparse.Namespace, workload: Workload, runs: list[SettingRun],
+          stopped: SettingRun | None, interrupted: dict[str, Any] | None) -> None:
+    """``runs``: the settings that finished (compared); ``stopped``: the one Ctrl-C ended, if it had
+    begun its measured requests; ``interrupted``: None, or which setting and which were not run."""
     doc = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "completed": interrupted is None, "interrupted": interrupted,
         "scenario": scenario.name, "upstream": scenario.upstream, "question": scenario.question,
         "scale": args.scale, "seed": args.seed, "seed_drawn": args.seed_drawn, "server_model": args.server_model,
-        "server_args": args.server_args,
-        "workload": dataclasses.asdict(workload),
+        "server_args": args.server_args, "workload": dataclasses.asdict(workload),
         "comparison": {m.label: {run.name: m.value(run.report) for run in runs}
                        for m in (*COMMON_ROWS, *scenario.metrics)},
         "settings": {run.name: run.report | {"requests": [dataclasses.asdict(r) for r in run.records]}
-                     for run in runs},
+                     for run in [*runs, *([stopped] if stopped else [])]},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(path, doc)
 
 
 def run_scenario(args: argparse.Namespace) -> int:
     scenario = SCENARIOS[args.scenario]
-    out, err = Console(), Console(stderr=True)
+    err = Console(stderr=True)
     token = secrets.token_hex(16)
     # The workload is fitted to each server's max_model_len once it is up; the flags it gives the
     # servers must be known before, so they may not depend on that length.
@@ -187,7 +217,12 @@ def run_scenario(args: argparse.Namespace) -> int:
     common = ["--model", args.server_model, *shlex.split(args.server_args), *unfitted.server_flags]
     err.print(f"scenario {scenario.name} ({scenario.upstream}): {scenario.question}", markup=False, highlight=False)
     err.print(describe(unfitted), markup=False, highlight=False)
-    runs: list[SettingRun] = []
+    names = list(scenario.settings)
+    runs: list[SettingRun] = []  # the settings that finished
+    stopped: SettingRun | None = None  # the one Ctrl-C ended during its measured requests
+    stopped_at: str | None = None  # the one Ctrl-C came in (starting, warming up or measuring)
+    last = ""  # the last setting that finished
+    ctrl_c = False
     workload: Workload | None = None
     with tempfile.TemporaryDirectory(prefix="sluice-scenario-") as logs:
         for i, (name, setting) in enumerate(scenario.settings.items(), 1):
@@ -199,22 +234,59 @@ def run_scenario(args: argparse.Namespace) -> int:
                     run, fitted = run_loop(run_setting(server.url, name, flags, scenario, args, token))
             except ServeError as e:
                 raise BenchError(f"setting {name}: {e}") from None
+            except (Interrupted, KeyboardInterrupt):  # `serving` has stopped the server
+                stopped_at, ctrl_c = name, True
+                err.print("    interrupted before its measured requests; its server stopped", markup=False)
+                break
             if fitted.server_flags != unfitted.server_flags:
                 raise BenchError(f"scenario {scenario.name}: its server flags depend on the model's length")
             if workload is not None and fitted != workload:
                 raise BenchError("the servers report different max_model_len: the settings got different workloads")
             workload = fitted
+            if not run.completed:
+                stopped, stopped_at, ctrl_c = run, name, True
+                err.print(f"    {run.report['notes'][0]}; its server stopped", markup=False, highlight=False)
+                break
             summary = run.report["summary"]
             err.print(f"    {summary['completed']} requests done, {summary['failed']} failed, "
                       f"{summary['duration_s']:.1f} s", markup=False, highlight=False)
             runs.append(run)
-    assert workload is not None  # a scenario has settings
+            if run.ctrl_c:  # after its last request: it counts, the next ones are not run
+                last, ctrl_c = name, True
+                break
 
-    model = runs[0].report["model"]
+    interrupted = None
+    if ctrl_c:
+        # stopped_at: the setting cut short (None: Ctrl-C came after the last request of `last`).
+        not_run = names[names.index(stopped_at or last) + 1:]
+        interrupted = {"setting": stopped_at, "measured": stopped is not None, "not_run": not_run}
+        err.print((f"interrupted in setting {stopped_at}" if stopped_at else f"interrupted after setting {last}")
+                  + (f"; not run: {', '.join(not_run)}" if not_run else ""), markup=False, highlight=False)
+        if workload is None:
+            err.print("sluice bench: no setting measured anything: no report (the servers were stopped)",
+                      markup=False)
+            return 130
+    assert workload is not None  # a scenario has settings
+    try:
+        _report(scenario, args, workload, runs, stopped, interrupted)
+    except KeyboardInterrupt:
+        err.print("sluice bench: interrupted again: outputs not written (or only some)", markup=False)
+        return 130
+    if interrupted is not None:
+        return 130
+    return 0 if all(run.report["summary"]["failed"] == 0 for run in runs) else 1
+
+
+def _report(scenario: Scenario, args: argparse.Namespace, workload: Workload, runs: list[SettingRun],
+            stopped: SettingRun | None, interrupted: dict[str, Any] | None) -> None:
+    """The table of the settings that finished, the JSON and the plots (``stopped``'s too)."""
+    out, err = Console(), Console(stderr=True)
     n = sum(g.count for g in workload.groups)
     out.print(describe(workload), markup=False, highlight=False)
-    out.print(comparison_table(scenario, runs, f"sluice bench --scenario {scenario.name} ({scenario.upstream}): "
-                               f"{model}, scale {args.scale:g}, {n} requests per setting"))
+    if runs:
+        model = runs[0].report["model"]
+        out.print(comparison_table(scenario, runs, f"sluice bench --scenario {scenario.name} ({scenario.upstream}): "
+                                   f"{model}, scale {args.scale:g}, {n} requests per setting"))
     for run in runs:
         out.print(f"  {run.name}: {shlex.join(run.flags)}", style="dim", markup=False, highlight=False)
     for line in headline(scenario, runs):
@@ -225,17 +297,23 @@ def run_scenario(args: argparse.Namespace) -> int:
         if run.report["errors"]:
             out.print(f"{run.name}: {run.report['summary']['failed']} request(s) failed, e.g. "
                       f"{next(iter(run.report['errors']))}", style="red", markup=False, highlight=False)
+    if interrupted is not None and interrupted["setting"]:
+        what = (f"{stopped.report['notes'][0]} (not in the table)" if stopped
+                else "interrupted before its measured requests")
+        out.print(f"{interrupted['setting']}: {what}", style="yellow", markup=False, highlight=False)
+    if interrupted is not None and interrupted["not_run"]:
+        out.print(f"not run: {', '.join(interrupted['not_run'])}", style="yellow", markup=False, highlight=False)
 
     if args.save:
-        _save(Path(args.save), scenario, args, workload, runs)
+        _save(Path(args.save), scenario, args, workload, runs, stopped, interrupted)
         err.print(f"saved {args.save}", markup=False)
     if args.plot_dir:
         from client.plots import settings_compared, write_plots
 
-        for run in runs:
+        for run in [*runs, *([stopped] if stopped else [])]:
             for path in write_plots(Path(args.plot_dir) / run.name, run.records, run.report, run.samples):
                 err.print(f"wrote {path}", markup=False)
-        path = settings_compared([(run.name, run.records, run.report) for run in runs], focus_class(scenario),
-                                 Path(args.plot_dir) / "settings.png")
-        err.print(f"wrote {path}", markup=False)
-    return 0 if all(run.report["summary"]["failed"] == 0 for run in runs) else 1
+        if runs:
+            path = settings_compared([(run.name, run.records, run.report) for run in runs], focus_class(scenario),
+                                     Path(args.plot_dir) / "settings.png")
+            err.print(f"wrote {path}", markup=False)

@@ -62,14 +62,18 @@ class ServeProcess:
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
-        with contextlib.suppress(ProcessLookupError):  # whatever of the group is left
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self._log.close()
+        """SIGTERM and up to STOP_TIMEOUT_S to exit, then SIGKILL to whatever of the group is left:
+        a Ctrl-C while it waits goes straight to the SIGKILL, so no server outlives ``sluice bench``."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=STOP_TIMEOUT_S)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self._log.close()
 
 
 @contextlib.contextmanager

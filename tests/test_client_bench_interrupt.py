@@ -2,7 +2,8 @@
 
 Each Ctrl-C test runs ``sluice bench`` as a process and sends it SIGINT once some requests have
 finished, which it learns from the server, never from a sleep: the paced server's arrivals (with
-``--max-concurrency 1`` a request is sent only once the one before it finished). The run left after that point lasts seconds, so the signal lands
+``--max-concurrency 1`` a request is sent only once the one before it finished), or a real
+``sluice serve``'s ``/metrics``. The run left after that point lasts seconds, so the signal lands
 in it however late the test reads; what is asserted holds wherever in it the signal lands, and no
 timing is asserted.
 """
@@ -10,6 +11,8 @@ timing is asserted.
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from paced_server import paced_server
 
@@ -111,3 +115,86 @@ def test_ctrl_c_before_the_measured_run_reports_nothing(tmp_path: Path, bench_pr
         assert len(server.arrivals) == 1  # the measured requests never went
     assert "sluice bench: interrupted before the measured run; no report" in err.read_text()
     assert not (tmp_path / "run.json").exists()
+
+
+# ------------------------------------------------------------------------------ Ctrl-C, --scenario
+
+
+def serve_child(parent: int) -> tuple[int, int] | None:
+    """(pid, port) of the ``sluice serve`` that ``parent`` started, if it is running."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().decode().split("\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and "serve" in cmdline and "--port" in cmdline:
+            return int(entry.name), int(cmdline[cmdline.index("--port") + 1])
+    return None
+
+
+def group_alive(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` not yet dead (zombies waiting for a reaper count as dead)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, _, pgrp = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == pgid and state != "Z":
+            alive.append(int(entry.name))
+    return alive
+
+
+def requests_served(port: int) -> int:
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return 0
+    return int(sum(float(m) for m in re.findall(r"^sluice_request_success_total\{.*\} (\S+)$", text, re.M)))
+
+
+def test_ctrl_c_in_a_scenario_keeps_the_finished_settings(tmp_path: Path, bench_process: Any) -> None:
+    # shared-prefix at scale 0.4: 16 requests per setting, one every 0.36 s, so each run lasts over
+    # 5 s; the Ctrl-C comes once the second setting's first request is done.
+    proc, out, err = bench_process("--scenario", "shared-prefix", "--server-model", "tiny",
+                                   "--server-args=--dtype float32", "--scale", "0.4", "--warmup", "1",
+                                   "--save", str(tmp_path / "run.json"), "--plot-dir", str(tmp_path / "plots"))
+    server_pid = None
+    try:
+        wait_for("the second setting", lambda: "[2/2] caching" in err.read_text(), proc, err)
+        server_pid, port = wait_for("its server", lambda: serve_child(proc.pid), proc, err)
+        wait_for("a measured request", lambda: requests_served(port) >= 1 + 1, proc, err)  # and the warm-up
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=WAIT_S) == 130, err.read_text()
+        # Stopped by sluice bench, the whole group (scheduler and worker too), not left behind.
+        deadline = time.monotonic() + 30
+        while group_alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert group_alive(server_pid) == []
+    finally:
+        if server_pid is not None and group_alive(server_pid):
+            os.killpg(server_pid, signal.SIGKILL)
+
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert doc["completed"] is False
+    assert doc["interrupted"] == {"setting": "caching", "measured": True, "not_run": []}
+    (group,) = doc["workload"]["groups"]
+    whole, cut = doc["settings"]["no-caching"], doc["settings"]["caching"]
+    assert whole["completed"] is True and whole["interrupted"] is None
+    assert (whole["summary"]["completed"], whole["summary"]["failed"]) == (group["count"], 0)
+    assert cut["completed"] is False
+    done = cut["interrupted"]["finished"]
+    assert 1 <= done < group["count"] and len(cut["requests"]) == done
+    assert cut["summary"]["completed"] + cut["summary"]["failed"] == done
+    # The comparison is of the settings that finished; the interrupted one is saved beside it.
+    assert all(list(values) == ["no-caching"] for values in doc["comparison"].values())
+    assert {p.name for p in (tmp_path / "plots").iterdir()} == {"no-caching", "caching", "settings.png"}
+    assert (tmp_path / "plots" / "caching" / "latency_cdf.png").stat().st_size > 0
+    report = " ".join(out.read_text().split())
+    assert "TTFT p50 (ms)" in report and "caching: interrupted by Ctrl-C" in report
+    assert f"seed {doc['seed']} for every setting (drawn for this run" in " ".join(err.read_text().split())

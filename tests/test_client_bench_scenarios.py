@@ -210,6 +210,7 @@ def bench_scenario(tmp_path: Path, name: str, *flags: str) -> tuple[subprocess.C
 def test_shared_prefix_end_to_end(tmp_path: Path) -> None:
     proc, doc = bench_scenario(tmp_path, "shared-prefix", "--scale", "0.1", "--plot-dir", str(tmp_path / "plots"))
     assert list(doc["settings"]) == ["no-caching", "caching"]
+    assert doc["completed"] is True and doc["interrupted"] is None
     assert doc["seed_drawn"] is True and f"seed {doc['seed']} for every setting (drawn" in proc.stderr  # one seed, every setting
     (group,) = doc["workload"]["groups"]
     for name, run in doc["settings"].items():
