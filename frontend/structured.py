@@ -69,6 +69,37 @@ def compact(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "x-guidance": JSON_LAYOUT | dict(schema.get("x-guidance") or {})}
 
 
+# Subschemas an object's properties may sit under (JSON Schema 2020-12 and draft 7's names).
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties")
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with every object that lists its ``properties`` and says nothing of others closed
+    to them (``additionalProperties: false``), as vLLM's default grammar engine (xgrammar's strict
+    mode) and OpenAI's strict schemas read it. JSON Schema's own default lets a model add keys of
+    its choosing, and a small one does, until ``max_tokens``: a plain Pydantic model's schema would
+    never end. A schema that wants other keys says ``additionalProperties`` itself. The branches
+    of an ``allOf`` are left open: each lists only part of the object's keys."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    if (isinstance(out.get("properties"), dict) and "allOf" not in out
+            and not any(k in out for k in ("additionalProperties", "unevaluatedProperties", "patternProperties"))):
+        out["additionalProperties"] = False
+    return out
+
+
 def _json_schema(value: Any, param: str) -> str:
     if isinstance(value, str):
         try:
@@ -81,7 +112,7 @@ def _json_schema(value: Any, param: str) -> str:
         if not isinstance(value.get("x-guidance", {}), dict):
             raise bad_request(f"{param}.x-guidance must be an object (llguidance's JSON options)",
                               f"{param}.x-guidance")
-        value = compact(value)
+        value = compact(closed(value))
     try:
         return str(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(value)))
     except ValueError as e:
