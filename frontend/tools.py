@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend.errors import bad_request
-from frontend.structured import Constraint, compact
+from frontend.structured import Constraint, closed, compact
 from frontend.tool_calls import CLOSE, OPEN
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -122,7 +122,7 @@ def calls_grammar(use: ToolUse) -> str | None:
     bodies = [{"type": "object", "properties": {"name": {"const": n}, "arguments": use.parameters(n)},
                "required": ["name", "arguments"], "additionalProperties": False} for n in names]
     # Written as json.dumps writes it, as the model saw calls written in its prompt.
-    schema = compact(bodies[0] if len(bodies) == 1 else {"anyOf": bodies})
+    schema = compact(closed(bodies[0] if len(bodies) == 1 else {"anyOf": bodies}))
     # After a call the output may end; with parallel calls, a newline may begin the next one.
     more = ' ("\\n" call)*' if use.parallel and use.named is None else ""
     return (f"start: call{more}\n"
@@ -136,14 +136,24 @@ def prompt_messages(messages: list[dict[str, Any]], use: ToolUse | None, knows_t
     not, calls and results written as the model reads them, and the tools in the system message."""
     if knows_tools:
         return [_with_parsed_arguments(m) for m in messages]
-    out = []
-    for m in messages:
-        if m["role"] == "assistant" and m.get("tool_calls"):
+    out: list[dict[str, Any]] = []
+    calls: dict[str, dict[str, Any]] = {}  # tool_call_id -> the call its result answers
+    for i, m in enumerate(messages):
+        answered = i + 1 < len(messages) and messages[i + 1]["role"] == "tool"
+        if m["role"] == "assistant" and m.get("tool_calls") and answered:
+            calls.update((c.get("id"), c) for c in m["tool_calls"])
+            if (m.get("content") or "").strip():
+                out.append({"role": "assistant", "content": m["content"]})
+        elif m["role"] == "assistant" and m.get("tool_calls"):
             written = "\n".join(f'{OPEN}\n{json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)})}'
                                 f"\n{CLOSE}" for c in m["tool_calls"])
             out.append({"role": "assistant", "content": ((m.get("content") or "") + "\n" + written).strip()})
         elif m["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
+            fact = _result_fact(calls.get(m.get("tool_call_id", "")), m.get("content") or "")
+            if out and out[-1]["role"] == "user":
+                out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{fact}"}
+            else:
+                out.append({"role": "user", "content": fact})
         else:
             out.append({"role": m["role"], "content": m.get("content") or ""})
     if use is not None and use.choice != "none":
@@ -153,6 +163,17 @@ def prompt_messages(messages: list[dict[str, Any]], use: ToolUse | None, knows_t
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+def _result_fact(call: dict[str, Any] | None, result: str) -> str:
+    """A tool's result as a line of the user's turn, for a template that knows no tools: the call
+    and what it returned (``get_weather({"city": "Paris"}) returned: {...}``). Written as turns of
+    their own (the call as the assistant's, the result inside ``<tool_response>`` as the user's),
+    small models continue the pattern and parrot the result back instead of answering; with the
+    result beside the question they answer it (SmolLM2-135M: 4 of 4 questions against 0 of 4)."""
+    if call is None:
+        return f"A tool returned: {result}"
+    return f"{call['function']['name']}({json.dumps(_arguments(call))}) returned: {result}"
 
 
 def _arguments(call: dict[str, Any]) -> Any:

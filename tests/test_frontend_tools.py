@@ -129,8 +129,19 @@ def test_a_template_that_does_not_know_tools_gets_them_written_in(tmp_path: Path
     use = tool_use([WEATHER], None, None)
     text = ours.render_chat(prompt_messages(CONVERSATION, use, knows_tools=False))
     assert text.startswith("[system] You can call functions") and json.dumps(WEATHER) in text
-    assert f'[assistant] {OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}' in text
-    assert "[user] <tool_response>\nsunny, 21 °C\n</tool_response>" in text
+    # Answered calls: each result beside the question, with the call it answers (written as turns
+    # of their own, a small model parrots the result back instead of answering).
+    assert text.endswith('[user] Weather in Paris, and 2+3?\n\nget_weather({"city": "Paris"}) returned: sunny, 21 °C'
+                         '\n\nadd({"a": 2, "b": 3}) returned: 5[assistant]'), text
+    # A call not answered (yet) is written as the model writes calls.
+    pending = ours.render_chat(prompt_messages(CONVERSATION[:2], use, knows_tools=False))
+    assert pending.endswith(f'[assistant] {OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}'
+                            f'\n{OPEN}\n{{"name": "add", "arguments": {{"a": 2, "b": 3}}}}\n{CLOSE}[assistant]'), pending
+    # The assistant's own words beside its calls stay its turn; the results then make a turn of their own.
+    said = [CONVERSATION[0], CONVERSATION[1] | {"content": "Let me look."}, *CONVERSATION[2:]]
+    assert ours.render_chat(prompt_messages(said, use, knows_tools=False)).endswith(
+        "[assistant] Let me look.[user] get_weather({\"city\": \"Paris\"}) returned: sunny, 21 °C\n\n"
+        "add({\"a\": 2, \"b\": 3}) returned: 5[assistant]")
     # tool_choice none: the model is not told of tools it may not call.
     unshown = ours.render_chat(prompt_messages(CONVERSATION[:1], None, knows_tools=False))
     assert unshown == "[user] Weather in Paris, and 2+3?[assistant]"

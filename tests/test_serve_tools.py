@@ -149,11 +149,13 @@ def test_tool_results_are_rendered_back_into_the_prompt(server: SluiceServer) ->
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'}]
     tokens = httpx.post(f"{server.url}/tokenize", json={"messages": conversation, "tools": [WEATHER]}).json()["tokens"]
     prompt = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens}).json()["prompt"]
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' \
-        in prompt
-    assert '<tool_response>\n{"temperature": 21, "sky": "clear"}\n</tool_response>' in prompt
-    answer = chat(server, messages=conversation, tools=[WEATHER], max_tokens=30)
-    assert answer["choices"][0]["message"]["content"]
+    # SmolLM2's template knows no tools: the result beside the question, with the call it answers.
+    assert 'get_weather({"city": "Paris", "unit": "celsius"}) returned: {"temperature": 21, "sky": "clear"}' in prompt
+    # An answer, not the result parroted back (what the 135M model wrote, greedy, when the result came
+    # as a turn of its own inside <tool_response>).
+    answer = chat(server, messages=conversation, tools=[WEATHER], max_tokens=30, temperature=0)
+    content = answer["choices"][0]["message"]["content"]
+    assert content and "tool_response" not in content and not content.startswith("{"), content
 
 
 @pytest.mark.parametrize(("body", "param"), [
