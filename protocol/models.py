@@ -20,18 +20,29 @@ def unknown_model(model: str) -> str | None:
     if model in BUILTIN_MODELS or path.exists() or (HUB_ID.fullmatch(model) and path.suffix != ".gguf"):
         return None
     what = "no such GGUF file" if path.suffix == ".gguf" else "no such file or directory"
-    near = difflib.get_close_matches(model, [*BUILTIN_MODELS, *_siblings(path)], n=1, cutoff=0.6)
+    # Names compared with names: whole paths share their directory, which made any entry "close".
+    siblings = _siblings(path)
+    near = (difflib.get_close_matches(model, BUILTIN_MODELS, n=1, cutoff=0.6)
+            or [siblings[n] for n in difflib.get_close_matches(path.name, list(siblings), n=1, cutoff=0.6)])
     hint = f"; did you mean {near[0]!r}?" if near else ""
     return (f"--model {model}: {what}{hint} (--model takes 'smollm2', 'tiny', a .gguf file, a Hugging "
             f"Face-format directory or a Hugging Face Hub id)")
 
 
-def _siblings(path: Path) -> list[str]:
-    """The entries beside a mistyped path, spelt as the user would type them (a typo in its
-    last part)."""
+def _siblings(path: Path) -> dict[str, str]:
+    """The models beside a mistyped path, by name, spelt as the user would type them (a typo in
+    its last part): ``.gguf`` files and directories with a ``config.json``, never any file that
+    happens to be near (``/tmp/nope.gguf`` once suggested ``/tmp/rc-openai.out``)."""
     parent = path.parent
     try:
         entries = sorted(parent.iterdir())[:1000] if parent.is_dir() else []
     except OSError:
-        return []
-    return [p.name if parent == Path(".") else str(parent / p.name) for p in entries]
+        return {}
+    return {p.name: p.name if parent == Path(".") else str(parent / p.name) for p in entries if _could_be_a_model(p)}
+
+
+def _could_be_a_model(path: Path) -> bool:
+    try:
+        return (path.suffix == ".gguf" and path.is_file()) or (path.is_dir() and (path / "config.json").is_file())
+    except OSError:
+        return False
