@@ -72,6 +72,9 @@ def _uvicorn_config(app: Starlette, config: FrontendConfig) -> uvicorn.Config:
 
 
 STARTUP_POLL_S = 0.25
+# While the engine starts, a line this often says that it still is and for how long: a first start
+# (torch imported, the C kernels compiled for this CPU, the weights read) is tens of seconds.
+STARTUP_NOTE_EVERY_S = 15.0
 CHILD_EXIT_GRACE_S = 2.0  # a child that failed to load has usually told the scheduler why
 SCHEDULER_RESTARTS = 10
 SUPERVISE_POLL_S = 0.1
@@ -130,11 +133,17 @@ class _Startup:
         state = self.app.state.sluice
         client = state.client
         exited_at: float | None = None
+        began = time.monotonic()
+        noted = began
         # Every engine: sluice serve starts them together, and says ready once all are.
         while not all(engine.ready.is_set() for engine in client.engines):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(client.all_ready(), STARTUP_POLL_S)
                 break
+            if time.monotonic() - noted >= STARTUP_NOTE_EVERY_S:
+                noted = time.monotonic()
+                log.info("still starting (%.0f s): waiting for the worker to load the model (its log lines say "
+                         "what it is doing)", noted - began)
             if client.engine_error is not None:
                 self._fail(client.engine_error)
                 return
@@ -333,6 +342,10 @@ def serve(frontend: FrontendConfig, scheduler: SchedulerConfig, worker: WorkerCo
             rank.group = ranks if k > 1 else []
         children += ranks
     stop_by = [float("inf")]
+    log.info("starting %s for %s: the worker imports torch and loads the model (seconds; a first start on a "
+             "machine also compiles Sluice's C kernels for its CPU, up to a minute)",
+             f"{m} engines" if m > 1 else "the scheduler and " + (f"{k} worker ranks" if k > 1 else "the worker"),
+             worker.model)
     try:
         for child in children:
             child.start()

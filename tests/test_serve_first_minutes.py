@@ -125,9 +125,10 @@ def test_start_up_idle_and_the_first_mistakes_read_well(tmp_path: Path) -> None:
     lines = log.splitlines()
     ready = [i for i, line in enumerate(lines) if line.startswith("Sluice is ready: serving tiny at http://")]
     assert len(ready) == 1, log
+    starting = next(i for i, line in enumerate(lines) if "sluice.serve: starting the scheduler and the worker for tiny" in line)
     loading = next(i for i, line in enumerate(lines) if re.search(r"worker\[0\]: loading .* on cpu", line))
     warming = next(i for i, line in enumerate(lines) if line.endswith("worker[0]: warming up"))
-    assert loading < warming < ready[0], log
+    assert starting < loading < warming < ready[0], log
     for bad in ("Uvicorn running", "not reachable", "Traceback", " ERROR "):
         assert bad not in log, (bad, log)
 

@@ -27,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -82,6 +83,7 @@ def _build(target: Path) -> None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("compiling Sluice's CPU kernels for this CPU (%s; once per machine, 10-60 s)", cpu_isa.march_flag())
+    began = time.monotonic()
     # Built beside the target and renamed into place: concurrent workers never load half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
@@ -105,6 +107,7 @@ def _build(target: Path) -> None:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1:]}")
         os.chmod(linked, 0o755)
         os.replace(linked, target)
+    log.info("compiled the CPU kernels in %.0f s (kept in %s)", time.monotonic() - began, target.parent)
 
 
 def load() -> ctypes.CDLL | None:
