@@ -122,8 +122,21 @@ def test_compose_up_serves_recovers_and_goes_down_clean(tmp_path: Path) -> None:
         print(f"image size: {size / 2**30:.2f} GiB")
         started = time.monotonic()
         _run(*cmd, "up", "-d", env=env, timeout=300)
-        _wait(lambda: http_status(f"{url}/ready") == 200, 300, "/ready through the published port")
+        frontend = _run(*cmd, "ps", "-q", "frontend", env=env).stdout.split()[0]
+        health: list[str] = []  # the frontend's health as Docker sees it while the model loads
+
+        def ready() -> bool:
+            health.append(_run("docker", "inspect", "-f", "{{.State.Health.Status}}", frontend).stdout.strip())
+            return http_status(f"{url}/ready") == 200
+
+        _wait(ready, 300, "/ready through the published port")
         print(f"up to /ready: {time.monotonic() - started:.1f} s")
+        # Loading (the worker compiles its kernels in its container: tens of seconds) is "starting",
+        # never "unhealthy" (a 10 s start period had shown "Up (unhealthy)" until the first check
+        # after /ready); once ready, the next check says healthy.
+        assert "unhealthy" not in health, health
+        _wait(lambda: _run("docker", "inspect", "-f", "{{.State.Health.Status}}", frontend).stdout.strip() == "healthy",
+              30, "the frontend's health check to pass")
 
         with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120, json={
                 "model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
@@ -137,7 +150,6 @@ def test_compose_up_serves_recovers_and_goes_down_clean(tmp_path: Path) -> None:
         assert http_status(f"{url}/admin/stats", headers={"Authorization": f"Bearer {token}"}) == 200
 
         # The frontend faces clients: it holds the client pair, never the scheduler's secret.
-        frontend = _run(*cmd, "ps", "-q", "frontend", env=env).stdout.split()[0]
         held = set(_run("docker", "exec", frontend, "ls", "/keys").stdout.split())
         assert held == {"scheduler.key", "client.key", "client.key_secret"}, held
 
