@@ -12,6 +12,9 @@ after the conversation as it was, never after a half answer, and never as a seco
 message in a row, which some chat templates refuse. Ctrl-C at the prompt, or a second one
 before the first is dealt with, leaves with status 130.
 
+Keys typed while a reply streams are kept out of it (``client.typeahead``): lines ended with Enter
+are sent after it, in order, and the line being typed waits at the next prompt.
+
 With stdin not a terminal (``printf 'hi\\n' | sluice chat``) there is no prompt and no line
 editing: stdout holds just the replies, one newline after each.
 """
@@ -23,6 +26,7 @@ import contextlib
 import sys
 from dataclasses import dataclass, field
 
+from client import typeahead
 from client.terminal_args import add_server_arguments, request_fields
 
 HINT = "/reset clears the history, /system TEXT sets the system message, /exit or Ctrl-D leaves"
@@ -57,18 +61,24 @@ def run(args: argparse.Namespace) -> int:
             import readline  # noqa: F401  - importing it gives input() line editing and history
     conversation = Conversation(system=args.system)
     out = ts.TextOut()
+    ahead = typeahead.Typed()  # what was typed while the last reply streamed
     try:
         with ts.Server(args.url, args.admin_token) as server:
             model = args.model or server.first_model()
             if interactive:
                 ts.note(f"{model} at {args.url}: {HINT}")
             while True:
-                try:
-                    line = input("> " if interactive else "").strip()
-                except EOFError:
-                    if interactive:
-                        print()  # the shell's prompt on a line of its own, not after ours
-                    return 0
+                if ahead.lines:  # sent with Enter during the last reply: shown as if typed now
+                    line = ahead.lines.pop(0)
+                    print(f"> {line}", flush=True)
+                else:
+                    try:
+                        line = _read_line(interactive, ahead.partial).strip()
+                    except EOFError:
+                        if interactive:
+                            print()  # the shell's prompt on a line of its own, not after ours
+                        return 0
+                    ahead.partial = ""
                 if not line:
                     continue
                 word, _, rest = line.partition(" ")
@@ -83,8 +93,10 @@ def run(args: argparse.Namespace) -> int:
                     ts.note(f"[system message {'set' if conversation.system else 'removed'}, history cleared]")
                     continue
                 body = request_fields(args) | {"model": model, "messages": conversation.messages(line)}
+                keys = typeahead.held(sys.stdin.fileno(), ahead) if interactive else contextlib.nullcontext()
                 try:
-                    reply = server.stream("/v1/chat/completions", body, out)
+                    with keys:
+                        reply = server.stream("/v1/chat/completions", body, out)
                     out("\n")
                 except ts.RequestFailed as e:  # the server's message; the chat goes on
                     out.end_line()
@@ -109,3 +121,23 @@ def run(args: argparse.Namespace) -> int:
         return 130
     except BrokenPipeError:
         return ts.stdout_closed()
+
+
+def _read_line(interactive: bool, typed: str) -> str:
+    """The next line from the user; on a terminal, with ``typed`` (keys typed while the last
+    reply streamed) already on the line, to edit or send."""
+    if not interactive:
+        return input("")
+    try:
+        import readline
+    except ImportError:  # not on every platform: the keys are said rather than lost
+        if typed:
+            from client import terminal_stream as ts
+
+            ts.note(f"[typed during the reply: {typed}]")
+        return input("> ")
+    readline.set_startup_hook(lambda: readline.insert_text(typed))
+    try:
+        return input("> ")
+    finally:
+        readline.set_startup_hook(None)

@@ -18,6 +18,7 @@ from typing import TypeVar
 import httpx
 import pexpect
 import pytest
+from paced_server import PacedServer, paced_server
 from sluice_server import SluiceServer, free_port, running_server
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ def sluice(*args: str) -> subprocess.CompletedProcess[bytes]:
                           env=dict(os.environ, PYTHONIOENCODING="utf-8"), timeout=60)
 
 
-def spawn_chat(server: SluiceServer, *flags: str) -> pexpect.spawn:
+def spawn_chat(server: SluiceServer | PacedServer, *flags: str) -> pexpect.spawn:
     child = pexpect.spawn(sys.executable, ["-m", "frontend", "chat", "--url", server.url, *flags], cwd=str(REPO),
                           encoding="utf-8", codec_errors="replace", timeout=30, dimensions=(40, 250))
     child.expect("> ")
@@ -213,3 +214,34 @@ def test_an_unreachable_server_is_one_line_and_exit_1(command: list[str]) -> Non
     assert done.stdout == b""
     assert re.fullmatch(rf"sluice: error: cannot reach {re.escape(url)}: .*Connection refused.*\n",
                         done.stderr.decode()), done.stderr
+
+
+def test_text_typed_while_a_reply_streams_waits_at_the_next_prompt() -> None:
+    """Keys typed during a reply are not echoed into it, and come back at the next prompt, ready
+    to edit or send. Before: the terminal echoed them into the reply's text, and they were lost."""
+    with paced_server(ttft=0.1, itl=0.1) as paced:
+        child = spawn_chat(paced, "--max-tokens", "30")  # 3 s of reply
+        child.sendline("first")
+        child.expect_exact(" t1")  # the reply is streaming
+        child.send("typed ahead")
+        child.expect_exact("> ")  # the next prompt, after the reply's last token
+        reply = child.before
+        assert " t29" in reply and "typed" not in reply, reply
+        child.expect_exact("typed ahead")  # put back at the prompt
+        child.sendline("")  # Enter sends it
+        wait_for(lambda: len(paced.bodies) == 2)
+        assert paced.bodies[1]["messages"][-1] == {"role": "user", "content": "typed ahead"}
+        # A line ended with Enter during a reply is sent after it, as a shell runs type-ahead; the
+        # line after it waits at the prompt (line editing applied: backspace, arrow keys dropped).
+        child.expect_exact(" t1")
+        child.send("sent next\rstill typ\x7f\x7fyping\x1b[D")
+        child.expect_exact("> sent next")
+        wait_for(lambda: len(paced.bodies) == 3)
+        assert paced.bodies[2]["messages"][-1] == {"role": "user", "content": "sent next"}
+        child.expect_exact(" t29")
+        child.expect_exact("> ")
+        child.expect_exact("still typing")
+        child.sendintr()  # at the prompt: leave
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 130
