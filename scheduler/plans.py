@@ -99,10 +99,11 @@ class Plans:
         caching, block_size = self.pool.enable_caching, self.block_size
         queue, counts_service, held = self.queue, self.queue.counts_service, self._held
         for req, n in rows.items():
-            new_blocks.append(req.unsent_blocks())
+            # Most rows of most steps have no new block: that test inline, the call otherwise.
+            new_blocks.append([] if req.worker_blocks == len(req.blocks) else req.unsent_blocks())
             if caching and req.num_computed % block_size + n >= block_size:  # it fills a block
                 self._register_full_blocks(req, n)
-            req.advance(n)
+            req.num_computed += n  # req.advance(n), inline: this loop runs for every row of every step
             if held and req.rid in held and req.num_computed >= req.num_prompt_tokens:
                 self._prompt_computed(req)
             if counts_service:

@@ -77,6 +77,9 @@ from scheduler.workers import HANDSHAKE_FAILED, PlanClock, Workers, plan_work
 log = logging.getLogger("sluice.scheduler")
 
 IDLE_POLL_MS = 100
+# pyzmq's constants are enum flags: ``events & zmq.POLLIN`` builds an enum member, 2 us, on a path
+# taken once per message. Plain ints test the same bits.
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 CHECK_INTERVAL_S = 0.05  # how often silent workers and frontends and a long outage are looked for
 MALFORMED_LOG_INTERVAL_S = 10.0
 
@@ -178,7 +181,7 @@ class SchedulerProcess(WorkerEvents):
     def _drain(self, sock: zmq.Socket[Any], codec: Any, routed: bool) -> None:
         # Asking the socket beats catching zmq.Again at the end of every drain (an exception
         # built per wake-up, and there is one per worker step).
-        while int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
+        while sock.get(_EVENTS) & _POLLIN:
             frames = sock.recv_multipart(copy=False)
             try:
                 msg = codec.decode(frames[-1].buffer)

@@ -70,9 +70,9 @@ class Request:
     """
 
     __slots__ = (
-        "after", "arrival_time", "block_keys", "blocks", "host_blocks", "num_cached_tokens", "num_computed",
-        "num_preemptions", "num_prompt_tokens", "on_worker", "priority", "request_id", "rid", "sampling",
-        "scheduled_at", "status", "token_ids", "user", "worker_blocks",
+        "after", "arrival_time", "block_keys", "blocks", "host_blocks", "may_stop", "num_cached_tokens",
+        "num_computed", "num_preemptions", "num_prompt_tokens", "on_worker", "priority", "quiet_until",
+        "request_id", "rid", "sampling", "scheduled_at", "status", "token_ids", "user", "worker_blocks",
     )  # fmt: skip
 
     def __init__(self, msg: AddRequest, choice: int = 0) -> None:
@@ -103,6 +103,10 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served at first admission
         self.host_blocks: list[int] = []  # swap preemption: where its KV waits in host memory
         self.scheduled_at: float | None = None  # wall time of its first admission
+        # ``add_output``'s quick answer, set by its first full check: below ``quiet_until`` tokens
+        # only a token in ``may_stop`` can end the request (0: every token gets the full check).
+        self.may_stop: frozenset[int] = frozenset()
+        self.quiet_until = 0
 
     @property
     def num_outputs(self) -> int:
@@ -159,14 +163,22 @@ class Request:
 
     def add_output(self, token: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> str | None:
         """Append a sampled token; the finish reason it triggers, if any: ``protocol.stop``'s
-        rule, the worker's too."""
-        self.token_ids.append(token)
-        num_tokens = len(self.token_ids)
-        if self.sampling.prompt_logprobs is not None:
+        rule, the worker's too. Called for every row of every step: most tokens are answered by
+        the quick test, which the full rule's first run sets up (the same answer, exactly)."""
+        tokens = self.token_ids
+        tokens.append(token)
+        num_tokens = len(tokens)
+        if num_tokens < self.quiet_until and token not in self.may_stop:
+            return None
+        sampling = self.sampling
+        if sampling.prompt_logprobs is not None:
             # They came with this first output: a recompute need not compute them again, and may
             # take its prompt from the prefix cache.
-            self.sampling = msgspec.structs.replace(self.sampling, prompt_logprobs=None)
-        return stop_reason(token, num_tokens - self.num_prompt_tokens, num_tokens, self.sampling, eos_token_ids,
+            self.sampling = sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
+        # Below both length limits, only a stop token, or an EOS the request does not ignore, stops it.
+        self.quiet_until = min(self.num_prompt_tokens + sampling.max_tokens, max_model_len)
+        self.may_stop = frozenset(sampling.stop_token_ids).union(() if sampling.ignore_eos else eos_token_ids)
+        return stop_reason(token, num_tokens - self.num_prompt_tokens, num_tokens, sampling, eos_token_ids,
                            max_model_len)
 
     def pause(self) -> None:
@@ -233,11 +245,15 @@ class Request:
         that wants its prompt's logprobs or its mean: every position must be computed."""
         if self.sampling.every_position:
             return []
-        keys, tokens, pack = self.block_keys, self.token_ids, _packer(block_size)
+        keys, tokens = self.block_keys, self.token_ids
+        full = len(tokens) // block_size * block_size
+        # Packed at once and sliced per block: a struct call per block was most of an admission
+        # step under shared prefixes (hundreds of requests walking tens of cached blocks each).
+        packed, width, lookup = _packer(full)(*tokens[:full]), block_size * _INT64_BYTES, pool.lookup
         found: list[int] = []
         parent = ROOT_KEY
-        for start in range(0, len(tokens) - block_size + 1, block_size):
-            hit = pool.lookup(parent + pack(*tokens[start : start + block_size]))
+        for offset in range(0, full * _INT64_BYTES, width):
+            hit = lookup(parent + packed[offset : offset + width])
             if hit is None:
                 break
             block, parent = hit
