@@ -181,7 +181,7 @@ class SchedulerProcess(WorkerEvents):
     def _drain(self, sock: zmq.Socket[Any], codec: Any, routed: bool) -> None:
         # Asking the socket beats catching zmq.Again at the end of every drain (an exception
         # built per wake-up, and there is one per worker step).
-        while sock.get(_EVENTS) & _POLLIN:
+        while sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # an int for ZMQ_EVENTS
             frames = sock.recv_multipart(copy=False)
             try:
                 msg = codec.decode(frames[-1].buffer)
