@@ -86,8 +86,8 @@ class Model:
 
 def vllm_config(config: SchedulerConfig, num_blocks: int) -> VllmConfig:
     """The scenario's configuration (Sluice's) as vLLM's: the same budget, seats, policy and prefix
-    caching; chunked prefill on, async scheduling off (as the scenarios have it); the device "cpu",
-    as no accelerator is there to find, which the scheduler does not use anyway."""
+    caching; chunked prefill on, async scheduling off (as the scenarios have it). The device is
+    named ("cpu"): this vLLM build finds no platform of its own here, and the scheduler never uses it."""
     if config.async_scheduling or config.preemption_mode != "recompute":
         raise SystemExit("vLLM's side runs only synchronous scheduling and recompute preemption")
     scheduler = VllmSchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
@@ -115,7 +115,8 @@ class VllmHarness(Driver):
             KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1,
                                                           dtype=torch.float32))])
         self.sched = VllmScheduler(vllm_config=vc, kv_cache_config=kv_cache, block_size=BLOCK_SIZE,
-                                   structured_output_manager=StructuredOutputManager(vc), log_stats=True)
+                                   structured_output_manager=StructuredOutputManager(vc),
+                                   log_stats=True)  # as `vllm serve` has it by default
         hasher = None
         if config.enable_prefix_caching:  # as vLLM's engine core hashes requests' blocks
             hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
