@@ -14,6 +14,7 @@ import contextlib
 import os
 import re
 import select
+import signal
 import termios
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -61,17 +62,32 @@ def held(fd: int, typed: Typed) -> Iterator[Typed]:
         return
     quiet = termios.tcgetattr(fd)
     quiet[3] &= ~(termios.ECHO | termios.ICANON)  # lflag: no echo, keys readable one by one
+    quiet[3] |= termios.ISIG  # Ctrl-C still interrupts the reply
     quiet[6][termios.VMIN], quiet[6][termios.VTIME] = 1, 0
-    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    with _no_sigint():
+        termios.tcsetattr(fd, termios.TCSANOW, quiet)
     try:
         yield typed
     finally:
-        raw = b""
-        with contextlib.suppress(OSError):
-            while select.select([fd], [], [], 0)[0]:
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    break
-                raw += chunk
-        termios.tcsetattr(fd, termios.TCSANOW, before)
+        # A Ctrl-C here waits until the terminal is as it was (then interrupts as usual): one
+        # landing mid-way would leave it without echo.
+        with _no_sigint():
+            raw = b""
+            with contextlib.suppress(OSError):
+                while select.select([fd], [], [], 0)[0]:
+                    chunk = os.read(fd, 4096)
+                    if not chunk:
+                        break
+                    raw += chunk
+            termios.tcsetattr(fd, termios.TCSANOW, before)
         typed.add(raw.decode(errors="ignore"))
+
+
+@contextlib.contextmanager
+def _no_sigint() -> Iterator[None]:
+    """SIGINT held back (not lost) for the body: delivered, as a KeyboardInterrupt, right after."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
