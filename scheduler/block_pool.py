@@ -33,8 +33,8 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockPool:
-    __slots__ = ("_by_link", "_cached", "_free_cached", "_free_plain", "_refs", "_untouched", "enable_caching", "hits",
-                 "num_blocks", "queries")
+    __slots__ = ("_by_link", "_cached", "_free_cached", "_free_plain", "_refs", "_untouched", "enable_caching",
+                 "evictions", "hits", "last_walk", "num_blocks", "queries")
 
     def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
         if num_blocks < 1:
@@ -49,6 +49,12 @@ class BlockPool:
         self._cached: dict[int, bytes] = {}  # block -> link
         self.queries = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # of which found
+        # Cached blocks are found by their link until evicted, and only then: while ``evictions``
+        # stands still, a walk's hits stay valid. ``Request.cached_prefix`` keeps its last walk
+        # here (evictions then, the tokens of the blocks found, those blocks and their keys): the
+        # next prompt sharing its start takes those hits with one comparison of token lists.
+        self.evictions = 0
+        self.last_walk: tuple[int, list[int], list[int], list[bytes]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -150,6 +156,7 @@ class BlockPool:
         return dropped
 
     def _evict(self, block: int) -> None:
+        self.evictions += 1
         link = self._cached.pop(block, None)
         if link is not None and self._by_link[link][0] == block:
             del self._by_link[link]

@@ -35,6 +35,22 @@ ROOT_KEY = b""
 _INT64_BYTES = 8
 
 
+def _common_blocks(a: list[int], b: list[int], block_size: int, most: int) -> int:
+    """How many leading blocks of ``block_size`` tokens (at most ``most``) ``a`` and ``b`` share:
+    the whole span at once first (prompts sharing a prefix mostly share all of it), then halving."""
+    most = min(most, len(a) // block_size, len(b) // block_size)
+    if a[: most * block_size] == b[: most * block_size]:
+        return most
+    lo, hi = 0, most - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[: mid * block_size] == b[: mid * block_size]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 @functools.cache
 def _packer(num_tokens: int) -> Callable[..., bytes]:
     """Packs ``num_tokens`` token ids, its format compiled once (compiling it each time costs
@@ -245,22 +261,33 @@ class Request:
         that wants its prompt's logprobs or its mean: every position must be computed."""
         if self.sampling.every_position:
             return []
-        keys, tokens = self.block_keys, self.token_ids
-        full = len(tokens) // block_size * block_size
-        # Packed at once and sliced per block: a struct call per block was most of an admission
-        # step under shared prefixes (hundreds of requests walking tens of cached blocks each).
-        packed, width, lookup = _packer(full)(*tokens[:full]), block_size * _INT64_BYTES, pool.lookup
+        tokens = self.token_ids
+        full = len(tokens) // block_size
         found: list[int] = []
-        parent = ROOT_KEY
-        for offset in range(0, full * _INT64_BYTES, width):
-            hit = lookup(parent + packed[offset : offset + width])
-            if hit is None:
-                break
-            block, parent = hit
-            found.append(block)
-            if len(found) > len(keys):
-                keys.append(parent)
-        return found
+        found_keys: list[bytes] = []
+        memo = pool.last_walk
+        if memo is not None and memo[0] == pool.evictions:  # its hits are all still cached
+            n = _common_blocks(tokens, memo[1], block_size, len(memo[2]))
+            found, found_keys = memo[2][:n], memo[3][:n]
+        first = len(found)
+        if first < full:
+            # The rest packed at once and sliced per block: a struct call per block was most of an
+            # admission step under shared prefixes.
+            rest = tokens[first * block_size : full * block_size]
+            packed, width, lookup = _packer(len(rest))(*rest), block_size * _INT64_BYTES, pool.lookup
+            parent = found_keys[-1] if found_keys else ROOT_KEY
+            for offset in range(0, len(packed), width):
+                hit = lookup(parent + packed[offset : offset + width])
+                if hit is None:
+                    break
+                block, parent = hit
+                found.append(block)
+                found_keys.append(parent)
+        pool.last_walk = (pool.evictions, tokens[: len(found) * block_size], found, found_keys)
+        keys = self.block_keys
+        if len(found_keys) > len(keys):
+            keys.extend(found_keys[len(keys):])
+        return list(found)
 
     def block_links(self, first: int, last: int, block_size: int) -> list[bytes]:
         """The links of full blocks ``first`` to ``last - 1``. Keys of blocks up to ``last - 1``

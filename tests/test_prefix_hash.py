@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import sys
 
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from test_scheduler_core import make, run_to_end
 from test_scheduler_policies import add_tokens
 
@@ -117,3 +119,59 @@ def test_a_prompt_is_not_served_the_kv_of_a_prompt_whose_old_keys_collide() -> N
     add_tokens(sched, 1, b + tokens_of(BS, start=9), max_tokens=2)
     assert run_to_end(sched, worker) == {1: "length"}
     assert sched.pool.hits == 0
+
+
+def _walk_without_memo(req: Request, pool: BlockPool) -> list[int]:
+    """The longest cached prefix found block by block from the root, as the walk was before it
+    kept a memo of the last one."""
+    found, parent, tokens = [], b"", req.token_ids
+    for start in range(0, len(tokens) - BS + 1, BS):
+        hit = pool.lookup(parent + b"".join(t.to_bytes(8, "little", signed=True) for t in tokens[start : start + BS]))
+        if hit is None:
+            break
+        found.append(hit[0])
+        parent = hit[1]
+    return found
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 6), st.integers(0, 2), st.integers(0, 2)),
+                min_size=1, max_size=40))
+# Walked, not admitted, its tail block evicted by another's allocation, walked again.
+@example([(0, 4, 0, 1), (0, 4, 0, 2), (0, 4, 0, 1)])
+def test_the_walk_remembered_from_the_last_prompt_finds_what_a_fresh_walk_finds(
+        ops: list[tuple[int, int, int, int]]) -> None:
+    """Prompts from a few shared prefixes, walked in turn, while blocks are registered, taken,
+    freed and evicted (a small pool, so allocation evicts cached blocks): every walk, which may
+    start from the previous prompt's hits, finds exactly the blocks a walk from the root finds.
+    A request may be walked and not admitted (no room), and other requests' blocks then evict
+    what it found: a memo kept past an eviction would hand out a block now holding other tokens."""
+    pool = BlockPool(6, enable_caching=True)
+    held: list[list[int]] = []
+
+    def make_room(n: int) -> None:
+        if not pool.can_allocate(n):  # (taking a free cached hit takes it off the free list too)
+            for blocks in held:
+                pool.free(blocks)
+            held.clear()
+
+    for prefix, length, tail, action in ops:
+        tokens = tokens_of(2 * BS, start=prefix)[: length * BS // 2] + tokens_of(BS, start=100 + tail)
+        req = request(tokens)
+        hit = req.cached_prefix(pool, BS)
+        assert hit == _walk_without_memo(req, pool)
+        assert req.block_keys[: len(hit)] == keys(tokens)[: len(hit)]
+        if action == 2:  # not admitted; another request's new blocks take the pool's free ones
+            make_room(4)
+            held.append(pool.allocate(4))
+            continue
+        full = len(tokens) // BS
+        make_room(full)
+        pool.take(hit)
+        blocks = hit + pool.allocate(full - len(hit))
+        for i, link in enumerate(req.block_links(len(hit), full, BS), len(hit)):
+            pool.register(blocks[i], link, req.block_keys[i])
+        if action == 0:
+            held.append(blocks)
+        else:
+            pool.free(blocks)
