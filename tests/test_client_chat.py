@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -42,8 +43,11 @@ def sluice(*args: str) -> subprocess.CompletedProcess[bytes]:
 
 
 def spawn_chat(server: SluiceServer | PacedServer, *flags: str) -> pexpect.spawn:
+    # Ctrl-C as a terminal gives it: a test run started in the background (SIGINT ignored, which
+    # children inherit) would otherwise spawn a chat that no Ctrl-C can reach.
     child = pexpect.spawn(sys.executable, ["-m", "frontend", "chat", "--url", server.url, *flags], cwd=str(REPO),
-                          encoding="utf-8", codec_errors="replace", timeout=30, dimensions=(40, 250))
+                          encoding="utf-8", codec_errors="replace", timeout=30, dimensions=(40, 250),
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     child.expect("> ")
     return child
 
