@@ -7,11 +7,18 @@ from FlashInfer's documented semantics (row b's pages in order, the last one hol
 ``last_page_len[b]`` tokens, queries aligned to the end of the context, causal, a window of
 ``window_left + 1`` positions), must attend exactly as the torch path (gather + SDPA) does, on
 shuffled tables with prefill chunks, decodes and spare blocks mixed, with and without a window.
+And what selection checks of an installed FlashInfer: that its wrappers' ``plan`` take the
+keywords ``build`` passes (read from stand-ins with each release's signature).
 """
 
 from __future__ import annotations
 
+import logging
 import random
+import sys
+import tomllib
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,3 +95,94 @@ def test_the_csr_layout_attends_as_the_torch_path(seed: int, window: int | None)
 def test_a_table_that_does_not_cover_the_tokens_is_refused() -> None:
     with pytest.raises(ValueError, match="do not cover"):
         PagedLayout.build(RowTables.from_lists([[3]]), [2], [5], 4)
+
+
+# ------------------------------------------------------------------ the installed FlashInfer's API
+# Stand-ins for FlashInfer's wrapper classes, each ``plan`` with the signature a release has (as
+# read from its sources; only the parameters up to those Sluice passes, and the bodies empty):
+# what selection reads is the signature alone, and FlashInfer does not run without a GPU.
+
+
+class _Decode020:  # 0.2.0 to 0.5: every option a named parameter
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+             pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
+             kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
+             non_blocking=False) -> None: ...
+
+
+class _Prefill020:  # 0.2.0: the head size is head_dim
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+             num_kv_heads, head_dim, page_size, custom_mask=None, packed_custom_mask=None, causal=False,
+             pos_encoding_mode="NONE", allow_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
+             logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
+             non_blocking=False) -> None: ...
+
+
+class _Prefill021:  # 0.2.1 on: head_dim_qk (and head_dim_vo, for MLA)
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+             num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None,
+             causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
+             logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
+             non_blocking=True) -> None: ...
+
+
+class _Decode06:  # 0.6 on: options after page_size reach _plan_impl through **kwargs
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+             *deprecated_positional_args, **kwargs) -> None: ...
+
+    def _plan_impl(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
+                   pos_encoding_mode="NONE", window_left=-1, window_right=0, logits_soft_cap=None,
+                   q_data_type="float16", kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None,
+                   rope_scale=None, rope_theta=None, non_blocking=True) -> None: ...
+
+
+class _Decode06WithoutScale(_Decode06):  # a release whose _plan_impl dropped a keyword Sluice passes
+    def _plan_impl(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
+                   window_left=-1, q_data_type="float16", kv_data_type=None) -> None: ...
+
+
+def _flashinfer(version: str, decode: type, prefill: type) -> types.SimpleNamespace:
+    return types.SimpleNamespace(__version__=version, BatchDecodeWithPagedKVCacheWrapper=decode,
+                                 BatchPrefillWithPagedKVCacheWrapper=prefill)
+
+
+def test_flashinfer_versions_whose_plan_takes_other_keywords_are_refused_in_one_line() -> None:
+    from worker.attention.flashinfer import SUPPORTED, Refused, api_mismatch, keywords_not_taken
+
+    assert api_mismatch(_flashinfer("0.2.1", _Decode020, _Prefill021)) is None
+    assert api_mismatch(_flashinfer("0.7.2", _Decode06, _Prefill021)) is None
+    old = api_mismatch(_flashinfer("0.2.0", _Decode020, _Prefill020))
+    assert isinstance(old, Refused) and "\n" not in old
+    assert "flashinfer 0.2.0" in old and "BatchPrefillWithPagedKVCacheWrapper.plan takes no head_dim_qk" in old
+    assert "Decode" not in old and SUPPORTED in old
+    dropped = api_mismatch(_flashinfer("0.9", _Decode06WithoutScale, _Prefill021))
+    assert dropped is not None and "BatchDecodeWithPagedKVCacheWrapper.plan takes no sm_scale" in dropped
+    assert "no BatchPrefillWithPagedKVCacheWrapper.plan" in str(api_mismatch(types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=_Decode020)))
+
+    class AnyKeyword:
+        def plan(self, *args, **kwargs) -> None: ...
+
+    assert keywords_not_taken(AnyKeyword, ["head_dim_qk"]) == []  # nothing to read: no refusal
+    # The range named in the refusal is the one pyproject's cuda extra (and so the image) installs.
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["cuda"] == [f"flashinfer-python{SUPPORTED}"]
+
+
+def test_a_refused_flashinfer_falls_back_to_the_torch_path_with_one_warning(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Selection on a "cuda" device reaches no CUDA call before the API check refuses: it runs here.
+    from worker.attention import select_backend
+
+    monkeypatch.setitem(sys.modules, "flashinfer", _flashinfer("0.2.0", _Decode020, _Prefill020))
+    with caplog.at_level(logging.INFO, logger="sluice.worker"):
+        backend = select_backend(torch.device("cuda"), torch.bfloat16, 8, 2, 64, 16)
+    assert isinstance(backend, SdpaBackend)
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "head_dim_qk" in record.getMessage() and "flashinfer 0.2.0" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sluice.worker"):  # a model it has no kernels for: a note
+        select_backend(torch.device("cuda"), torch.float32, 8, 2, 64, 16)
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO and "float32" in record.getMessage()

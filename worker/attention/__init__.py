@@ -8,7 +8,8 @@
   decode and prefill kernels.
 
 ``select_backend`` picks one at start-up from what each supports and logs which runs and why the
-better ones do not.
+better ones do not: a note where the model is outside what a backend has kernels for, a warning
+where an installed FlashInfer is a version whose API Sluice does not call as it expects.
 """
 
 from __future__ import annotations
@@ -33,14 +34,17 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
     where it builds and supports the model. Elsewhere, and as the fallback: ``sdpa``."""
     backend: AttentionBackend | None = None
     why_not = ""
+    level = logging.INFO
     if device.type == "cuda":
-        from worker.attention.flashinfer import (
-            FlashInferBackend,  # imports nothing of flashinfer's until asked
+        from worker.attention.flashinfer import (  # imports nothing of flashinfer's until asked
+            FlashInferBackend,
+            Refused,
         )
 
         made = FlashInferBackend.create(device, dtype, num_heads, num_kv_heads, head_dim, sliding_window)
         if isinstance(made, str):
             why_not = made
+            level = logging.WARNING if isinstance(made, Refused) else logging.INFO
         else:
             backend = made
     elif device.type == "cpu":
@@ -53,7 +57,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
     if backend is None:
         backend = SdpaBackend(device, sliding_window)
         if why_not:
-            log.info("attention backend: %s, because %s", backend.name, why_not)
+            log.log(level, "attention backend: %s, because %s", backend.name, why_not)
             return backend
     log.info("attention backend: %s", backend.name)
     return backend

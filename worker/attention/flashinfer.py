@@ -19,19 +19,30 @@ bfloat16: no float32 kernels), head sizes 64, 128 and 256, and the decode kernel
 (``use_tensor_cores``), as vLLM does. Anything else falls back to the torch backend, and the log
 says why.
 
+The installed FlashInfer is checked at selection too (``api_mismatch``): every keyword ``build``
+passes to each wrapper's ``plan`` must be one that ``plan`` takes, read with
+``inspect.signature``. FlashInfer 0.2.0 calls the prefill head size ``head_dim`` where 0.2.1 and
+later call it ``head_dim_qk``; such a version is refused with one warning naming the keyword
+and the range Sluice is written for (``SUPPORTED``, pinned as the ``cuda`` extra of
+``pyproject.toml`` and in the image), and attention falls back to the torch path, instead of a
+``TypeError`` in the first request's step.
+
 ``plan`` copies its host-built page table through a pinned buffer with an asynchronous copy. A
 wrapper planned again before that copy has landed would overwrite it mid-transfer (the race of
 vLLM #40756 and mini-sglang #103), so two sets of wrappers take turns, step by step, and a set
 is planned again only once the event recorded after its last ``plan`` has completed.
 
-Written against FlashInfer's documented wrapper API (``plan``/``run``, 0.2 and later); no GPU
-was available where it was written, so the CUDA selection logs which backend runs and the torch
-path (gather + SDPA) remains the fallback whenever flashinfer is missing.
+Written against FlashInfer's wrapper API (``plan``/``run``) as 0.2.1 to 0.7.2 define it, read
+from their sources; no GPU was available where it was written, so the CUDA selection logs which
+backend runs and the torch path (gather + SDPA) remains the fallback whenever flashinfer is
+missing or refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -44,6 +55,19 @@ WORKSPACE_BYTES = 128 << 20
 HEAD_SIZES = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
 CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 8)  # GQA groups the decode kernel has without tensor cores
+SUPPORTED = ">=0.2.1,<0.8"  # flashinfer-python versions whose plan() takes what build passes (pyproject's cuda extra)
+# The keywords ``build`` passes to each wrapper's ``plan``, beside the positional CSR tensors.
+_COMMON_PLAN_KEYWORDS = ("num_qo_heads", "num_kv_heads", "page_size", "window_left", "q_data_type", "kv_data_type",
+                         "sm_scale")
+DECODE_PLAN_KEYWORDS = (*_COMMON_PLAN_KEYWORDS, "head_dim")
+PREFILL_PLAN_KEYWORDS = (*_COMMON_PLAN_KEYWORDS, "head_dim_qk", "causal")
+
+
+class Refused(str):
+    """Why an installed FlashInfer is not used (its API is not the one ``build`` calls): worth a
+    warning in the selection log, where a model FlashInfer has no kernels for is a note."""
+
+    __slots__ = ()
 
 
 def unsupported(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
@@ -55,6 +79,42 @@ def unsupported(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim:
     if num_heads % num_kv_heads:
         return f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads"
     return None
+
+
+def keywords_not_taken(wrapper: Any, keywords: Iterable[str]) -> list[str]:
+    """The ``keywords`` that ``wrapper.plan`` would not take by name. A ``plan`` that hands
+    ``**kwargs`` on to ``_plan_impl`` (the decode wrapper's since FlashInfer 0.6) is judged by
+    that method's parameters; one with ``**kwargs`` and no ``_plan_impl`` takes any keyword."""
+    params = inspect.signature(wrapper.plan).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        impl = getattr(wrapper, "_plan_impl", None)
+        if impl is None:
+            return []
+        params = inspect.signature(impl).parameters
+    named = {name for name, p in params.items()
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return [k for k in keywords if k not in named]
+
+
+def api_mismatch(flashinfer: Any) -> Refused | None:
+    """Why this ``flashinfer`` module's wrappers cannot be planned as ``build`` plans them, in one
+    line naming its version, each missing keyword and the supported range; None when they can."""
+    wrappers = (("BatchDecodeWithPagedKVCacheWrapper", DECODE_PLAN_KEYWORDS),
+                ("BatchPrefillWithPagedKVCacheWrapper", PREFILL_PLAN_KEYWORDS))
+    problems = []
+    for name, keywords in wrappers:
+        cls = getattr(flashinfer, name, None)
+        if cls is None or not callable(getattr(cls, "plan", None)):
+            problems.append(f"it has no {name}.plan")
+            continue
+        missing = keywords_not_taken(cls, keywords)
+        if missing:
+            problems.append(f"{name}.plan takes no {', '.join(missing)}")
+    if not problems:
+        return None
+    version = getattr(flashinfer, "__version__", "of unknown version")
+    return Refused(f"flashinfer {version} is not a version Sluice is written for ({'; '.join(problems)}): "
+                   f"pip install 'flashinfer-python{SUPPORTED}'")
 
 
 @dataclasses.dataclass
@@ -128,14 +188,18 @@ class FlashInferBackend(AttentionBackend):
     @classmethod
     def create(cls, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                sliding_window: int | None) -> FlashInferBackend | str:
-        """The backend, or why not (flashinfer not installed, or the model outside what it supports)."""
+        """The backend, or why not: flashinfer not installed, a version whose ``plan`` takes other
+        keywords (a ``Refused``), or the model outside what it supports."""
         why = unsupported(dtype, num_heads, num_kv_heads, head_dim)
         if why is not None:
             return why
         try:
             import flashinfer
         except ImportError:
-            return "flashinfer is not installed (pip install flashinfer-python for paged kernels)"
+            return f"flashinfer is not installed (pip install 'flashinfer-python{SUPPORTED}' for paged kernels)"
+        refused = api_mismatch(flashinfer)
+        if refused is not None:
+            return refused
         return cls(flashinfer, device, dtype, num_heads, num_kv_heads, head_dim, sliding_window)
 
     def _next_set(self) -> _Wrappers:
