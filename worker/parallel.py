@@ -18,14 +18,19 @@ What crosses the group:
   ``KEEPALIVE_S``, so a peer's collective never waits long for nothing and a rank that died
   is noticed within a second.
 
-A peer that exits breaks the group: the next collective raises on every other rank, whose worker
-then fails like a crashed one (``sluice serve`` restarts the whole group). A peer that hangs is
-the scheduler's to find: its plan in flight makes no progress (``scheduler.workers.PlanClock``,
-seconds for a decode step), and it kills every rank of the group. The collectives' own timeout is
-the backstop where it cannot (ranks on other machines): ``STARTUP_COLLECTIVE_TIMEOUT_S`` while the
-ranks load, then ``COLLECTIVE_TIMEOUT_S`` once the group serves (``serving``). On CUDA, NCCL's
-watchdog tears the process down when a collective passes it (``TORCH_NCCL_ASYNC_ERROR_HANDLING``
-1), so a hung NCCL wait ends the process instead of leaving its stream stuck forever.
+A peer that exits breaks the group. Over gloo the next collective raises on every other rank
+(its sockets close), whose worker then fails like a crashed one (``sluice serve`` restarts the
+whole group). NCCL never raises on a lost peer: a collective that waits for a dead rank spins on
+the device, and the host blocks at its next wait for the step's ids. What ends that is NCCL's
+watchdog: with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 1 it aborts the communicator and tears the
+process down once a collective has waited longer than its timeout, so the collectives' timeout is
+how long a dead peer goes unnoticed. It is ``STARTUP_COLLECTIVE_TIMEOUT_S`` while the ranks load
+(each reads its own shard at its own pace), then, once the group serves (``serving``),
+``NCCL_COLLECTIVE_TIMEOUT_S`` for the NCCL group and ``COLLECTIVE_TIMEOUT_S`` for gloo's, which
+raises at once on a closed peer and times out only on a hung one. A peer that hangs is also the
+scheduler's to find: its plan in flight makes no progress (``scheduler.workers.PlanClock``,
+seconds for a decode step), and it kills every rank of the group; the timeouts are the backstop
+where it cannot (ranks on other machines).
 """
 
 from __future__ import annotations
@@ -57,9 +62,16 @@ STARTUP_COLLECTIVE_TIMEOUT_S = 300.0
 # KEEPALIVE_S while idle). Seconds at most; six times the scheduler's 5 s hang floor, so the
 # scheduler, which kills the whole group at once, normally acts first.
 COLLECTIVE_TIMEOUT_S = 30.0
+# NCCL's timeout runs from when the host enqueues a collective to when the device completes it,
+# so it also covers the device's queue ahead of it: at most about two steps, as the host runs one
+# step ahead (the warm-up compiled the attention kernels, so no step compiles while serving).
+# Ten seconds is many times a step and short enough that a rank that died is noticed in seconds:
+# NCCL has no other way to notice one on the same machine.
+NCCL_COLLECTIVE_TIMEOUT_S = 10.0
 # NCCL: a collective past its timeout has the watchdog abort the communicator and end the process
 # ("tear down"): the scheduler sees the rank's link drop and the group is restarted. (0 would
-# leave the stream stuck on the device; blocking wait would make every all-reduce wait on the host.)
+# leave the stream stuck on the device; blocking wait would make every all-reduce wait on the host;
+# torch's default, 3, tears down without aborting the communicator first.)
 NCCL_ASYNC_ERROR_HANDLING = "1"
 
 
@@ -135,15 +147,20 @@ class TensorParallelGroup:
 
     def serving(self) -> None:
         """Loaded and warmed up, about to serve: collectives get their short timeout from now on
-        (``COLLECTIVE_TIMEOUT_S``)."""
-        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-        for group in {id(self.control): self.control, id(self.tensors): self.tensors}.values():
+        (``NCCL_COLLECTIVE_TIMEOUT_S`` for the NCCL group, ``COLLECTIVE_TIMEOUT_S`` for gloo's)."""
+        for group, seconds in self.serving_timeouts():
             setter = getattr(group, "set_timeout", None) or getattr(group, "_set_default_timeout", None)
             if setter is None:
                 log.warning("tensor-parallel rank %d: %s has no way to shorten its collectives' timeout; it stays "
                             "%g s", self.rank, type(group).__name__, STARTUP_COLLECTIVE_TIMEOUT_S)
                 continue
-            setter(timeout)
+            setter(datetime.timedelta(seconds=seconds))
+
+    def serving_timeouts(self) -> list[tuple[Any, float]]:
+        """Each process group once, with the timeout its collectives get once the group serves."""
+        if self.tensors is self.control:
+            return [(self.control, COLLECTIVE_TIMEOUT_S)]
+        return [(self.control, COLLECTIVE_TIMEOUT_S), (self.tensors, NCCL_COLLECTIVE_TIMEOUT_S)]
 
     # ------------------------------------------------------------------ the model's collectives
 
