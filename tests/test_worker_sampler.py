@@ -1,12 +1,14 @@
 """The sampler alone, on hand-made logits: greedy, top-k, top-p, temperature, seeds,
-min_tokens, and logprobs."""
+min_tokens, and logprobs; penalties' counts and seeded draws made for the whole batch at once."""
 
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from protocol.messages import SamplingParams
 from worker.sampler import Sampler, SamplingRow, seed_for
@@ -240,7 +242,7 @@ def test_running_counts_equal_a_rebuild_from_the_history() -> None:
         out = s(logits, [*rows, plain]).token_ids.tolist()
         for rid, token in zip(histories, out, strict=False):
             histories[rid].append(token)
-    assert set(s.counts) == {10, 11}
+    assert set(s.counts.rows) == {10, 11}
 
 
 def test_what_only_some_rows_need_travels_in_the_steps_staged_copy() -> None:
@@ -255,14 +257,16 @@ def test_what_only_some_rows_need_travels_in_the_steps_staged_copy() -> None:
     step = s.prepare(batch)
     assert step.filtered is not None and step.filtered.tolist() == [1]
     assert step.history_ids is not None and step.history_ids.tolist() == history
-    assert step.history_spans == {2: (0, len(history), 3)}
+    assert step.history_weights is not None and step.history_weights.tolist() == [0, 0, 0, 1, 1]  # outputs count
+    assert step.fill_rows is not None and step.history_rows is not None and step.count_rows is not None
+    assert step.history_rows.tolist() == step.fill_rows.tolist() * len(history) and step.fill_rids == [7]
     moved = step.tensors()
     assert any(t is step.filtered for t in moved) and any(t is step.history_ids for t in moved)
     logits = random_logits(3, 40)
     first = s(logits, step.moved([t.clone() for t in moved]))
     assert first.token_ids[0] == logits[0].argmax()
     again = s.prepare(batch)  # the history now lives on the device: nothing to send
-    assert again.history_ids is None and again.history_spans == {}
+    assert again.history_ids is None and again.fill_rows is None and again.count_rows is not None
     assert torch.equal(s(logits, again.moved(again.tensors())).token_ids[2], first.token_ids[2])
 
 
@@ -283,3 +287,128 @@ def test_sampling_a_mixed_step_on_cuda_makes_no_synchronizing_call() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.token_ids.shape == (3,)
+
+
+# ------------------------------------------------------------------------------------ batched per-step work
+
+
+def _per_row_counts(history: list[int], num_prompt: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's counts as they were built a row at a time: outputs counted, all ids seen."""
+    counts = torch.zeros(vocab)
+    outputs = torch.tensor(history[num_prompt:], dtype=torch.long)
+    counts.index_add_(0, outputs, torch.ones(len(outputs)))
+    seen = torch.zeros(vocab, dtype=torch.bool)
+    seen[torch.tensor(history, dtype=torch.long)] = True
+    return counts, seen
+
+
+def test_the_count_table_equals_counts_built_row_by_row() -> None:
+    """Twenty requests' histories scattered into the table at once (more rows than it starts
+    with, so it grows), bumped a token each for a few steps, some released and their rows handed
+    to new requests: every row reads as its request's counts built alone."""
+    from worker.token_counts import TokenCounts
+
+    vocab, gen = 50, random.Random(4)
+    table = TokenCounts(CPU)
+    histories = {rid: ([gen.randrange(vocab) for _ in range(gen.randrange(1, 30))], 0) for rid in range(20)}
+    histories = {rid: (h, gen.randrange(len(h) + 1)) for rid, (h, _) in histories.items()}
+    for step in range(6):
+        if step == 3:  # two requests stop; two new ones take their rows
+            for rid in (4, 11):
+                table.release(rid)
+                del histories[rid]
+            histories |= {20: ([1, 2, 2, 3], 1), 21: ([7] * 9, 9)}
+        rids = sorted(histories)
+        fills = [(rid, *table.assign(rid)) for rid in rids]
+        new = [(rid, row) for rid, row, fill in fills if fill]
+        if new:
+            ids = [t for rid, _ in new for t in histories[rid][0]]
+            id_rows = [row for rid, row in new for _ in histories[rid][0]]
+            weights = [float(i >= histories[rid][1]) for rid, _ in new for i in range(len(histories[rid][0]))]
+            table.fill(torch.tensor([row for _, row in new]), torch.tensor(ids), torch.tensor(id_rows),
+                       torch.tensor(weights), vocab)
+            table.filled([rid for rid, _ in new])
+        rows = torch.tensor([row for _, row, _ in fills])
+        counts, seen = table.read(rows, vocab)
+        for i, rid in enumerate(rids):
+            want_counts, want_seen = _per_row_counts(*histories[rid], vocab)
+            assert torch.equal(counts[i], want_counts) and torch.equal(seen[i], want_seen), (step, rid)
+        tokens = [gen.randrange(vocab) for _ in rids]
+        table.bump(rows, torch.tensor(tokens), vocab)
+        for rid, token in zip(rids, tokens, strict=True):
+            histories[rid][0].append(token)
+    assert table.used <= 22 and sorted(table.rows) == sorted(histories)
+
+
+def test_a_seeded_rows_draw_is_its_own_alone_or_in_any_batch() -> None:
+    """The uniform that samples a seeded row is a function of (seed, output index) alone: the
+    same alone, at another position of a batch of seeded and unseeded rows, and from a sampler
+    with another generator; over many (seed, index) pairs the draws are uniform on [0, 1)."""
+    from worker.sampler import seeded_uniform
+
+    row = SamplingRow(SamplingParams(temperature=1.0, seed=42), 7)
+    alone = sampler(seed=0)._uniforms(sampler().prepare([row]))
+    mixed = [SamplingRow(SamplingParams(temperature=1.0), 3), SamplingRow(SamplingParams(temperature=0.7, seed=5), 0),
+             row, SamplingRow(SamplingParams(temperature=1.0, seed=42), 8)]
+    batched = sampler(seed=99)._uniforms(sampler().prepare(mixed))
+    assert batched[2] == alone[0] == seeded_uniform(42, 7)
+    assert batched[3] == seeded_uniform(42, 8) != batched[2]
+    draws = torch.tensor([seeded_uniform(s, i) for s in range(100) for i in range(100)])
+    assert draws.min() >= 0.0 and draws.max() < 1.0
+    counts = torch.histc(draws, bins=10, min=0.0, max=1.0)
+    assert counts.min() > 900 and counts.max() < 1100  # 1,000 expected per tenth
+
+
+class _OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_steps_operators_do_not_grow_with_its_penalised_and_seeded_rows() -> None:
+    """Counting tokens and drawing seeded rows' uniforms are one set of operators for the whole
+    batch: a step of 48 penalised, seeded rows runs as many torch operators as one of 3."""
+
+    def ops(n: int) -> int:
+        s = sampler()
+        p = SamplingParams(temperature=0.9, seed=3, frequency_penalty=0.4, repetition_penalty=1.1)
+        batch = [SamplingRow(p, 2, [5, 6, 7, 8 + i], 2, rid=i) for i in range(n)]
+        logits = random_logits(n, 64)
+        s(logits, s.prepare(batch))  # the first step fills the histories
+        step = s.prepare([SamplingRow(p, 3, (), 2, rid=i) for i in range(n)])
+        with _OpCount() as counter:
+            s(logits, step)
+        return counter.ops
+
+    assert ops(48) == ops(3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_seeded_rows_ignore_the_batch_and_counts_match_the_cpu() -> None:
+    cuda = torch.device("cuda")
+    logits = random_logits(5, 300, seed=8)
+    seeded = SamplingParams(temperature=1.0, seed=1234, top_p=0.95, frequency_penalty=0.5)
+    noise = [SamplingRow(SamplingParams(temperature=1.0), 0), SamplingRow(SamplingParams(temperature=0.8, seed=9), 4),
+             SamplingRow(SamplingParams(temperature=0.0, presence_penalty=0.3), 1, [3, 3, 4], 2, rid=50),
+             SamplingRow(SamplingParams(temperature=1.2), 2)]
+    history = [1, 2, 3, 2]
+    for index in range(8):
+        row = SamplingRow(seeded, index, history, 2, rid=7)
+        alone = Sampler(cuda, [EOS], seed=0)
+        batched = Sampler(cuda, [EOS], seed=1)
+        on_cpu = Sampler(CPU, [EOS], seed=2)
+        got_alone = alone(logits[2:3].to(cuda), [row]).token_ids.cpu()
+        got_batched = batched(logits.to(cuda), [*noise[:2], row, *noise[2:]]).token_ids.cpu()
+        assert got_batched[2] == got_alone[0]
+        # The same uniform on both devices: the same token wherever the CDFs agree (they may
+        # round differently at a boundary, so the draw is compared, not the token).
+        step = alone.prepare([row])
+        on_device = alone._uniforms(step.moved([t.to(cuda) for t in step.tensors()]))
+        assert torch.equal(on_device.cpu(), on_cpu._uniforms(on_cpu.prepare([row])))
+        counts, seen = alone.counts.read(torch.tensor([alone.counts.rows[7]], device=cuda), 300)
+        want_counts, want_seen = _per_row_counts([*history, int(got_alone[0])], 2, 300)
+        assert torch.equal(counts[0].cpu(), want_counts) and torch.equal(seen[0].cpu(), want_seen)

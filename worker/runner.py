@@ -371,10 +371,14 @@ class ModelRunner:
         if self.threads is not None:
             self.threads.apply(sum(batch.lengths))
         tables, params = self.batch.gather([s.rid for s in batch.seqs], [s.rid for s in batch.samplers])
+        group = self.model.group
+        # Under tensor parallelism rank 0 alone samples: the others prepare nothing of it (no
+        # grammar masks, no penalty histories) and take its ids.
+        samples_here = group is None or group.rank == 0
         sampling = self.sampler.prepare([
             SamplingRow(s.sampling, s.num_sampled, s.token_ids, s.num_prompt_tokens, s.rid, s.grammar)
             if s.sampling.reads_history else SamplingRow(s.sampling, s.num_sampled, grammar=s.grammar)
-            for s in batch.samplers], params) if batch.samplers else None
+            for s in batch.samplers], params) if batch.samplers and samples_here else None
         ids = batch.host_ids if batch.host_ids is not None else batch.keep
         host = ([ids] if ids is not None else []) + (sampling.tensors() if sampling is not None else [])
         prompt = batch.prompt
@@ -399,15 +403,15 @@ class ModelRunner:
             num_samplers = len(batch.samplers)
             _score_prompt(prompt, logits[num_samplers:])
             logits = logits[:num_samplers]
-        if sampling is None:
+        if not batch.samplers:
             return None
-        group = self.model.group
         if group is None:
-            assert logits is not None
+            assert logits is not None and sampling is not None
             return self.sampler(logits, sampling.moved(moved))
         # Tensor parallel: rank 0 samples (it alone has the logits) and hands every rank the ids,
         # the next step's input; the others need no logprobs, they send nothing.
         if logits is not None:
+            assert sampling is not None
             out = self.sampler(logits, sampling.moved(moved))
         else:
             out = SamplerOutput(torch.empty(len(batch.samplers), dtype=torch.long, device=self.device), None)

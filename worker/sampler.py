@@ -5,9 +5,10 @@ In order, on the raw logits: ``logit_bias`` is added; EOS and stop ids are banne
 ``min_tokens``; the repetition penalty divides positive (multiplies negative) logits of tokens
 seen in the prompt or the output (vLLM's rule), then the frequency and presence penalties
 subtract per occurrence / once for tokens of the output (OpenAI's). A request's counts are kept
-on the device from its first penalised step on (``TokenCounts``) and bumped with each token it
-samples, on the device too: a step costs the same at output 1,000 as at output 1, and the host
-need not know a sampled id before the next step samples. Greedy rows take the argmax
+on the device from its first penalised step on, a row of one table for every penalised request
+(``worker.token_counts``), and bumped with each token it samples, every row in one operation: a
+step costs the same at output 1,000 as at output 1, and the host need not know a sampled id
+before the next step samples. Greedy rows take the argmax
 of that; random rows divide by the temperature, keep their top-k / top-p nucleus and the tokens
 at least ``min_p`` times as likely as the most likely one, and sample. Every step is batched;
 rows that use none of an option cost it nothing, and a batch where nobody does skips it whole.
@@ -15,9 +16,12 @@ rows that use none of an option cost it nothing, and a batch where nobody does s
 Random rows sample by inverting their distribution's cumulative sum at one uniform draw per row
 (``searchsorted``): exact, and one random number per row instead of one per vocabulary entry
 (the exponential race drawn before this took 45 of 60 ms per step at 64 rows of SmolLM2's 49k
-vocabulary, more than the forward pass). A seeded request draws its uniform from a generator
-seeded by a mix of ``(seed, output index)``, so its tokens do not depend on what else is in the
-batch, nor on whether its state was rebuilt after a preemption. Unseeded rows share one
+vocabulary, more than the forward pass). A seeded request's uniform is a counter-based draw:
+the top 24 bits of a hash of ``(seed, output index)`` (``seeded_uniform``), computed on the host
+when the step is prepared and sent in its staged copy, every seeded row's put in place with one
+``index_copy_``. Its tokens therefore depend on nothing but its seed, its position and its
+logits: not on what else is in the batch, nor on whether its state was rebuilt after a
+preemption, nor on the device (the CPU and CUDA draw the same numbers). Unseeded rows share one
 generator.
 
 Logprobs are those of the model's own distribution (log-softmax of the raw logits, before
@@ -36,6 +40,7 @@ import torch
 
 from protocol.messages import SamplingParams
 from worker.structured import GrammarEngine, GrammarState, apply_masks
+from worker.token_counts import TokenCounts
 
 GREEDY_BELOW = 1e-5  # temperatures this small are treated as 0: dividing by them overflows
 _MASK64 = (1 << 64) - 1
@@ -52,6 +57,13 @@ def seed_for(seed: int, output_index: int) -> int:
     return (z ^ (z >> 31)) >> 1  # 63 bits: what every torch generator accepts
 
 
+def seeded_uniform(seed: int, output_index: int) -> float:
+    """The U[0, 1) draw that samples output ``output_index`` of a request seeded with ``seed``:
+    the top 24 bits of ``seed_for``, a multiple of 2**-24 (exact in float32, as torch's own
+    float32 uniforms are)."""
+    return (seed_for(seed, output_index) >> 39) * 2.0**-24
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingRow:
     params: SamplingParams
@@ -62,25 +74,6 @@ class SamplingRow:
     num_prompt_tokens: int = 0
     rid: int | None = None  # set: the sampler keeps this request's counts between steps
     grammar: GrammarState | None = None  # structured output: the matcher that masks its logits
-
-
-@dataclasses.dataclass
-class TokenCounts:
-    """What the penalties read of one request's history, on the device."""
-
-    output_counts: torch.Tensor  # [V] float: occurrences of each token among the outputs
-    seen: torch.Tensor  # [V] bool: in the prompt or the outputs
-
-    @classmethod
-    def of(cls, ids: torch.Tensor, num_prompt_tokens: int, vocab: int) -> TokenCounts:
-        """From a request's prompt and outputs ``ids`` (on the device)."""
-        device = ids.device
-        outputs = ids[num_prompt_tokens:]
-        counts = torch.zeros(vocab, device=device)
-        counts.index_add_(0, outputs, torch.ones_like(outputs, dtype=counts.dtype))
-        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-        seen[ids] = True
-        return cls(counts, seen)
 
 
 @dataclasses.dataclass
@@ -148,14 +141,23 @@ class StepSampling:
     bias_values: torch.Tensor | None = None
     banned_rows: torch.Tensor | None = None  # (row, token) pairs banned by min_tokens
     banned_tokens: torch.Tensor | None = None
-    unseeded: torch.Tensor | None = None  # random rows without a seed, when seeded ones are present
+    seeded: torch.Tensor | None = None  # rows with a seed
+    seed_uniforms: torch.Tensor | None = None  # [S] float32: their draws (``seeded_uniform``)
     constrained: torch.Tensor | None = None  # rows held to a grammar
     grammar_masks: torch.Tensor | None = None  # [R, ceil(V / 32)] int32: their allowed tokens, a bit each
     filtered: torch.Tensor | None = None  # rows with top-k or top-p, when some rows have neither
-    # Penalised rows whose history the sampler does not keep yet: their prompt and outputs, one
-    # after the other, and where each lies (row -> start, length, prompt length; on the host).
+    # Penalties (``worker.token_counts``): the table row of each penalised row; which of them
+    # are kept between steps (positions in ``penalised``; None: all); the rows filled this step
+    # from their histories, which are their prompts and outputs one after the other, each id's
+    # row, and 1.0 for an output (counted) or 0.0 for a prompt token (only seen).
+    count_rows: torch.Tensor | None = None
+    count_kept: torch.Tensor | None = None
+    fill_rows: torch.Tensor | None = None
     history_ids: torch.Tensor | None = None
-    history_spans: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    history_rows: torch.Tensor | None = None
+    history_weights: torch.Tensor | None = None
+    fill_rids: list[int] = dataclasses.field(default_factory=list)  # host: kept rows filled this step
+    transient_rows: list[int] = dataclasses.field(default_factory=list)  # host: released once read
 
     @classmethod
     def build(cls, rows: list[SamplingRow], eos_token_ids: tuple[int, ...], params: torch.Tensor | None = None,
@@ -182,9 +184,10 @@ class StepSampling:
                   for token in (*r.params.stop_token_ids, *(() if r.params.ignore_eos else eos_token_ids))]
         if banned:
             step.banned_rows, step.banned_tokens = _index([b[0] for b in banned]), _index([b[1] for b in banned])
-        seeded = [r.params.seed is not None for r in rows]
-        if any(seeded):
-            step.unseeded = _index([i for i, s in enumerate(seeded) if not s])
+        seeded = [(i, r.params.seed, r.num_outputs) for i, r in enumerate(rows) if r.params.seed is not None]
+        if seeded:
+            step.seeded = _index([i for i, _, _ in seeded])
+            step.seed_uniforms = torch.tensor([seeded_uniform(seed, n) for _, seed, n in seeded], dtype=torch.float32)
         filtered = [i for i, r in enumerate(rows) if _filters(r.params.top_k, r.params.top_p)]
         if filtered and len(filtered) < len(rows):
             step.filtered = _index(filtered)
@@ -217,7 +220,7 @@ class Sampler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.grammars = grammars
         self.generator = torch.Generator(device=device)
-        self.counts: dict[int, TokenCounts] = {}  # by rid: penalised requests seen so far
+        self.counts = TokenCounts(device)  # penalised requests' histories, a row each
         if seed is None:
             self.generator.seed()
         else:
@@ -226,14 +229,42 @@ class Sampler:
     def prepare(self, rows: list[SamplingRow], params: torch.Tensor | None = None) -> StepSampling:
         """The host half of sampling ``rows`` (see ``StepSampling``); move it, then call."""
         step = StepSampling.build(rows, self.eos_token_ids, params, self.grammars)
-        new = [i for i, r in enumerate(rows) if r.params.reads_history and (r.rid is None or r.rid not in self.counts)]
-        if new:  # their histories reach the device in the step's staged copy, not a transfer of their own
-            ids: list[int] = []
-            for i in new:
-                step.history_spans[i] = (len(ids), len(rows[i].token_ids), rows[i].num_prompt_tokens)
-                ids.extend(rows[i].token_ids)
-            step.history_ids = _index(ids)
+        if step.penalised is not None:
+            self._prepare_counts(step)
         return step
+
+    def _prepare_counts(self, step: StepSampling) -> None:
+        """Each penalised row's table row; a new row's history goes to the device in the step's
+        staged copy, not in a transfer of its own."""
+        count_rows: list[int] = []
+        kept: list[int] = []
+        fill_rows: list[int] = []
+        ids: list[int] = []
+        id_rows: list[int] = []
+        weights: list[float] = []
+        for j, row in enumerate(r for r in step.rows if r.params.reads_history):
+            table_row, fill = self.counts.assign(row.rid)
+            count_rows.append(table_row)
+            if row.rid is None:
+                step.transient_rows.append(table_row)
+            else:
+                kept.append(j)
+            if fill:
+                if row.rid is not None:
+                    step.fill_rids.append(row.rid)
+                fill_rows.append(table_row)
+                ids.extend(row.token_ids)
+                id_rows.extend([table_row] * len(row.token_ids))
+                outputs = len(row.token_ids) - row.num_prompt_tokens
+                weights.extend([0.0] * row.num_prompt_tokens + [1.0] * outputs)
+        step.count_rows = _index(count_rows)
+        if len(kept) < len(count_rows):
+            step.count_kept = _index(kept)
+        if fill_rows:
+            step.fill_rows = _index(fill_rows)
+        if ids:
+            step.history_ids, step.history_rows = _index(ids), _index(id_rows)
+            step.history_weights = torch.tensor(weights, dtype=torch.float32)
 
     def __call__(self, logits: torch.Tensor, step: StepSampling | list[SamplingRow]) -> SamplerOutput:
         """One token per row of ``logits`` [B, V] (float32; not modified). ``step``: prepared and
@@ -256,7 +287,7 @@ class Sampler:
             token_ids = self._sample_random(logits, step)
             if step.greedy is not None:
                 token_ids = torch.where(step.greedy, logits.argmax(dim=-1), token_ids)
-        self._count(rows, token_ids)
+        self._count(step, token_ids, logits.shape[-1])
         logprobs = None
         if raw_logprobs is not None:
             assert step.wanted is not None
@@ -267,27 +298,19 @@ class Sampler:
 
     def forget(self, rid: int) -> None:
         """Drop a request's counts (it stopped, or will be sent again from its tokens)."""
-        self.counts.pop(rid, None)
+        self.counts.release(rid)
 
-    def _history(self, i: int, step: StepSampling, vocab: int) -> TokenCounts:
-        row = step.rows[i]
-        counts = self.counts.get(row.rid) if row.rid is not None else None
-        if counts is None:
-            assert step.history_ids is not None
-            start, length, prompt = step.history_spans[i]
-            counts = TokenCounts.of(step.history_ids[start : start + length], prompt, vocab)
-            if row.rid is not None:
-                self.counts[row.rid] = counts
-        return counts
-
-    def _count(self, rows: list[SamplingRow], token_ids: torch.Tensor) -> None:
-        """Each kept history takes the token its row just sampled, without leaving the device."""
-        for i, row in enumerate(rows):
-            kept = self.counts.get(row.rid) if row.rid is not None else None
-            if kept is not None:
-                token = token_ids[i : i + 1]
-                kept.output_counts.index_add_(0, token, torch.ones(1, device=token_ids.device))
-                kept.seen[token] = True
+    def _count(self, step: StepSampling, token_ids: torch.Tensor, vocab: int) -> None:
+        """Each kept history takes the token its row just sampled, without leaving the device:
+        one scatter for every row."""
+        if step.penalised is None or step.count_rows is None:
+            return
+        rows, penalised = step.count_rows, step.penalised
+        if step.count_kept is not None:
+            if not step.count_kept.numel():
+                return
+            rows, penalised = rows[step.count_kept], penalised[step.count_kept]
+        self.counts.bump(rows, token_ids[penalised], vocab)
 
     def _add_bias(self, logits: torch.Tensor, step: StepSampling) -> torch.Tensor:
         if step.bias_rows is None:
@@ -299,10 +322,14 @@ class Sampler:
     def _penalize(self, logits: torch.Tensor, step: StepSampling) -> torch.Tensor:
         if step.penalised is None:
             return logits
+        assert step.count_rows is not None
         vocab = logits.shape[-1]
-        histories = [self._history(i, step, vocab) for i, r in enumerate(step.rows) if r.params.reads_history]
-        counts = torch.stack([h.output_counts for h in histories])  # [R, V]
-        seen = torch.stack([h.seen for h in histories])
+        if step.fill_rows is not None:
+            self.counts.fill(step.fill_rows, step.history_ids, step.history_rows, step.history_weights, vocab)
+            self.counts.filled(step.fill_rids)
+        counts, seen = self.counts.read(step.count_rows, vocab)  # [R, V]
+        self.counts.release_rows(step.transient_rows)  # read: later kernels may reuse them
+        step.transient_rows.clear()  # (a list the prepared step and its moved copy share)
         rep, freq, pres = (step.column(name)[step.penalised][:, None]
                            for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
         picked = logits[step.penalised]
@@ -335,15 +362,12 @@ class Sampler:
         return _invert_cdf(probs, self._uniforms(step))
 
     def _uniforms(self, step: StepSampling) -> torch.Tensor:
-        """One U[0, 1) draw per row: a seeded row's from its own (seed, output index) generator."""
-        rows = step.rows
-        u = torch.rand(len(rows), device=self.device, generator=self.generator)
-        if step.unseeded is not None:
-            for i, row in enumerate(rows):
-                if row.params.seed is not None:
-                    g = torch.Generator(device=self.device)
-                    g.manual_seed(seed_for(row.params.seed, row.num_outputs))
-                    u[i] = torch.rand(1, device=self.device, generator=g)[0]
+        """One U[0, 1) draw per row: a seeded row's its own (``seeded_uniform``), all put in
+        place at once; the others' from the shared generator."""
+        u = torch.rand(len(step.rows), device=self.device, generator=self.generator)
+        if step.seeded is not None:
+            assert step.seed_uniforms is not None
+            u.index_copy_(0, step.seeded, step.seed_uniforms)
         return u
 
 
