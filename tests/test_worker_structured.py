@@ -1,7 +1,9 @@
 """Structured output in the runner, on the tiny model (random weights: whatever it says is the
 grammar's doing): the output matches inside multi-step windows, with the CUDA pipeline's lag,
 after a recompute that rebuilds the matcher from the outputs so far, beside unconstrained rows
-that stay bit-identical, and the masks are the bits the matcher allows."""
+that stay bit-identical, and the masks are the bits the matcher allows; masks applied in place
+equal the full boolean masking they replaced, and masks filled beside the forward pass give the
+same output as masks filled before it."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import torch
 from worker_testing import Driver, greedy, one_cpu_thread, tiny_worker
 
 from protocol.messages import NewRequest, SamplingParams
+from worker import structured
 from worker.engine import Worker
 from worker.runner import ModelRunner
-from worker.structured import GrammarEngine, apply_masks
+from worker.structured import GrammarEngine, GrammarState, apply_masks_
 
 BS = 4
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32]
@@ -89,9 +92,50 @@ def test_the_mask_is_what_the_matcher_allows(worker: Worker) -> None:
     words = {text(worker, [t]) for t in allowed}
     assert words and all("yes".startswith(w) or "no".startswith(w) for w in words), words
     logits = torch.zeros(3, worker.info.vocab_size)
-    masked = apply_masks(logits, torch.tensor([1]), masks)
+    masked = logits.clone()
+    apply_masks_(masked, torch.tensor([1]), masks)
     assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
     assert {int(t) for t in torch.nonzero(masked[1] == 0).flatten()} == allowed
+
+
+def _masked_by_a_full_boolean_tensor(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """What the sampler did before masking in place: every mask expanded to a boolean per token,
+    the logits copied, the constrained rows gathered and written back."""
+    bits = ((torch.arange(256, dtype=torch.int32).unsqueeze(-1) >> torch.arange(8, dtype=torch.int32)) & 1).bool()
+    allowed = bits[masks.view(torch.uint8).int()].view(masks.shape[0], -1)[:, : logits.shape[-1]]
+    out = logits.clone()
+    out[rows] = torch.where(allowed, logits[rows], -torch.inf)
+    return out
+
+
+@pytest.mark.parametrize("vocab", [32, 49, 1000, 4099])
+def test_masks_applied_in_place_equal_the_full_boolean_masking(vocab: int) -> None:
+    """Random masks (all-allowed and all-blocked words among them) on random logits, every row
+    constrained or a subset in any order, vocabularies not a multiple of 32; and logits wider than
+    the masks' bits (a model's padded vocabulary past the tokenizer's), whose extra tokens no
+    grammar allows. Chunked: a few rows per chunk here, as 128k-token rows are in production."""
+    gen = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    for rows in ([0, 1, 2, 3, 4, 5], [4, 1], [2], [5, 0, 3]):
+        logits = torch.randn(6, vocab, generator=gen)
+        masks = torch.randint(-(2**31), 2**31 - 1, (len(rows), words), generator=gen, dtype=torch.int64)
+        masks = masks.to(torch.int32)
+        masks[0, 0], masks[-1, -1] = -1, 0
+        index = torch.tensor(rows)
+        want = _masked_by_a_full_boolean_tensor(logits, index, masks)
+        for scratch in (structured.MASK_SCRATCH_BYTES, 2 * vocab):
+            got = logits.clone()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(structured, "MASK_SCRATCH_BYTES", scratch)
+                apply_masks_(got, index, masks)
+            assert torch.equal(got, want), (rows, scratch)
+        wider = torch.randn(6, 32 * words + 40, generator=gen)
+        got = wider.clone()
+        apply_masks_(got, index, masks)
+        assert torch.equal(got[:, : 32 * words], _masked_by_a_full_boolean_tensor(wider[:, : 32 * words], index, masks))
+        assert (got[index, 32 * words :] == -torch.inf).all()
+        others = [r for r in range(6) if r not in rows]
+        assert torch.equal(got[others], wider[others])
 
 
 # A JSON object written as json.dumps writes it: its keys and punctuation are forced.
@@ -150,3 +194,72 @@ def test_jump_forward_stays_inside_the_blocks_the_row_holds(worker: Worker) -> N
                 assert d.runner.num_jumped == 0
         assert outputs[0] == outputs[1], steps
         assert json.loads(text(worker, outputs[1][:-1]))["colour"] in ("red", "green", "blue")
+
+
+def test_masks_filled_beside_the_forward_pass_give_what_masks_filled_before_it_give(worker: Worker) -> None:
+    """With ``masks_later`` (CUDA's default) a step's masks are filled on the mask thread:
+    preparing the step does not wait for them (here a matcher still compiling: prepare returns
+    at once), the sampler waits when it samples, and the tokens are those of masks filled first."""
+    from concurrent.futures import Future
+
+    from worker.sampler import Sampler, SamplingRow
+
+    engine = worker.runner.grammars
+    assert engine is not None
+    grammar = llguidance.grammar_from("choice", json.dumps(["yes", "no"]))
+    ready = engine.start(grammar, [])
+    compiling: Future[llguidance.LLMatcher] = Future()
+    eos = worker.info.eos_token_ids
+    rows = [SamplingRow(greedy(4), 0, grammar=GrammarState(compiling, eos[0])), SamplingRow(greedy(4), 0),
+            SamplingRow(SamplingParams(temperature=1.0, seed=3), 0, grammar=engine.start(grammar, []))]
+    later = Sampler(torch.device("cpu"), eos, grammars=engine, masks_later=True)
+    step = later.prepare(rows)
+    assert step.grammar_masks is None and step.pending_masks is not None and not step.pending_masks.done()
+    compiling.set_result(ready.matcher.deep_copy())
+    logits = torch.randn(3, worker.info.vocab_size, generator=torch.Generator().manual_seed(0))
+    got = later(logits.clone(), step).token_ids
+    first = Sampler(torch.device("cpu"), eos, grammars=engine, masks_later=False)
+    want = first(logits.clone(), [SamplingRow(r.params, 0, grammar=engine.start(grammar, [])) if r.grammar else r
+                                  for r in rows]).token_ids
+    assert torch.equal(got, want)
+
+
+def test_a_runner_filling_masks_beside_the_forward_pass_writes_the_same_output(worker: Worker) -> None:
+    outputs = []
+    for later in (False, True):
+        r = runner(worker, lag=0)
+        r.sampler.masks_later = later
+        d = Driver(r)
+        news = [NewRequest(0, PROMPT, len(PROMPT), record()), NewRequest(1, PROMPT[:6], 6, record(seed=7)),
+                NewRequest(9, PROMPT, len(PROMPT), greedy(20))]
+        d.plan([(n.rid, len(n.token_ids)) for n in news], news, steps=4)
+        d.decode_to_end(4)
+        outputs.append(dict(d.outputs))
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_masks_applied_in_place_and_filled_later_match_the_cpu(worker: Worker) -> None:
+    from worker.sampler import Sampler, SamplingRow
+
+    cuda = torch.device("cuda")
+    gen = torch.Generator().manual_seed(1)
+    for vocab, rows in ((49, [0, 2]), (4099, [0, 1, 2]), (128_256, [1])):
+        logits = torch.randn(3, vocab, generator=gen)
+        masks = torch.randint(-(2**31), 2**31 - 1, (len(rows), (vocab + 31) // 32), generator=gen).to(torch.int32)
+        want = _masked_by_a_full_boolean_tensor(logits, torch.tensor(rows), masks)
+        got = logits.to(cuda)
+        apply_masks_(got, torch.tensor(rows, device=cuda), masks.to(cuda))
+        assert torch.equal(got.cpu(), want)
+    engine = worker.runner.grammars
+    assert engine is not None
+    grammar = llguidance.grammar_from("choice", json.dumps(["yes", "no"]))
+    eos = worker.info.eos_token_ids
+    logits = torch.randn(2, worker.info.vocab_size, generator=gen)
+    tokens = []
+    for later in (False, True):
+        s = Sampler(cuda, eos, grammars=engine, masks_later=later)
+        step = s.prepare([SamplingRow(greedy(4), 0, grammar=engine.start(grammar, [])), SamplingRow(greedy(4), 0)])
+        tokens.append(s(logits.to(cuda), step.moved([t.to(cuda) for t in step.tensors()])).token_ids.cpu())
+    assert torch.equal(tokens[0], tokens[1])
+    assert int(tokens[0][1]) == int(logits[1].argmax())

@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from protocol.messages import SamplingParams
-from worker.structured import GrammarEngine, GrammarState, apply_masks
+from worker.structured import GrammarEngine, GrammarState, apply_masks_
 from worker.token_counts import TokenCounts
 
 GREEDY_BELOW = 1e-5  # temperatures this small are treated as 0: dividing by them overflows
@@ -145,6 +146,7 @@ class StepSampling:
     seed_uniforms: torch.Tensor | None = None  # [S] float32: their draws (``seeded_uniform``)
     constrained: torch.Tensor | None = None  # rows held to a grammar
     grammar_masks: torch.Tensor | None = None  # [R, ceil(V / 32)] int32: their allowed tokens, a bit each
+    pending_masks: Future[torch.Tensor] | None = None  # the same, still being filled beside the forward pass
     filtered: torch.Tensor | None = None  # rows with top-k or top-p, when some rows have neither
     # Penalties (``worker.token_counts``): the table row of each penalised row; which of them
     # are kept between steps (positions in ``penalised``; None: all); the rows filled this step
@@ -161,9 +163,10 @@ class StepSampling:
 
     @classmethod
     def build(cls, rows: list[SamplingRow], eos_token_ids: tuple[int, ...], params: torch.Tensor | None = None,
-              grammars: GrammarEngine | None = None) -> StepSampling:
+              grammars: GrammarEngine | None = None, masks_later: bool = False, pin: bool = False) -> StepSampling:
         """``params``: the rows' ``param_row``s already gathered (the input batch's slice);
-        ``grammars``: fills the masks of the rows held to one."""
+        ``grammars``: fills the masks of the rows held to one, now or, with ``masks_later``, on
+        its mask thread (``pending_masks``; into pinned memory with ``pin``)."""
         if params is None:
             params = torch.tensor([param_row(r.params) for r in rows], dtype=torch.float32).view(len(rows), -1)
         step = cls(rows, params)
@@ -195,7 +198,11 @@ class StepSampling:
         if constrained:
             assert grammars is not None
             step.constrained = _index(constrained)
-            step.grammar_masks = grammars.masks([rows[i].grammar for i in constrained])  # type: ignore[misc]
+            states = [rows[i].grammar for i in constrained]
+            if masks_later:
+                step.pending_masks = grammars.masks_later(states, pin)  # type: ignore[arg-type]
+            else:
+                step.grammar_masks = grammars.masks(states)  # type: ignore[arg-type]
         return step
 
     def tensors(self) -> list[torch.Tensor]:
@@ -215,10 +222,13 @@ class StepSampling:
 
 class Sampler:
     def __init__(self, device: torch.device, eos_token_ids: list[int], seed: int | None = None,
-                 grammars: GrammarEngine | None = None) -> None:
+                 grammars: GrammarEngine | None = None, masks_later: bool | None = None) -> None:
+        """``masks_later``: fill grammar masks beside the forward pass (``worker.structured``);
+        by default on CUDA, where the host is free while the device computes."""
         self.device = device
         self.eos_token_ids = tuple(eos_token_ids)
         self.grammars = grammars
+        self.masks_later = device.type == "cuda" if masks_later is None else masks_later
         self.generator = torch.Generator(device=device)
         self.counts = TokenCounts(device)  # penalised requests' histories, a row each
         if seed is None:
@@ -228,7 +238,8 @@ class Sampler:
 
     def prepare(self, rows: list[SamplingRow], params: torch.Tensor | None = None) -> StepSampling:
         """The host half of sampling ``rows`` (see ``StepSampling``); move it, then call."""
-        step = StepSampling.build(rows, self.eos_token_ids, params, self.grammars)
+        step = StepSampling.build(rows, self.eos_token_ids, params, self.grammars, self.masks_later,
+                                  pin=self.device.type == "cuda")
         if step.penalised is not None:
             self._prepare_counts(step)
         return step
@@ -267,15 +278,19 @@ class Sampler:
             step.history_weights = torch.tensor(weights, dtype=torch.float32)
 
     def __call__(self, logits: torch.Tensor, step: StepSampling | list[SamplingRow]) -> SamplerOutput:
-        """One token per row of ``logits`` [B, V] (float32; not modified). ``step``: prepared and
-        on the logits' device, or plain rows (prepared and moved here, a transfer of its own)."""
+        """One token per row of ``logits`` [B, V] (float32; modified only where a grammar forbids a
+        token: set to -inf in place, the rows being the step's own). ``step``: prepared and on the
+        logits' device, or plain rows (prepared and moved here, a transfer of its own)."""
         if not isinstance(step, StepSampling):
             prepared = self.prepare(step)
             step = prepared.moved([t.to(logits.device) for t in prepared.tensors()])
         rows = step.rows
         if step.constrained is not None:
-            assert step.grammar_masks is not None
-            logits = apply_masks(logits, step.constrained, step.grammar_masks)
+            masks = step.grammar_masks
+            if masks is None:  # filled beside the forward pass: now wait for it
+                assert step.pending_masks is not None
+                masks = step.pending_masks.result().to(logits.device, non_blocking=True)
+            apply_masks_(logits, step.constrained, masks)
         # Computed before the ban, from the raw logits (see the module docstring).
         raw_logprobs = logits[step.wanted].log_softmax(dim=-1) if step.wanted is not None else None
         logits = self._add_bias(logits, step)

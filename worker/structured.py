@@ -8,9 +8,14 @@ its compiled matcher is kept (a bounded LRU keyed by the grammar's text) and cop
 rebuilt after a preemption or a worker restart replays its outputs into the new matcher.
 
 Before each step that samples a constrained row, the host fills that row's bitmask (one bit per
-token: may it come next?) from its matcher; the sampler sets the logits of every other token to
--inf, in one vectorized operation for all constrained rows, before anything else reads them —
-greedy, sampled, top-k/top-p, penalties, and logprobs, which are therefore those of the
+token: may it come next?) from its matcher, several rows at once on llguidance's own threads. On
+CUDA the fill runs on a thread of its own (``masks_later``), started when the step is prepared:
+it overlaps with the host building and launching the forward pass and with the device running
+it, and the sampler waits for it only once the logits are queued; the masks then go to the
+device from pinned memory (R x V/8 bytes). On a CPU, whose cores the forward pass keeps busy,
+the masks are filled before it (``masks``). The sampler sets the logits of every other token to
+-inf in place (``apply_masks_``), for all constrained rows at once, before anything else reads
+them — greedy, sampled, top-k/top-p, penalties, and logprobs, which are therefore those of the
 constrained distribution. After the step the matcher consumes the sampled token. The model's EOS
 is allowed exactly when the grammar accepts, and is the only token left once the grammar is
 complete, so a constrained request ends on EOS there (finish_reason "stop"), as the scheduler's
@@ -112,6 +117,7 @@ class GrammarEngine:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar", initializer=lower_thread_priority)
         self._executor: llguidance.LLExecutor | None = None  # fills several rows' masks at once
+        self._mask_pool: ThreadPoolExecutor | None = None  # fills a step's masks beside its forward pass
 
     def start(self, grammar: str, outputs: list[int]) -> GrammarState:
         """A matcher for ``grammar`` that has consumed ``outputs`` (a request rebuilt after a
@@ -151,11 +157,20 @@ class GrammarEngine:
     def _matcher(self, grammar: str, outputs: list[int]) -> llguidance.LLMatcher:
         return _copy(self._compiled_matcher(grammar), outputs)
 
-    def masks(self, states: list[GrammarState]) -> torch.Tensor:
-        """[R, ceil(V / 32)] int32: each constrained row's allowed tokens, one bit per token.
-        Several healthy rows are filled at once by llguidance's own thread pool (a mask inside a
-        large enum or ``anyOf`` can take milliseconds); a broken row gets EOS alone."""
-        mask = torch.empty((len(states), (self.vocab_size + 31) // 32), dtype=torch.int32)
+    def masks_later(self, states: list[GrammarState], pin: bool) -> Future[torch.Tensor]:
+        """``masks(states)``, filled on the mask thread while the caller goes on (into pinned
+        memory with ``pin``, for a non-blocking copy to the device). The caller must wait for it
+        before any of these matchers consumes a token (the sampler does, before it samples)."""
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        out = torch.empty((len(states), (self.vocab_size + 31) // 32), dtype=torch.int32, pin_memory=pin)
+        return self._mask_pool.submit(self.masks, states, out)
+
+    def masks(self, states: list[GrammarState], out: torch.Tensor | None = None) -> torch.Tensor:
+        """[R, ceil(V / 32)] int32 (into ``out`` if given): each constrained row's allowed tokens,
+        one bit per token. Several healthy rows are filled at once by llguidance's own thread pool
+        (a mask inside a large enum or ``anyOf`` can take milliseconds); a broken row gets EOS alone."""
+        mask = out if out is not None else torch.empty((len(states), (self.vocab_size + 31) // 32), dtype=torch.int32)
         healthy = [(state.matcher, i) for i, state in enumerate(states)
                    if not state.broken and not state.matcher.is_error()]
         if len(healthy) > 1:
@@ -179,27 +194,49 @@ def _copy(compiled: llguidance.LLMatcher, outputs: list[int]) -> llguidance.LLMa
     return matcher
 
 
-_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
+MASK_SCRATCH_BYTES = 16 << 20  # the boolean scratch ``apply_masks_`` expands one chunk of rows into
+_BLOCKED_BITS: dict[torch.device, torch.Tensor] = {}
 
 
-def _byte_bits(device: torch.device) -> torch.Tensor:
-    """[256, 8] bool: the bits of each byte value, lowest first."""
-    table = _BYTE_BITS.get(device)
+def _blocked_bits(device: torch.device) -> torch.Tensor:
+    """[256, 8] bool: for each byte value, which of its 8 bits (lowest first) are clear."""
+    table = _BLOCKED_BITS.get(device)
     if table is None:
         values = torch.arange(256, dtype=torch.int32).unsqueeze(-1)
-        table = _BYTE_BITS[device] = ((values >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)
+        table = _BLOCKED_BITS[device] = ((values >> torch.arange(8, dtype=torch.int32)) & 1 == 0).to(device)
     return table
 
 
-def apply_masks(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-    """``logits`` (not modified) with every token the bitmask ``masks`` (one row per index in
-    ``rows``) does not allow set to -inf, for all the rows in a few vectorized operations: each
-    mask byte looked up in a table of its 8 bits (token ``32 w + 8 b + i`` is bit ``i`` of byte
-    ``b`` of word ``w``: the words are little-endian on every device torch runs on)."""
-    vocab = logits.shape[-1]
-    allowed = _byte_bits(masks.device)[masks.view(torch.uint8).int()].view(masks.shape[0], -1)[:, :vocab]
-    if rows.numel() == logits.shape[0]:  # every row constrained (rows is then 0..R-1, in order)
-        return torch.where(allowed, logits, -torch.inf)
-    out = logits.clone()
-    out[rows] = torch.where(allowed, logits[rows], -torch.inf)
-    return out
+def apply_masks_(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> None:
+    """Set to -inf, in place, every logit of row ``rows[j]`` that bitmask ``masks[j]`` does not
+    allow (token ``32 w + 8 b + i`` is bit ``i`` of byte ``b`` of word ``w``: the words are
+    little-endian on every device torch runs on), and every logit past the mask's last bit (a
+    vocabulary wider than the tokenizer's: tokens no grammar can allow). ``rows`` is every row in
+    order (0..B-1) or a subset; on the device of ``logits``, as ``masks`` is.
+
+    Nothing the size of the logits is allocated when every row is constrained: the mask bytes are
+    looked up in a table of their 8 bits, chunks of rows at a time (``MASK_SCRATCH_BYTES`` of
+    booleans), and filled into the logits' own rows. A subset of rows is gathered, filled and put
+    back, chunk by chunk: what it copies is those rows' logits, never the batch's.
+
+    ``llguidance.torch.apply_token_bitmask_inplace`` does the same for contiguous rows through
+    ``torch.compile`` (a C++ or Triton kernel compiled at its first call, in the serving path,
+    and a compiler needed on a CPU): not used."""
+    num, vocab = masks.shape[0], logits.shape[-1]
+    covered = min(vocab, 32 * masks.shape[1])
+    every = num == logits.shape[0]
+    chunk = max(1, MASK_SCRATCH_BYTES // max(vocab, 1))
+    table = _blocked_bits(masks.device)
+    for first in range(0, num, chunk):
+        part = masks[first : first + chunk]
+        blocked = table[part.view(torch.uint8).int()].view(part.shape[0], -1)[:, :covered]
+        if every:
+            target = logits[first : first + part.shape[0]]
+        else:
+            index = rows[first : first + part.shape[0]]
+            target = logits.index_select(0, index)
+        target[:, :covered].masked_fill_(blocked, -torch.inf)
+        if covered < vocab:
+            target[:, covered:] = -torch.inf
+        if not every:
+            logits.index_copy_(0, index, target)
