@@ -241,16 +241,21 @@ class Plans:
                         self._register_full_blocks(req, 1)
                 elif caching:
                     self._register_full_blocks(req, n)
-                req.advance(n)
+                req.num_computed += n  # ``Request.advance``, inline: this loop runs for every row of every step
                 if counts_service:
                     queue.charge(req.user, n)
             elif rid == previous:
                 self.num_jumped += 1
             previous = rid
-            reason = req.add_output(token, eos_token_ids, max_model_len)
             rids.append(rid)
             tokens.append(token)
-            if len(req.token_ids) == req.num_prompt_tokens + 1:
+            known = req.token_ids
+            if len(known) + 1 < req.quiet_until and token not in req.may_stop:
+                known.append(token)  # ``Request.add_output``'s quick answer, inline: it cannot stop here
+                continue
+            reason = req.add_output(token, eos_token_ids, max_model_len)
+            # (A first output always gets the full check: ``quiet_until`` is 0 until then.)
+            if len(known) == req.num_prompt_tokens + 1:
                 started.append((rid, req.num_cached_tokens))
             if reason is not None:
                 finished.append(self._finish(req, reason))
