@@ -121,7 +121,7 @@ def test_a_silent_peer_is_noticed_when_the_serving_timeout_passes(pair: list[Ten
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_nccl_group_tears_down_on_error_and_gets_the_short_timeout_once_serving() -> None:
+def test_on_cuda_the_nccl_group_tears_down_on_error_and_gets_the_short_timeout_once_serving() -> None:
     preset = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")  # a value the user set is kept
     group = TensorParallelGroup(0, 1, torch.device("cuda"), f"127.0.0.1:{_free_port()}", 10)
     try:
