@@ -15,8 +15,9 @@ again). On the device everything is in stream order, so a released row is reused
 every kernel that touched it. Rows of requests with no ``rid`` (a caller that keeps no state
 between steps) are ``assign``-ed as ``transient`` and released after the step reads them.
 
-The tables grow by doubling and never shrink: their peak is what the profiling step of
-``worker.gpu_memory`` measured, every row there penalised.
+The tables grow by a quarter at a time (a copy each time; at most a quarter of them unused) and
+never shrink: at their largest, every row the scheduler may run penalised, they are what the
+profiling step of ``worker.gpu_memory`` measured, every row there penalised.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class TokenCounts:
             raise ValueError(f"penalty counts are kept for a vocabulary of {counts.shape[1]}, not {vocab}")
         if counts is not None and seen is not None and counts.shape[0] >= self.used:
             return counts, seen
-        capacity = max(self.used, 2 * (counts.shape[0] if counts is not None else 0), 8)
+        held = counts.shape[0] if counts is not None else 0
+        capacity = max(self.used, held + max(8, held // 4))  # a quarter more: little held unused, few copies
         grown = torch.zeros(capacity, vocab, device=self.device)
         grown_seen = torch.zeros(capacity, vocab, dtype=torch.bool, device=self.device)
         if counts is not None and seen is not None:
