@@ -2,6 +2,8 @@
 
     python scripts/bench_output_path.py                         # 1, 64 and 256 streams, 3 rounds
     python scripts/bench_output_path.py --streams 64 --tokens 256 --rounds 5
+    python scripts/bench_output_path.py --streams 64 --worker tiny   # the real worker, the tiny model
+    python scripts/bench_output_path.py --streams 64 --step-ms 3 --floor
 
 Starts ``sluice scheduler`` and ``sluice frontend`` as separate processes and, in place of the
 model, a fake worker (this script, ``--fake-worker``) that answers every plan at once with
@@ -11,9 +13,19 @@ frontend (detokenize, stop strings, SSE chunk, socket write). The client is in t
 (asyncio, a lean HTTP/1.1 reader); it streams ``--streams`` completions of ``--tokens`` tokens
 each (``ignore_eos``) at once and counts the chunks it receives.
 
+With ``--worker MODEL`` (``tiny``, or any model ``sluice worker`` takes) a real worker runs the
+model instead, on the CPU: its steps take what they take, and each step's tokens reach the
+scheduler as one message, as in production.
+
 Each process's CPU time (user + system, from /proc) over the run, divided by the tokens streamed,
 is its cost per token. Rounds alternate stream counts; a figure is the median over rounds. The
 goal the output-path issue sets: frontend <= 10 us and scheduler <= 2 us per token at 64 streams.
+
+``--floor`` also measures, in the same run, what ZeroMQ alone costs a process that relays one
+message per step as the scheduler does (``floor.py``'s relay: receive a step's tokens from a
+PUSH socket, decode, encode a batch, send it on a ROUTER; no scheduling), at the rows per step
+and the pace of the runs above: the part of the scheduler's figure no scheduling code can remove
+while each step's tokens travel as their own message.
 """
 
 from __future__ import annotations
@@ -32,6 +44,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from zmq_floor import relay_floor
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -245,6 +260,10 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=0.0,
                         help="the fake worker's time per step (0: as fast as it can; a real model's steps "
                              "take milliseconds, and each step's tokens then reach the frontend on their own)")
+    parser.add_argument("--worker", metavar="MODEL",
+                        help="run a real worker on this model (tiny, smollm2, a path) instead of the fake one")
+    parser.add_argument("--floor", action="store_true",
+                        help="also measure a bare ZeroMQ relay's CPU per token at the same rows and pace")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--py-spy", metavar="DIR",
@@ -262,16 +281,20 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     sluice = [sys.executable, "-m", "frontend"]
+    if args.worker:
+        worker = [*sluice, "worker", "--address", address, "--model", args.worker, "--device", "cpu",
+                  "--log-level", "warning"]
+    else:
+        worker = [sys.executable, __file__, "--fake-worker", address, "--step-ms", str(args.step_ms)]
     procs = {
         "scheduler": subprocess.Popen([*sluice, "scheduler", "--address", address, "--log-level", "warning"], **quiet),
-        "worker": subprocess.Popen([sys.executable, __file__, "--fake-worker", address, "--step-ms",
-                                    str(args.step_ms)], **quiet),
+        "worker": subprocess.Popen(worker, **quiet),
         "frontend": subprocess.Popen([*sluice, "frontend", "--address", address, "--port", str(port),
                                       "--log-level", "warning"], **quiet),
     }
     results: dict[int, list[dict[str, float]]] = {n: [] for n in args.streams}
     try:
-        _wait_ready(url, list(procs.values()))
+        _wait_ready(url, list(procs.values()), timeout=600.0)  # a real worker may compile its kernels first
         measure(url, {n: p.pid for n, p in procs.items()}, 8, 32, 256)  # warm-up
         for r in range(args.rounds):
             for n in args.streams:
@@ -283,8 +306,14 @@ def main() -> None:
                 results[n].append(res)
                 print(f"round {r + 1} streams {n:4d}: {res['tokens']:7d} tokens in {res['wall_s']:6.2f} s "
                       f"({res['tok_s']:8.0f} tok/s)  frontend {res['frontend_us_per_token']:5.1f} us/token  "
-                      f"scheduler {res['scheduler_us_per_token']:5.1f}  fake worker {res['worker_us_per_token']:5.1f}",
+                      f"scheduler {res['scheduler_us_per_token']:5.1f}  worker {res['worker_us_per_token']:7.1f}",
                       flush=True)
+                if args.floor:
+                    # The relay at this run's pace: ``n`` rows a step, as many steps a second.
+                    floor = relay_floor(rows=n, step_s=res["wall_s"] * n / res["tokens"])
+                    res["floor_us_per_token"] = floor
+                    print(f"                   relay floor at {n} rows a step every "
+                          f"{1e3 * res['wall_s'] * n / res['tokens']:.2f} ms: {floor:5.1f} us/token", flush=True)
     finally:
         for p in procs.values():
             p.terminate()
@@ -293,14 +322,17 @@ def main() -> None:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
-    pace = f"a step every {args.step_ms:g} ms" if args.step_ms else "steps as fast as the fake worker goes"
+    pace = (f"the {args.worker} model's steps" if args.worker else
+            f"a step every {args.step_ms:g} ms" if args.step_ms else "steps as fast as the fake worker goes")
     print(f"\nmedians of {args.rounds} rounds, {args.total_tokens} tokens each ({args.tokens} per request), {pace}:")
-    print(f"{'streams':>8} {'tok/s':>9} {'frontend us/token':>18} {'scheduler us/token':>19}")
+    print(f"{'streams':>8} {'tok/s':>9} {'frontend us/token':>18} {'scheduler us/token':>19}"
+          + (f" {'relay floor':>12}" if args.floor else ""))
     summary = []
     for n, rs in results.items():
         row = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         summary.append(row)
-        print(f"{n:>8} {row['tok_s']:>9.0f} {row['frontend_us_per_token']:>18.1f} {row['scheduler_us_per_token']:>19.1f}")
+        print(f"{n:>8} {row['tok_s']:>9.0f} {row['frontend_us_per_token']:>18.1f} {row['scheduler_us_per_token']:>19.1f}"
+              + (f" {row['floor_us_per_token']:>12.1f}" if args.floor else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({"rounds": results, "medians": summary}, indent=2))
 
