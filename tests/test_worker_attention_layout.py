@@ -186,3 +186,21 @@ def test_a_refused_flashinfer_falls_back_to_the_torch_path_with_one_warning(
         select_backend(torch.device("cuda"), torch.float32, 8, 2, 64, 16)
     (record,) = caplog.records
     assert record.levelno == logging.INFO and "float32" in record.getMessage()
+
+
+def test_a_flashinfer_that_cannot_be_imported_is_refused_not_a_crash(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Installed for another CUDA or torch: its import fails with something other than ImportError.
+    (tmp_path / "flashinfer").mkdir()
+    (tmp_path / "flashinfer" / "__init__.py").write_text(
+        "raise OSError('libcudart.so.13: cannot open shared object file: No such file or directory')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    from worker.attention import select_backend
+
+    with caplog.at_level(logging.INFO, logger="sluice.worker"):
+        backend = select_backend(torch.device("cuda"), torch.float16, 8, 8, 128, 16)
+    assert isinstance(backend, SdpaBackend)
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING and "OSError: libcudart.so.13" in record.getMessage()
+

@@ -197,6 +197,9 @@ class FlashInferBackend(AttentionBackend):
             import flashinfer
         except ImportError:
             return f"flashinfer is not installed (pip install 'flashinfer-python{SUPPORTED}' for paged kernels)"
+        except Exception as e:  # installed, but not for this torch or CUDA (a missing library, an ABI error)
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            return Refused(f"flashinfer is installed but cannot be imported ({type(e).__name__}: {first_line[:300]})")
         refused = api_mismatch(flashinfer)
         if refused is not None:
             return refused
