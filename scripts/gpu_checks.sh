@@ -102,8 +102,8 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_de
       f"(capability {'.'.join(map(str, torch.cuda.get_device_capability()))})")
 try:
     import flashinfer
-except ImportError as e:
-    print(f"flashinfer: not installed ({e}): attention takes the torch path (gather + SDPA)")
+except Exception as e:  # not installed, or not for this torch or CUDA
+    print(f"flashinfer: cannot be imported ({type(e).__name__}: {e}): attention takes the torch path")
 else:
     from worker.attention.flashinfer import SUPPORTED, api_mismatch
     refused = api_mismatch(flashinfer)
