@@ -27,7 +27,7 @@ import signal
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -118,7 +118,7 @@ class SchedulerProcess(WorkerEvents):
         self.inbox_by_fd: dict[int, Callable[[], None]] = {}
         for sock, drain in ((self.from_workers, self._drain_workers), (self.from_frontend, self._drain_frontends),
                             (self.worker_links, self._on_worker_link_event)):
-            fd = sock.get(zmq.FD)
+            fd = cast(int, sock.get(zmq.FD))  # ZMQ_FD is an int
             self.inboxes.register(fd, select.EPOLLIN)
             self.inbox_by_fd[fd] = drain
         self.frontend_codec = scheduler_frontend_codec()
