@@ -101,6 +101,27 @@ def save_qwen2(path: Path) -> Path:
     return ckpt
 
 
+def save_qwen3(path: Path) -> Path:
+    """A random Qwen3: q/k RMSNorm per head (random weights, so q's and k's cannot be swapped
+    unseen), head_dim 16 with 6 query heads over a hidden size of 64 (q is wider than the
+    hidden state), GQA groups of 3, a vocabulary of 331, tied embeddings, no BOS."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    small = SMALL | dict(vocab_size=331, num_attention_heads=6, num_key_value_heads=2)
+    config = Qwen3Config(**small, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 30000.0},
+                         tie_word_embeddings=True, attention_bias=False)
+    torch.manual_seed(5)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    build_byte_level_tokenizer(config.vocab_size).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "</s>"}))
+    return path
+
+
 def save_mistral(path: Path) -> Path:
     """A random Mistral with a 16-token sliding window: most of every prompt's context lies outside it."""
     from transformers import MistralConfig, MistralForCausalLM

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import save_llama_checkpoint, save_mistral, save_qwen2
+from checkpoints import save_llama_checkpoint, save_mistral, save_qwen2, save_qwen3
 
 from protocol.config import WorkerConfig
 from worker.engine import Worker
@@ -28,10 +28,10 @@ def _dtypes() -> list[torch.dtype]:
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("decoder")
     return {"llama": save_llama_checkpoint(root / "llama"), "qwen2": save_qwen2(root / "qwen2"),
-            "mistral": save_mistral(root / "mistral")}
+            "qwen3": save_qwen3(root / "qwen3"), "mistral": save_mistral(root / "mistral")}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("rows", [1, 7])
 def test_the_whole_stack_decoder_gives_the_per_operator_forwards_bits(checkpoints: dict[str, Path], arch: str,
                                                                        rows: int) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import hf_greedy, save_llama_checkpoint, save_mistral, save_qwen2
+from checkpoints import hf_greedy, save_llama_checkpoint, save_mistral, save_qwen2, save_qwen3
 from worker_testing import Driver, greedy, one_cpu_thread
 
 from protocol.config import WorkerConfig
@@ -220,7 +220,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
     assert d.outputs[0] == want
 
 
-FAMILIES = {"qwen2": save_qwen2, "mistral": save_mistral}
+FAMILIES = {"qwen2": save_qwen2, "qwen3": save_qwen3, "mistral": save_mistral}
 FAMILY_NEW = 12
 
 
@@ -234,8 +234,13 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 def test_family_loads_what_its_files_say(family: tuple[Worker, dict[int, list[int]]]) -> None:
     w, _ = family
-    if w.runner.model.config.qkv_bias:  # qwen2
+    cfg = w.runner.model.config
+    if cfg.architecture == "Qwen2ForCausalLM":
+        assert cfg.qkv_bias and not cfg.qk_norm
         assert w.info.bos_token_id is None and not w.info.add_bos_token
+    elif cfg.architecture == "Qwen3ForCausalLM":
+        assert cfg.qk_norm and not cfg.qkv_bias and (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (6, 2, 16)
+        assert w.info.bos_token_id is None and cfg.tie_word_embeddings
     else:
         assert w.runner.model.config.sliding_window == 16 and w.info.bos_token_id == 1
 

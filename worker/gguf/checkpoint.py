@@ -1,11 +1,13 @@
-"""A llama.cpp GGUF file as a Llama checkpoint: its config, its weights in the Hugging Face layout,
-and its tokenizer, read by ``gguf.file`` from a memory map.
+"""A llama.cpp GGUF file as a Llama-family checkpoint (architectures ``llama``, ``qwen2`` and
+``qwen3``): its config, its weights in the Hugging Face layout, and its tokenizer, read by
+``gguf.file`` from a memory map.
 
 Weights: GGUF names (``blk.3.attn_q.weight``) map to the model's (``model.layers.3.self_attn.
-q_proj.weight``), quantized blocks are dequantized at load (``gguf.quants``), and the row
-permutation llama.cpp's converter applies to the q and k projections is undone: within each
-head it interleaves the two rotary halves (rows i and i + D/2 become neighbours), because its
-rope rotates adjacent pairs while Hugging Face's rotates halves.
+q_proj.weight``), quantized blocks are dequantized at load (``gguf.quants``), and in ``llama``
+files the row permutation llama.cpp's converter applies to the q and k projections is undone:
+within each head it interleaves the two rotary halves (rows i and i + D/2 become neighbours),
+because llama.cpp's ``llama`` rope rotates adjacent pairs while Hugging Face's rotates halves.
+Qwen's files are not permuted: llama.cpp rotates halves for them too (its NeoX rope).
 
 Tokenizer: ``gguf.tokenizer`` builds it from the metadata, as ``transformers`` does.
 """
@@ -39,12 +41,16 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# GGUF's architecture names, as llama.cpp's converter writes them, and the model each one is.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 class GGUFCheckpoint:
@@ -57,8 +63,10 @@ class GGUFCheckpoint:
         self.metadata = self.file.metadata
         self.tensors = self.file.tensors
         self.arch = str(self._field("general.architecture"))
-        if self.arch != "llama":
-            raise ModelLoadError(f"{path}: GGUF architecture {self.arch!r} is not supported (only llama)")
+        if self.arch not in ARCHITECTURES:
+            raise ModelLoadError(f"{self.path}: GGUF architecture {self.arch!r} is not supported "
+                                 f"(supported: {', '.join(ARCHITECTURES)})")
+        self.permuted_qk = self.arch == "llama"  # see the module's docstring
 
     def _field(self, key: str, default: Any = None) -> Any:
         value = self.metadata.get(key, default)
@@ -80,23 +88,26 @@ class GGUFCheckpoint:
         vocab = len(self.metadata.get("tokenizer.ggml.tokens", []))
         eos = self.metadata.get("tokenizer.ggml.eos_token_id")
         bos = self.metadata.get("tokenizer.ggml.bos_token_id")
+        # Qwen3's heads are not hidden / heads wide: llama.cpp writes their width as key_length.
+        head_dim = self.metadata.get(f"{a}.attention.key_length") or self.metadata.get(f"{a}.rope.dimension_count")
         return LlamaConfig(
-            architecture="LlamaForCausalLM",
+            architecture=ARCHITECTURES[a],
             vocab_size=int(self._field(f"{a}.vocab_size", vocab)),
             hidden_size=hidden,
             intermediate_size=int(self._field(f"{a}.feed_forward_length")),
             num_layers=int(self._field(f"{a}.block_count")),
             num_heads=heads,
             num_kv_heads=int(self._field(f"{a}.attention.head_count_kv", heads)),
-            head_dim=int(self._field(f"{a}.rope.dimension_count", hidden // heads)),
+            head_dim=int(head_dim or hidden // heads),
             max_position_embeddings=int(self._field(f"{a}.context_length")),
             rope_theta=float(self._field(f"{a}.rope.freq_base", 10000.0)),
             rope_scaling=None,
             rms_norm_eps=float(self._field(f"{a}.attention.layer_norm_rms_epsilon")),
             tie_word_embeddings="output.weight" not in self.tensors,
-            qkv_bias=False,
-            o_bias=False,
+            qkv_bias="blk.0.attn_q.bias" in self.tensors,
+            o_bias="blk.0.attn_output.bias" in self.tensors,
             mlp_bias=False,
+            qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
             sliding_window=None,
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=[int(eos)] if eos is not None else [],
@@ -114,7 +125,7 @@ class GGUFCheckpoint:
             base, _, kind = name.rpartition(".")
             if base in _GLOBAL_NAMES:
                 return f"{_GLOBAL_NAMES[base]}.{kind}"
-        raise ModelLoadError(f"{self.path}: unexpected tensor {name} for a llama model")
+        raise ModelLoadError(f"{self.path}: unexpected tensor {name} for a {self.arch} model")
 
     def quantized_types(self) -> list[str]:
         """The quantized tensor types the file's matrices use, most weights first ([] for a float file)."""
@@ -146,8 +157,10 @@ class GGUFCheckpoint:
             data, shape = part if part is not None else (t.data, t.shape)
             after = sl if part is None else None  # a slice the blocks did not allow: taken once read
             # q and k rows are permuted within each head: whole heads, however many this rank reads.
-            heads = cfg.num_heads if name.endswith("attn_q.weight") else \
-                cfg.num_kv_heads if name.endswith("attn_k.weight") else None
+            heads = None
+            if self.permuted_qk:
+                heads = cfg.num_heads if name.endswith("attn_q.weight") else \
+                    cfg.num_kv_heads if name.endswith("attn_k.weight") else None
             if heads is not None:
                 heads = shape[0] // (t.shape[0] // heads)
             codes = block_codes(data, t.qtype, shape) if keep_quantized else None

@@ -29,10 +29,10 @@ from worker.sampling_defaults import sampling_defaults
 
 
 def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """``config.json`` for ``cfg``: the fields ``transformers``' LlamaConfig reads."""
+    """``config.json`` for ``cfg``: the fields ``transformers``' config of its family reads."""
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [cfg.architecture],
+        "model_type": cfg.architecture.removesuffix("ForCausalLM").lower(),
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers,
@@ -44,7 +44,7 @@ def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, Any]:
         "rope_theta": cfg.rope_theta,
         "rms_norm_eps": cfg.rms_norm_eps,
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": cfg.qkv_bias,
         "mlp_bias": False,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "bos_token_id": cfg.bos_token_id,

@@ -39,7 +39,10 @@ _NAMED_SPECIAL = ("bos", "eos", "unknown", "padding")  # tokenizer.ggml.<name>_t
 # punctuation runs, newlines, other whitespace.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2's (and Qwen3's): Llama 3's, with every digit on its own.
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 _SPLITS = {pre: _LLAMA3_SPLIT for pre in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx")}
+_SPLITS["qwen2"] = _QWEN2_SPLIT
 
 
 class UnsupportedTokenizer(ValueError):

@@ -40,7 +40,7 @@ log = logging.getLogger("sluice.worker")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.c", "rms_norm.c", "linear.c", "linear_q.c", "decoder.c")]
-HEADERS = [CSRC / name for name in ("bf16.h", "kernels.h", "simd.h")]
+HEADERS = [CSRC / name for name in ("bf16.h", "kernels.h", "norm.h", "simd.h")]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-ffp-contract=off"]
 # What the kernel's fixed-size scratch holds (see the #defines in the source).

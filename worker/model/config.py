@@ -1,7 +1,7 @@
 """The typed subset of a Hugging Face ``config.json`` that a Llama-family model needs.
 
-Llama, Mistral and Qwen2 share one decoder; they differ only in which projections carry a bias
-and in defaults. Anything this decoder cannot reproduce exactly (another activation, another
+Llama, Mistral, Qwen2 and Qwen3 share one decoder; they differ in which projections carry a bias,
+in Qwen3's RMSNorm of each query and key head before the rotation, and in defaults. Anything this decoder cannot reproduce exactly (another activation, another
 rope type, an active sliding window) is rejected here with one line naming the file, rather
 than served with silently different outputs.
 """
@@ -13,7 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Families whose configs carry ``use_sliding_window``: a window applies only when it is set (and
+# then per layer, which this decoder does not do).
+_WINDOW_IF_USED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -36,9 +39,10 @@ class LlamaConfig:
     rope_scaling: dict[str, Any] | None  # only llama3-type scaling; None = plain rope
     rms_norm_eps: float
     tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2 always; Llama when attention_bias
-    o_bias: bool  # Llama when attention_bias (Qwen2's o_proj never has one)
+    qkv_bias: bool  # Qwen2 always; Llama and Qwen3 when attention_bias
+    o_bias: bool  # Llama and Qwen3 when attention_bias (Qwen2's o_proj never has one)
     mlp_bias: bool
+    qk_norm: bool  # Qwen3: an RMSNorm over each query and key head (head_dim wide) before the rotation
     sliding_window: int | None  # attention span limit when the model uses one
     bos_token_id: int | None
     eos_token_ids: list[int]
@@ -71,8 +75,9 @@ class LlamaConfig:
             return f"rope scaling type {rope_type!r} is not supported (only {', '.join(SUPPORTED_ROPE_TYPES)})"
         if float(_rope_parameters(raw).get("partial_rotary_factor", 1.0)) != 1.0:
             return "partial_rotary_factor is not supported"
-        if self.architecture == "Qwen2ForCausalLM" and self.sliding_window is not None:
-            return "Qwen2 per-layer sliding window attention (use_sliding_window) is not supported"
+        if self.architecture in _WINDOW_IF_USED and self.sliding_window is not None:
+            return f"{self.architecture.removesuffix('ForCausalLM')} per-layer sliding window attention " \
+                   "(use_sliding_window) is not supported"
         if self.num_heads % self.num_kv_heads:
             return f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
         return None
@@ -103,10 +108,10 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
-    """Mistral applies ``sliding_window`` in every layer when set. Qwen2 configs carry a window
-    they use only with ``use_sliding_window`` (and then per layer, which is rejected elsewhere)."""
+    """Mistral applies ``sliding_window`` in every layer when set. Qwen2 and Qwen3 configs carry a
+    window they use only with ``use_sliding_window`` (and then per layer, which is rejected elsewhere)."""
     window = raw.get("sliding_window")
-    if arch == "LlamaForCausalLM" or (arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window")):
+    if arch == "LlamaForCausalLM" or (arch in _WINDOW_IF_USED and not raw.get("use_sliding_window")):
         return None
     return int(window) if window else None
 
@@ -117,7 +122,8 @@ def _parse(raw: dict[str, Any], arch: str) -> LlamaConfig:
     eos = raw.get("eos_token_id")
     rope = _rope_parameters(raw)
     scaling = rope if rope.get("rope_type", "default") != "default" else None
-    llama_bias = bool(raw.get("attention_bias", False)) and arch == "LlamaForCausalLM"
+    # attention_bias puts a bias on all four projections in Llama and Qwen3; Qwen2 has q/k/v biases always.
+    attention_bias = bool(raw.get("attention_bias", False)) and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
     return LlamaConfig(
         architecture=arch,
         vocab_size=int(raw["vocab_size"]),
@@ -132,9 +138,10 @@ def _parse(raw: dict[str, Any], arch: str) -> LlamaConfig:
         rope_scaling=scaling,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM" or llama_bias,
-        o_bias=llama_bias,
+        qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+        o_bias=attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
         sliding_window=_sliding_window(raw, arch),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),

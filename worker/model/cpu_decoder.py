@@ -23,12 +23,12 @@ import torch
 from worker.attention.base import AttentionMetadata, DecodeRows
 from worker.kernels import cpu as cpu_kernels
 from worker.kv_cache import KVCache
-from worker.model.layers import Linear
+from worker.model.layers import Linear, RMSNorm
 from worker.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("sluice.worker")
 
-LAYER_FIELDS = 16  # the addresses (and quantized linears' layouts) decoder.c reads per layer, in its enum's order
+LAYER_FIELDS = 18  # the addresses (and quantized linears' layouts) decoder.c reads per layer, in its enum's order
 
 
 class CpuDecoder:
@@ -103,7 +103,8 @@ class CpuDecoder:
                 attn, mlp = layer.self_attn, layer.mlp
                 rows.append([_address(layer.input_layernorm.weight), *_linear(attn.qkv_proj), *_linear(attn.o_proj),
                              _address(layer.post_attention_layernorm.weight), *_linear(mlp.gate_up_proj),
-                             *_linear(mlp.down_proj), _address(cache.key_slots[i]), _address(cache.value_slots[i])])
+                             *_linear(mlp.down_proj), _address(cache.key_slots[i]), _address(cache.value_slots[i]),
+                             _address(_weight(attn.q_norm)), _address(_weight(attn.k_norm))])
             table = torch.tensor(rows, dtype=torch.int64)
             assert table.shape[1] == LAYER_FIELDS
             self._tables[cache] = table
@@ -112,6 +113,10 @@ class CpuDecoder:
 
 def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
 
 
 def _linear(layer: Linear) -> tuple[int, int, int]:
@@ -135,4 +140,7 @@ def _unsupported(model: LlamaForCausalLM) -> str | None:
             return "the norms' eps differ between layers"
         if mlp.silu_kernel is None:
             return "the C kernels are not loaded"
+        if attn.q_norm is not None and (attn.q_norm.eps != layer.input_layernorm.eps or attn.k_norm is None
+                                        or attn.k_norm.eps != attn.q_norm.eps):
+            return "the q/k norms' eps differ from the layers' norms"
     return None

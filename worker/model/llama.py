@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 1-3, Mistral, Qwen2) over flattened variable-length batches.
+"""A Llama-family decoder (Llama 1-3, Mistral, Qwen2, Qwen3) over flattened variable-length batches.
 
 Module and parameter names match Hugging Face's, so a checkpoint's state dict loads as it is.
 The forward takes all tokens of a step as one flat sequence (no padding) plus the step's
@@ -39,18 +39,34 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias)
+        # Qwen3: each query and key head RMS-normalised (one weight per family of heads) before
+        # the rotation.
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum the ranks' o_proj
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: StepRope) -> torch.Tensor:
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = self._norm_heads(qk, self.q_norm, self.k_norm)
         # q and k are adjacent columns: one rotation for both.
-        qk = rope.rotate(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim))
+        qk = rope.rotate(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = self.o_proj(meta.attend(self.layer, q, k, v, self.scale).reshape(t, self.num_heads * self.head_dim))
         return self.reduce(out) if self.reduce is not None else out
+
+    def _norm_heads(self, qk: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> torch.Tensor:
+        """``qk`` [T, heads + kv_heads, d] with every query head normalised by ``q_norm`` and every
+        key head by ``k_norm``: as rows of d, each head on its own (a new contiguous tensor)."""
+        t = qk.shape[0]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q = q_norm(q.reshape(t * self.num_heads, self.head_dim)).view(t, self.num_heads, self.head_dim)
+        k = k_norm(k.reshape(t * self.num_kv_heads, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
+        return torch.cat([q, k], dim=1)
 
 
 class MLP(nn.Module):
@@ -143,6 +159,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.decoder_layers():
             layer.input_layernorm.kernel = layer.post_attention_layernorm.kernel = kernels
             layer.mlp.silu_kernel = kernels
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                if norm is not None:
+                    norm.kernel = kernels
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 hidden_rows: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -2,7 +2,8 @@
  * Llama-family layers whose linears are packed for linear.c:
  *
  *     h = RMSNorm(x + residual)               (the first layer: RMSNorm(x), residual = x)
- *     q, k, v = h W_qkv (+ b);  q, k rotated   (rope, in place)
+ *     q, k, v = h W_qkv (+ b);  q, k rotated   (rope, in place; Qwen3 first RMS-normalises each
+ *                                              q and k head: norm_heads)
  *     k, v -> the cache slots;  a = paged decode attention of q
  *     h = RMSNorm(a W_o + residual)           (residual updated)
  *     x = (silu(h W_gate) * h W_up) W_down
@@ -23,6 +24,7 @@
 
 #include "bf16.h"
 #include "kernels.h"
+#include "norm.h"
 #include "simd.h"
 
 /* ------------------------------------------------------------------ rotary embedding */
@@ -146,7 +148,7 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int num_rows, int int
  * quantized (linear_q.c's records in that layout). */
 enum {
     INPUT_NORM, QKV, QKV_BIAS, QKV_LAYOUT, O, O_BIAS, O_LAYOUT, POST_NORM, GATE_UP, GATE_UP_BIAS, GATE_UP_LAYOUT, DOWN,
-    DOWN_BIAS, DOWN_LAYOUT, KEY_CACHE, VALUE_CACHE, LAYER_FIELDS
+    DOWN_BIAS, DOWN_LAYOUT, KEY_CACHE, VALUE_CACHE, Q_NORM, K_NORM, LAYER_FIELDS  /* Q_NORM, K_NORM: 0 if none */
 };
 
 #define P(l, f) ((const void *)(intptr_t)layers[(int64_t)(l) * LAYER_FIELDS + (f)])
@@ -171,6 +173,23 @@ static inline __attribute__((always_inline)) void norm_any(const void *x, void *
         rms_norm_rows_f32(x, dim, residual, weight, out, rows, dim, eps);
 }
 
+/* Qwen3: every query head of every row normalised by q_norm, every key head by k_norm (head_dim
+ * weights each), in place in the rows of q, k, v; as the per-operator path's rms_norm does it. */
+static inline __attribute__((always_inline)) void norm_heads(void *qkv, int qkv_size, int rows, int num_heads,
+                                                             int kv_heads, int head_dim, const void *q_norm,
+                                                             const void *k_norm, float eps, const int bf16) {
+    const int heads = num_heads + kv_heads;
+#pragma omp for schedule(static)
+    for (int i = 0; i < rows * heads; i++) {
+        const int h = i % heads;
+        const int64_t o = (int64_t)(i / heads) * qkv_size + (int64_t)h * head_dim;
+        float row[head_dim];
+        for (int d = 0; d < head_dim; d++)
+            row[d] = bf16 ? bf16_to_f32(((const uint16_t *)qkv)[o + d]) : ((const float *)qkv)[o + d];
+        norm_vector(row, h < num_heads ? q_norm : k_norm, qkv, o, head_dim, eps, bf16);
+    }
+}
+
 static inline __attribute__((always_inline)) void decode_layers(
         void *x, void *residual, void *h, void *qkv, void *attn, void *gate_up, void *act, void *scratch,
         const int64_t *layers,
@@ -190,6 +209,8 @@ static inline __attribute__((always_inline)) void decode_layers(
             norm_any(x, residual, P(l, INPUT_NORM), h, rows, hidden, eps, bf16);
         }
         linear_any(h, P(l, QKV), P(l, QKV_BIAS), LAYOUT(l, QKV_LAYOUT), scratch, qkv, rows, qkv_size, hidden, bf16);
+        if (P(l, Q_NORM))
+            norm_heads(qkv, qkv_size, rows, num_heads, kv_heads, head_dim, P(l, Q_NORM), P(l, K_NORM), eps, bf16);
         rope_rows(qkv, qkv_size, rows, num_heads + kv_heads, head_dim, positions, cos, sin, bf16);
 #pragma omp for schedule(static)
         for (int r = 0; r < rows; r++) { /* the new key and value into the row's cache slot, in the cache's layout */

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "norm.h"
 
 static inline __attribute__((always_inline)) void norm_rows(
         const void *x, int64_t x_stride, void *residual, const void *weight, void *out, int num_rows, int dim,
@@ -39,18 +40,7 @@ static inline __attribute__((always_inline)) void norm_rows(
                 }
             }
         }
-        float sum = 0.0f;
-        for (int d = 0; d < dim; d++) sum += row[d] * row[d];
-        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-        for (int d = 0; d < dim; d++) {
-            const int64_t o = (int64_t)r * dim + d;
-            if (bf16) {
-                const float normed = bf16_to_f32(f32_to_bf16(row[d] * inv));
-                ((uint16_t *)out)[o] = f32_to_bf16(bf16_to_f32(((const uint16_t *)weight)[d]) * normed);
-            } else {
-                ((float *)out)[o] = row[d] * inv * ((const float *)weight)[d];
-            }
-        }
+        norm_vector(row, weight, out, (int64_t)r * dim, dim, eps, bf16);
     }
 }
 
