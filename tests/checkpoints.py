@@ -136,3 +136,44 @@ def write_gguf(writer: GGUFWriter) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _randomised_routers(model: Any) -> None:
+    """Routers initialised apart (Qwen3-MoE's start at zero: every expert tied, topk then picks by index)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "q_norm.weight", "k_norm.weight")):
+                p.copy_(torch.randn_like(p) * (0.5 if name.endswith("gate.weight") else 0.3) + (0 if name.endswith("gate.weight") else 1))
+
+
+def save_mixtral(path: Path) -> Path:
+    """A random Mixtral: 5 experts, 2 per token, every layer; its files name experts w1/w2/w3."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**SMALL | dict(intermediate_size=48), num_local_experts=5, num_experts_per_tok=2,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(7)
+    model = MixtralForCausalLM(config).eval()
+    _randomised_routers(model)
+    model.save_pretrained(path)
+    build_byte_level_tokenizer(config.vocab_size).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return path
+
+
+def save_qwen3_moe(path: Path) -> Path:
+    """A random Qwen3-MoE: 6 experts of 24 rows, 3 per token, weights not renormalised, its second
+    layer dense (``mlp_only_layers``), q/k norms per head."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**SMALL | dict(num_attention_heads=6, num_key_value_heads=2), head_dim=16,
+                            moe_intermediate_size=24, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
+                            mlp_only_layers=[1], tie_word_embeddings=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(8)
+    model = Qwen3MoeForCausalLM(config).eval()
+    _randomised_routers(model)
+    model.save_pretrained(path)
+    build_byte_level_tokenizer(config.vocab_size).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "</s>"}))
+    return path

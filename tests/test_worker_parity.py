@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import hf_greedy, save_llama_checkpoint, save_mistral, save_qwen2, save_qwen3
+from checkpoints import (
+    hf_greedy,
+    save_llama_checkpoint,
+    save_mistral,
+    save_mixtral,
+    save_qwen2,
+    save_qwen3,
+    save_qwen3_moe,
+)
 from worker_testing import Driver, greedy, one_cpu_thread
 
 from protocol.config import WorkerConfig
@@ -220,7 +228,8 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
     assert d.outputs[0] == want
 
 
-FAMILIES = {"qwen2": save_qwen2, "qwen3": save_qwen3, "mistral": save_mistral}
+FAMILIES = {"qwen2": save_qwen2, "qwen3": save_qwen3, "mistral": save_mistral, "mixtral": save_mixtral,
+            "qwen3_moe": save_qwen3_moe}
 FAMILY_NEW = 12
 
 
@@ -238,6 +247,12 @@ def test_family_loads_what_its_files_say(family: tuple[Worker, dict[int, list[in
     if cfg.architecture == "Qwen2ForCausalLM":
         assert cfg.qkv_bias and not cfg.qk_norm
         assert w.info.bos_token_id is None and not w.info.add_bos_token
+    elif cfg.architecture == "MixtralForCausalLM":
+        assert (cfg.num_experts, cfg.experts_per_token, cfg.dense_layers) == (5, 2, ())
+        assert w.runner.model.cpu_decoder is None  # no expert stage in decoder.c: operator by operator
+    elif cfg.architecture == "Qwen3MoeForCausalLM":
+        assert (cfg.num_experts, cfg.experts_per_token, cfg.expert_intermediate_size) == (6, 3, 24)
+        assert cfg.dense_layers == (1,) and not cfg.normalize_expert_weights and cfg.qk_norm
     elif cfg.architecture == "Qwen3ForCausalLM":
         assert cfg.qk_norm and not cfg.qkv_bias and (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (6, 2, 16)
         assert w.info.bos_token_id is None and cfg.tie_word_embeddings
@@ -265,3 +280,25 @@ def test_family_batched_and_chunked_match_transformers(family: tuple[Worker, dic
         rows = [(rid, min(11, len(w.runner.seqs[rid].token_ids) - w.runner.seqs[rid].num_computed)) for rid in d.live()]
         d.plan(rows, steps=3)
     assert d.outputs == want
+
+
+def test_tensor_parallel_ranks_each_hold_a_share_of_every_expert(tmp_path: Path) -> None:
+    """Two ranks' mixtures of experts (every expert's rows split, the router whole), summed as the
+    all-reduce sums them, give the whole model's."""
+    from worker.model.config import LlamaConfig
+    from worker.model.llama import SparseMoE
+    from worker.model.loader import load_model
+    from worker.model.sharding import ShardLayout
+
+    ckpt = save_qwen3_moe(tmp_path / "moe")
+    cfg = LlamaConfig.from_file(ckpt / "config.json")
+    cpu = torch.device("cpu")
+    whole = load_model(ckpt, cfg, torch.float32, cpu, 64)
+    ranks = [load_model(ckpt, cfg, torch.float32, cpu, 64, layout=ShardLayout(cfg, r, 2)) for r in range(2)]
+    x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    moe = whole.model.decoder_layers()[0].mlp
+    parts = [r.model.decoder_layers()[0].mlp for r in ranks]
+    assert isinstance(moe, SparseMoE) and all(isinstance(p, SparseMoE) for p in parts)
+    assert [p.mlps()[0].inter for p in parts] == [cfg.expert_intermediate_size // 2] * 2
+    with torch.inference_mode():
+        assert torch.allclose(sum(p(x) for p in parts), moe(x), atol=1e-5)

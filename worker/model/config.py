@@ -1,7 +1,8 @@
 """The typed subset of a Hugging Face ``config.json`` that a Llama-family model needs.
 
 Llama, Mistral, Qwen2 and Qwen3 share one decoder; they differ in which projections carry a bias,
-in Qwen3's RMSNorm of each query and key head before the rotation, and in defaults. Anything this decoder cannot reproduce exactly (another activation, another
+in Qwen3's RMSNorm of each query and key head before the rotation, and in defaults. Mixtral and
+Qwen3-MoE are the same decoder with a mixture of experts in place of the MLP (``num_experts``). Anything this decoder cannot reproduce exactly (another activation, another
 rope type, an active sliding window) is rejected here with one line naming the file, rather
 than served with silently different outputs.
 """
@@ -13,10 +14,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # Families whose configs carry ``use_sliding_window``: a window applies only when it is set (and
 # then per layer, which this decoder does not do).
-_WINDOW_IF_USED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_WINDOW_IF_USED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -46,6 +49,18 @@ class LlamaConfig:
     sliding_window: int | None  # attention span limit when the model uses one
     bos_token_id: int | None
     eos_token_ids: list[int]
+    # Mixture of experts (Mixtral, Qwen3-MoE): in each layer not in ``dense_layers``, a router
+    # picks ``experts_per_token`` of ``num_experts`` MLPs (``expert_intermediate_size`` wide) for
+    # each token, their outputs summed with the router's softmax weights, renormalised over the
+    # chosen ones when ``normalize_expert_weights``. 0 experts: every layer is a dense MLP.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    normalize_expert_weights: bool = True
+    dense_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @classmethod
     def from_file(cls, path: Path) -> LlamaConfig:
@@ -78,6 +93,8 @@ class LlamaConfig:
         if self.architecture in _WINDOW_IF_USED and self.sliding_window is not None:
             return f"{self.architecture.removesuffix('ForCausalLM')} per-layer sliding window attention " \
                    "(use_sliding_window) is not supported"
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            return f"{self.experts_per_token} experts per token of {self.num_experts}"
         if self.num_heads % self.num_kv_heads:
             return f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
         return None
@@ -123,13 +140,27 @@ def _parse(raw: dict[str, Any], arch: str) -> LlamaConfig:
     rope = _rope_parameters(raw)
     scaling = rope if rope.get("rope_type", "default") != "default" else None
     # attention_bias puts a bias on all four projections in Llama and Qwen3; Qwen2 has q/k/v biases always.
-    attention_bias = bool(raw.get("attention_bias", False)) and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+    attention_bias = bool(raw.get("attention_bias", False)) and arch in ("LlamaForCausalLM", *_QWEN3)
+    layers = int(raw["num_hidden_layers"])
+    moe: dict[str, Any] = {}
+    if arch == "MixtralForCausalLM":  # every layer; Mixtral always renormalises its top-k weights
+        moe = dict(num_experts=int(raw["num_local_experts"]), experts_per_token=int(raw["num_experts_per_tok"]),
+                   expert_intermediate_size=int(raw["intermediate_size"]), normalize_expert_weights=True)
+    elif arch == "Qwen3MoeForCausalLM":
+        step = int(raw.get("decoder_sparse_step", 1)) or 1
+        only_mlp = {int(i) for i in raw.get("mlp_only_layers") or []}
+        # The Hub's files say num_experts; transformers 5 writes num_local_experts.
+        experts = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]
+        moe = dict(num_experts=int(experts), experts_per_token=int(raw["num_experts_per_tok"]),
+                   expert_intermediate_size=int(raw["moe_intermediate_size"]),
+                   normalize_expert_weights=bool(raw.get("norm_topk_prob", False)),
+                   dense_layers=tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step))
     return LlamaConfig(
         architecture=arch,
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(raw["intermediate_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -141,8 +172,9 @@ def _parse(raw: dict[str, Any], arch: str) -> LlamaConfig:
         qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
         o_bias=attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in _QWEN3,
         sliding_window=_sliding_window(raw, arch),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        **moe,
     )

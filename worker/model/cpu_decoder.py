@@ -24,7 +24,7 @@ from worker.attention.base import AttentionMetadata, DecodeRows
 from worker.kernels import cpu as cpu_kernels
 from worker.kv_cache import KVCache
 from worker.model.layers import Linear, RMSNorm
-from worker.model.llama import LlamaForCausalLM
+from worker.model.llama import MLP, LlamaForCausalLM, SparseMoE
 
 log = logging.getLogger("sluice.worker")
 
@@ -101,6 +101,7 @@ class CpuDecoder:
             rows = []
             for i, layer in enumerate(self.model.model.decoder_layers()):
                 attn, mlp = layer.self_attn, layer.mlp
+                assert isinstance(mlp, MLP)  # ``_unsupported`` turned mixtures of experts away
                 rows.append([_address(layer.input_layernorm.weight), *_linear(attn.qkv_proj), *_linear(attn.o_proj),
                              _address(layer.post_attention_layernorm.weight), *_linear(mlp.gate_up_proj),
                              *_linear(mlp.down_proj), _address(cache.key_slots[i]), _address(cache.value_slots[i]),
@@ -132,6 +133,8 @@ def _unsupported(model: LlamaForCausalLM) -> str | None:
     layers = model.model.decoder_layers()
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
+        if isinstance(mlp, SparseMoE):
+            return "decoder.c has no stage for a mixture of experts"
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if linear.kernels is None:
                 return f"the linear layers are not packed for Sluice's {str(dtype).removeprefix('torch.')} kernel here"

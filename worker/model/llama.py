@@ -13,6 +13,7 @@ decode step's profile. Checkpoints keep Hugging Face's separate names:
 from __future__ import annotations
 
 import ctypes
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
@@ -70,9 +71,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, h: int, inter: int, bias: bool) -> None:
         super().__init__()
-        h, inter, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
         self.inter = inter
         self.gate_up_proj = Linear(h, 2 * inter, bias=bias)
         self.down_proj = Linear(inter, h, bias=bias)
@@ -89,11 +89,55 @@ class MLP(nn.Module):
         return self.reduce(out) if self.reduce is not None else out
 
 
+class SparseMoE(nn.Module):
+    """A mixture of experts in place of the MLP (Mixtral, Qwen3-MoE): the router (``gate``) scores
+    every expert for each token; the ``top_k`` best, with their softmax weights (renormalised over
+    the chosen ones where the model does), each run their MLP on the token, and the weighted
+    outputs are summed.
+
+    The tokens are grouped by expert (one stable sort of the step's choices), and each expert that
+    was chosen runs once over its group: a step reads the weights of the experts its tokens chose,
+    once each. Each expert is an ``MLP`` of ``Linear`` layers, packed and (from a GGUF file) kept
+    quantized like any other, so a row's result does not depend on which rows share its group.
+    A token's expert outputs are added in the experts' order, as ``transformers`` adds them."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        h, e = cfg.hidden_size, cfg.num_experts
+        self.top_k, self.normalize = cfg.experts_per_token, cfg.normalize_expert_weights
+        self.gate = Linear(h, e, bias=False)
+        self.experts = nn.ModuleList(MLP(h, cfg.expert_intermediate_size, bias=False) for _ in range(e))
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum the ranks' outputs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)  # choices grouped by expert, each group in token order
+        tokens = order // self.top_k
+        weights = weights.flatten()[order].unsqueeze(1)
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(torch.bincount(flat, minlength=len(self.experts)).tolist()):
+            if n:
+                rows = tokens[start : start + n]
+                y = self.experts[expert](x[rows])
+                out.index_add_(0, rows, (y * weights[start : start + n]).to(x.dtype))
+                start += n
+        return self.reduce(out) if self.reduce is not None else out
+
+    def mlps(self) -> list[MLP]:
+        return [cast(MLP, m) for m in self.experts]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoE = (SparseMoE(cfg) if cfg.is_moe_layer(layer) else
+                                     MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -158,7 +202,8 @@ class LlamaForCausalLM(nn.Module):
         self.model.norm.kernel = kernels
         for layer in self.model.decoder_layers():
             layer.input_layernorm.kernel = layer.post_attention_layernorm.kernel = kernels
-            layer.mlp.silu_kernel = kernels
+            for mlp in layer.mlp.mlps() if isinstance(layer.mlp, SparseMoE) else [layer.mlp]:
+                mlp.silu_kernel = kernels
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 if norm is not None:
                     norm.kernel = kernels
@@ -285,12 +330,33 @@ class LlamaForCausalLM(nn.Module):
 
 
 def _unfused(name: str, cfg: LlamaConfig) -> list[tuple[str, int]] | None:
-    """The checkpoint tensors a fused parameter is made of, with their row counts, in order."""
+    """The checkpoint tensors a fused parameter is made of, with their row counts, in order
+    (an expert's gate and up: ``mlp.experts.N.gate_up_proj`` from ``mlp.experts.N.gate_proj``
+    and ``up_proj``, the names ``checkpoint_name`` gives every family's files)."""
     prefix, _, rest = name.partition("self_attn.qkv_proj.")
     if rest:
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         return [(f"{prefix}self_attn.{p}_proj.{rest}", rows) for p, rows in (("q", q), ("k", kv), ("v", kv))]
-    prefix, _, rest = name.partition("mlp.gate_up_proj.")
+    prefix, _, rest = name.partition("gate_up_proj.")
     if rest:
-        return [(f"{prefix}mlp.{p}_proj.{rest}", cfg.intermediate_size) for p in ("gate", "up")]
+        rows = cfg.expert_intermediate_size if ".experts." in prefix else cfg.intermediate_size
+        return [(f"{prefix}{p}_proj.{rest}", rows) for p in ("gate", "up")]
     return None
+
+
+# Mixtral's files name its experts' MLPs as its reference code did: w1 the gate, w3 the up, w2
+# the down projection, under ``block_sparse_moe``. The model (and Qwen3-MoE's files) say
+# ``mlp.experts.N.{gate,up,down}_proj`` and ``mlp.gate``.
+_MIXTRAL_NAME = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate\.|experts\.\d+\.w([123])\.)(weight|bias)$")
+_MIXTRAL_PROJ = {"1": "gate_proj.", "2": "down_proj.", "3": "up_proj."}
+
+
+def checkpoint_name(name: str) -> str:
+    """A checkpoint file's tensor name under the names the model's ``checkpoint_shapes`` uses."""
+    match = _MIXTRAL_NAME.match(name)
+    if match is None:
+        return name
+    layer, part, w, kind = match.groups()
+    if w is not None:
+        part = part[: -len(f"w{w}.")] + _MIXTRAL_PROJ[w]
+    return f"{layer}mlp.{part}{kind}"

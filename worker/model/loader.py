@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from protocol.models import unknown_model
 from worker.model import cpu_matmul
 from worker.model.config import LlamaConfig, ModelLoadError
-from worker.model.llama import LlamaForCausalLM
+from worker.model.llama import LlamaForCausalLM, checkpoint_name
 from worker.model.quantized import QuantizedWeight
 from worker.model.sharding import ShardLayout, pad
 from worker.model.tiny import materialize_tiny
@@ -173,20 +173,21 @@ def _read_weights(files: list[Path], expected: dict[str, torch.Size], dtype: tor
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if name.endswith(_IGNORED_SUFFIXES):
+                for stored in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if stored.endswith(_IGNORED_SUFFIXES):
                         continue
+                    name = checkpoint_name(stored)  # Mixtral's experts under the model's names
                     if name not in expected:
-                        raise ModelLoadError(f"{file}: unexpected tensor {name} (not part of this "
+                        raise ModelLoadError(f"{file}: unexpected tensor {stored} (not part of this "
                                              f"architecture as config.json describes it)")
-                    part = f.get_slice(name)
+                    part = f.get_slice(stored)
                     shape = tuple(part.get_shape())
                     if shape != tuple(expected[name]):
-                        raise ModelLoadError(f"{file}: tensor {name} has shape {shape}, "
+                        raise ModelLoadError(f"{file}: tensor {stored} has shape {shape}, "
                                              f"config.json implies {tuple(expected[name])}")
                     sl = layout.slice_for(name, shape) if layout is not None else None
                     if sl is None:
-                        tensor = f.get_tensor(name)
+                        tensor = f.get_tensor(stored)
                     else:
                         tensor = pad(part[sl.start : sl.stop] if sl.dim == 0 else part[:, sl.start : sl.stop],
                                      sl.dim, sl.size)

@@ -9,7 +9,8 @@ With k ranks, rank r holds:
   needs it (replicated). Either way a rank's local query head j reads its local KV head
   ``j // (local heads / local KV heads)``, the layout the attention kernels already take;
 * the MLP: rows ``[r*I/k, ...)`` of gate and up (column-parallel), those columns of down
-  (row-parallel, one all-reduce);
+  (row-parallel, one all-reduce); in a mixture of experts, every expert's the same way (each
+  rank holds every expert, a k-th of its rows), the router whole, one all-reduce of the sum;
 * the vocabulary: rows ``[r*S, (r+1)*S)`` of the embedding and of lm_head, ``S = ceil(V/k)``
   (the last shard padded with zero rows). The embedding looks up the ids in its rows and
   all-reduces; lm_head's logits are gathered on rank 0, which samples;
@@ -64,7 +65,7 @@ def pad_quantized_rows(w: QuantizedWeight, rows: int) -> QuantizedWeight:
                                mins=pad(w.mins, 0, rows))
 
 
-_LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
+_LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?(\w+)_proj\.(weight|bias)$")
 
 
 class ShardLayout:
@@ -79,6 +80,9 @@ class ShardLayout:
         if inter % size:
             raise ModelLoadError(f"--tensor-parallel-size {size} does not divide the model's intermediate size "
                                  f"{inter}")
+        if cfg.expert_intermediate_size % size:
+            raise ModelLoadError(f"--tensor-parallel-size {size} does not divide the model's experts' intermediate "
+                                 f"size {cfg.expert_intermediate_size}")
         self.cfg, self.rank, self.size = cfg, rank, size
         self.heads = h // size
         self.head_start = rank * self.heads
@@ -86,13 +90,15 @@ class ShardLayout:
         self.kv_heads = 1 if self.replicated_kv else kv // size
         self.kv_start = self.head_start // (h // kv) if self.replicated_kv else rank * self.kv_heads
         self.inter = inter // size
+        self.expert_inter = cfg.expert_intermediate_size // size  # each expert's rows, as the MLP's
         self.vocab = -(-cfg.vocab_size // size)
         self.vocab_start = rank * self.vocab
 
     def local_config(self) -> LlamaConfig:
         """The model one rank builds: its heads, KV heads, MLP rows and vocabulary rows."""
         return dataclasses.replace(self.cfg, num_heads=self.heads, num_kv_heads=self.kv_heads,
-                                   intermediate_size=self.inter, vocab_size=self.vocab)
+                                   intermediate_size=self.inter, expert_intermediate_size=self.expert_inter,
+                                   vocab_size=self.vocab)
 
     def describe(self) -> str:
         kv = (f"KV head {self.kv_start} (replicated: {self.cfg.num_kv_heads} KV heads for {self.size} ranks)"
@@ -111,17 +117,18 @@ class ShardLayout:
         match = _LAYER.match(name)
         if match is None:
             return None  # norms
-        _, proj, kind = match.groups()
+        _, expert, proj, kind = match.groups()
+        inter = self.expert_inter if expert else self.inter
         if proj == "q":
             return Slice(0, self.head_start * d, (self.head_start + self.heads) * d, self.heads * d)
         if proj in ("k", "v"):
             return Slice(0, self.kv_start * d, (self.kv_start + self.kv_heads) * d, self.kv_heads * d)
         if proj in ("gate", "up"):
-            return Slice(0, self.rank * self.inter, (self.rank + 1) * self.inter, self.inter)
+            return Slice(0, self.rank * inter, (self.rank + 1) * inter, inter)
         # o and down: row-parallel. The weight's input columns; the bias on rank 0 only.
         if kind == "bias":
             return None if self.rank == 0 else Slice(0, 0, 0, shape[0])
-        width = self.heads * d if proj == "o" else self.inter
+        width = self.heads * d if proj == "o" else inter
         start = self.rank * width
         return Slice(1, start, start + width, width)
 
