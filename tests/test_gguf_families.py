@@ -8,12 +8,13 @@ checkpoint of the same family."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import hf_greedy, save_qwen2, save_qwen3, write_gguf
+from checkpoints import hf_greedy, save_mixtral, save_qwen2, save_qwen3, save_qwen3_moe, write_gguf
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
 from safetensors.torch import load_file
@@ -32,11 +33,14 @@ NEW_TOKENS = 10
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
 def _gguf_name(hf: str) -> str:
+    hf = hf.replace(".block_sparse_moe.gate.", ".mlp.gate.")
     base, _, kind = hf.rpartition(".")
     if base.startswith("model.layers."):
         layer, _, part = base.removeprefix("model.layers.").partition(".")
@@ -45,8 +49,9 @@ def _gguf_name(hf: str) -> str:
 
 
 def write_qwen_gguf(ckpt: Path, arch: str, path: Path, matrices: Q = Q.F32) -> Path:
-    """``ckpt`` (a Hugging Face Qwen2 or Qwen3 directory) as llama.cpp's converter writes it; the
-    2-D weights in ``matrices``' type."""
+    """``ckpt`` (a Hugging Face Qwen2, Qwen3, Qwen3-MoE or Mixtral directory) as llama.cpp's
+    converter writes it: experts stacked per projection, a Mixtral as a ``llama`` file with its
+    q/k rows permuted; the matrices in ``matrices``' type."""
     cfg = json.loads((ckpt / "config.json").read_text())
     tok = json.loads((ckpt / "tokenizer.json").read_text())
     vocab: dict[str, int] = tok["model"]["vocab"] | {t["content"]: t["id"] for t in tok["added_tokens"]}
@@ -71,21 +76,47 @@ def write_qwen_gguf(ckpt: Path, arch: str, path: Path, matrices: Q = Q.F32) -> P
     merges = tok["model"]["merges"]
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     writer.add_eos_token_id(vocab["</s>"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        if "moe_intermediate_size" in cfg:
+            writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     writer.add_add_bos_token(False)
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(ckpt.glob("*.safetensors")):
         state |= load_file(shard)
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    for name in list(state):
+        match = _EXPERT.match(name)
+        if match is not None:
+            layer, expert, proj = match.groups()
+            stacked.setdefault(f"blk.{layer}.ffn_{_EXPERT_PROJ[proj]}_exps.weight", {})[int(expert)] = state.pop(name)
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    tensors = {_gguf_name(name): t for name, t in state.items()}
+    tensors |= {name: torch.stack([parts[e] for e in sorted(parts)]) for name, parts in stacked.items()}
     for name, tensor in state.items():
+        proj = name.rsplit(".", 2)[-2]
+        if arch == "llama" and proj in heads:  # llama.cpp's rope pairs neighbours: its converter interleaves
+            tensors[_gguf_name(name)] = _llama_cpp_permute(tensor, heads[proj])
+    for name, tensor in tensors.items():
         w = tensor.float().numpy()
-        if w.ndim == 2 and matrices != Q.F32:
-            writer.add_tensor(_gguf_name(name), quants.quantize(w, matrices), raw_dtype=matrices)
+        if w.ndim >= 2 and matrices != Q.F32 and w.shape[-1] % 32 == 0:  # else float, as llama.cpp falls back
+            writer.add_tensor(name, quants.quantize(w, matrices), raw_dtype=matrices)
         else:
-            writer.add_tensor(_gguf_name(name), w)
+            writer.add_tensor(name, w)
     write_gguf(writer)
     return path
 
 
+def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """What llama.cpp's converter does to a ``llama`` file's q/k rows: each head's two rotary halves interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+
+
 FAMILIES: dict[str, Callable[[Path], Path]] = {"qwen2": save_qwen2, "qwen3": save_qwen3}
+# GGUF architecture -> a checkpoint of its family with experts (Mixtral is a ``llama`` file)
+MIXTURES: dict[str, Callable[[Path], Path]] = {"qwen3moe": save_qwen3_moe, "llama": save_mixtral}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -151,3 +182,44 @@ def test_the_qwen2_split_keeps_every_digit_apart(family: tuple[str, Path, Path])
     assert ours.pre_tokenizer is not None
     pieces = [p for p, _ in ours.pre_tokenizer.pre_tokenize_str("year 2024, 12 items")]
     assert pieces == ["year", "Ġ", "2", "0", "2", "4", ",", "Ġ", "1", "2", "Ġitems"]
+
+
+@pytest.mark.parametrize("arch", list(MIXTURES))
+def test_a_mixture_of_experts_gguf_generates_what_transformers_generates(arch: str, tmp_path: Path) -> None:
+    """Experts stacked per projection in the file, split into the model's experts; the router;
+    Qwen3-MoE's unnormalised weights are llama.cpp's renormalised ones, so that checkpoint is
+    written with norm_topk_prob on here (as Qwen3-MoE's released models have it)."""
+    ckpt = MIXTURES[arch](tmp_path / "hf")
+    if arch == "qwen3moe":
+        cfg = json.loads((ckpt / "config.json").read_text())
+        (ckpt / "config.json").write_text(json.dumps(cfg | {"norm_topk_prob": True}))
+    path = write_qwen_gguf(ckpt, arch, tmp_path / "model.gguf")
+    worker = Worker(WorkerConfig(model=str(path), num_kv_blocks=64, block_size=8, dtype="float32"))
+    cfg = worker.runner.model.config
+    assert cfg.architecture == {"qwen3moe": "Qwen3MoeForCausalLM", "llama": "MixtralForCausalLM"}[arch]
+    assert cfg.num_experts == (6 if arch == "qwen3moe" else 5) and cfg.normalize_expert_weights
+    assert cfg.dense_layers == ((1,) if arch == "qwen3moe" else ())
+    want = dict(zip(PROMPTS, hf_greedy(ckpt, list(PROMPTS.values()), NEW_TOKENS), strict=True))
+    assert _greedy(worker) == want
+
+
+def test_quantized_experts_stay_quantized(tmp_path: Path) -> None:
+    """Q8_0 experts, on a CPU whose quantized kernel reads them: each expert's gate and up keep
+    the file's blocks (3-D tensors split by rows, no dequantized copy); the down projections'
+    24 inputs are no whole block, so the file has them in float."""
+    from worker.kernels import cpu as cpu_kernels
+    from worker.model.llama import SparseMoE
+
+    if not cpu_kernels.has_linear(cpu_kernels.load(), torch.float32):
+        pytest.skip("no packed linear kernel on this CPU")
+    ckpt = save_qwen3_moe(tmp_path / "hf")
+    path = write_qwen_gguf(ckpt, "qwen3moe", tmp_path / "q8.gguf", Q.Q8_0)
+    worker = Worker(WorkerConfig(model=str(path), num_kv_blocks=64, block_size=8))
+    moe = worker.runner.model.model.decoder_layers()[0].mlp
+    assert isinstance(moe, SparseMoE)
+    assert all(m.gate_up_proj.quant_layout and not m.down_proj.quant_layout for m in moe.mlps())
+    d = Driver(worker.runner)
+    d.plan([(1, len(PROMPTS[1]))], [NewRequest(1, PROMPTS[1], len(PROMPTS[1]), greedy(4))])
+    while d.live():
+        d.plan([(1, 1)])
+    assert len(d.outputs[1]) == 4

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +47,16 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # GGUF's architecture names, as llama.cpp's converter writes them, and the model each one is.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM"}
+# A mixture of experts' tensors: the router, and each projection of every expert stacked in one
+# 3-D tensor [experts, rows, columns] (each expert's rows contiguous), split here into the experts.
+_EXPERT_NAME = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 
 class GGUFCheckpoint:
@@ -83,18 +89,29 @@ class GGUFCheckpoint:
         hidden = int(self._field(f"{a}.embedding_length"))
         if self.metadata.get(f"{a}.rope.scaling.type", "none") not in ("none", "") or "rope_freqs.weight" in self.tensors:
             raise ModelLoadError(f"{self.path}: rope scaling in GGUF files is not supported")
-        if int(self.metadata.get(f"{a}.expert_count", 0)) > 0:
-            raise ModelLoadError(f"{self.path}: mixture-of-experts GGUF files are not supported")
+        experts = int(self.metadata.get(f"{a}.expert_count", 0))
+        moe: dict[str, Any] = {}
+        if experts:
+            # Mixtral is a llama file with experts; llama.cpp renormalises the chosen experts'
+            # weights for both (as Mixtral does, and Qwen3-MoE's released models do).
+            moe = dict(num_experts=experts, experts_per_token=int(self._field(f"{a}.expert_used_count")),
+                       expert_intermediate_size=int(self.metadata.get(f"{a}.expert_feed_forward_length")
+                                                    or self._field(f"{a}.feed_forward_length")),
+                       normalize_expert_weights=bool(self.metadata.get(f"{a}.expert_weights_norm", True)),
+                       dense_layers=tuple(i for i in range(int(self._field(f"{a}.block_count")))
+                                          if f"blk.{i}.ffn_gate_inp.weight" not in self.tensors))
+        architecture = "MixtralForCausalLM" if experts and a == "llama" else ARCHITECTURES[a]
         vocab = len(self.metadata.get("tokenizer.ggml.tokens", []))
         eos = self.metadata.get("tokenizer.ggml.eos_token_id")
         bos = self.metadata.get("tokenizer.ggml.bos_token_id")
         # Qwen3's heads are not hidden / heads wide: llama.cpp writes their width as key_length.
         head_dim = self.metadata.get(f"{a}.attention.key_length") or self.metadata.get(f"{a}.rope.dimension_count")
         return LlamaConfig(
-            architecture=ARCHITECTURES[a],
+            architecture=architecture,
             vocab_size=int(self._field(f"{a}.vocab_size", vocab)),
             hidden_size=hidden,
-            intermediate_size=int(self._field(f"{a}.feed_forward_length")),
+            intermediate_size=int(self.metadata.get(f"{a}.feed_forward_length") or moe.get("expert_intermediate_size")
+                                  or self._field(f"{a}.feed_forward_length")),
             num_layers=int(self._field(f"{a}.block_count")),
             num_heads=heads,
             num_kv_heads=int(self._field(f"{a}.attention.head_count_kv", heads)),
@@ -111,6 +128,7 @@ class GGUFCheckpoint:
             sliding_window=None,
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=[int(eos)] if eos is not None else [],
+            **moe,
         )
 
     # ------------------------------------------------------------------ weights
@@ -127,11 +145,24 @@ class GGUFCheckpoint:
                 return f"{_GLOBAL_NAMES[base]}.{kind}"
         raise ModelLoadError(f"{self.path}: unexpected tensor {name} for a {self.arch} model")
 
+    def _named_tensors(self) -> Iterator[tuple[str, str, GGUFTensor]]:
+        """(GGUF name, model name, tensor) of every tensor, a mixture's stacked experts one by one."""
+        for name, t in self.tensors.items():
+            match = _EXPERT_NAME.match(name)
+            if match is None:
+                yield name, self.hf_name(name), t
+                continue
+            layer, proj = match.groups()
+            experts, per_expert = t.shape[0], t.data.size // t.shape[0]
+            for e in range(experts):
+                yield name, f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight", \
+                    GGUFTensor(f"{name}[{e}]", t.shape[1:], t.qtype, t.data[e * per_expert : (e + 1) * per_expert])
+
     def quantized_types(self) -> list[str]:
         """The quantized tensor types the file's matrices use, most weights first ([] for a float file)."""
         counts: dict[str, int] = {}
         for t in self.tensors.values():
-            if len(t.shape) == 2 and t.qtype.name not in ("F32", "F16", "BF16"):
+            if len(t.shape) >= 2 and t.qtype.name not in ("F32", "F16", "BF16"):  # 3-D: stacked experts
                 counts[t.qtype.name] = counts.get(t.qtype.name, 0) + t.numel
         return sorted(counts, key=lambda name: -counts[name])
 
@@ -146,8 +177,7 @@ class GGUFCheckpoint:
         cfg = self.config
         state: dict[str, torch.Tensor | QuantizedWeight] = {}
         dequantized: dict[str, int] = {}
-        for name, t in self.tensors.items():
-            target = self.hf_name(name)
+        for name, target, t in self._named_tensors():
             want = tuple(expected.get(target, ()))
             if target not in expected or t.shape != want:
                 raise ModelLoadError(f"{self.path}: tensor {name} has shape {t.shape}, the metadata implies "

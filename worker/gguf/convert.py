@@ -79,6 +79,9 @@ def convert(source: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
         raise ModelLoadError(f"{out_dir}: exists and is not an empty directory")
     ckpt = GGUFCheckpoint(source)
     cfg = ckpt.config
+    if cfg.num_experts:
+        raise ModelLoadError(f"{source}: mixture-of-experts files are not converted (yet); "
+                             "sluice serve reads them as they are")
     model = load_model(source, cfg, dtype, torch.device("cpu"), cfg.max_position_embeddings, weights=ckpt.weights)
     state = {name: t.contiguous() for name, t in model.checkpoint_state().items()}
     if cfg.tie_word_embeddings:
