@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from frontend.env_flags import apply_env_defaults, env_table
 from protocol.config import (
     PREEMPTION_MODES,
+    REASONING_PARSERS,
     SCHEDULING_POLICIES,
     ConfigError,
     FrontendConfig,
@@ -81,6 +82,10 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
         p.add_argument("--pooling", default="last", choices=["last", "mean"],
                        help="/v1/embeddings: the last prompt token's final hidden state, or the mean of every "
                             "prompt token's (L2-normalised either way)")
+        p.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
+                       help="chat answers of models that think in <think>...</think> (Qwen3, QwQ, DeepSeek-R1): "
+                            "the block as reasoning_content, the rest as content; auto: when the tokenizer has "
+                            "both tags; think (or qwen3, deepseek_r1: the same parser): always; none: never")
         p.add_argument("--shutdown-grace", type=float, default=3.0,
                        help="on SIGTERM/Ctrl-C, seconds requests in flight get to finish before they are "
                             "aborted (a second signal stops at once)")

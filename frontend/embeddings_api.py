@@ -75,15 +75,15 @@ class _NoText:
     plain = False
     stream_end = b""
 
-    def token(self, choice: Piece, text: str) -> bytes:
+    def token(self, choice: Piece, text: str, reasoning: bool = False) -> bytes:
         raise AssertionError("an embedding request has no text")
 
     def chunk(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
-              finish_reason: str | None, abort_reason: str | None) -> bytes:
+              finish_reason: str | None, abort_reason: str | None, reasoning: str = "") -> bytes:
         raise AssertionError("an embedding request has no text")
 
     def answer(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
-               finish_reason: str, abort_reason: str | None) -> dict[str, Any]:
+               finish_reason: str, abort_reason: str | None, reasoning: str | None = None) -> dict[str, Any]:
         raise AssertionError("an embedding request has no text")
 
     def body(self, choices: list[dict[str, Any]], usage: dict[str, object],

@@ -190,9 +190,10 @@ def check_capacity(state: AppState) -> None:
 
 
 def engine_output(state: AppState, body: SamplingFields, prompt_ids: list[int], sampling: SamplingParams,
-            request_id: str, renderer: Renderer, first_index: int = 0, terminal: bool = True) -> Output:
+            request_id: str, renderer: Renderer, first_index: int = 0, terminal: bool = True,
+            reasoning: bool | None = None) -> Output:
     """One prompt's engine request (its ``n`` choices, sent as one message) and the ``Output``
-    its answers are rendered into."""
+    its answers are rendered into (``reasoning``: ``Output``'s)."""
     add = AddRequest(
         rid=state.client.next_rids(body.n),
         request_id=request_id,
@@ -206,16 +207,17 @@ def engine_output(state: AppState, body: SamplingFields, prompt_ids: list[int], 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     text = TextOptions(body.skip_special_tokens, body.include_stop_str_in_output)
     return Output(add, state.require_tokenizer(), body.stop_strings(), renderer, body.stream, include_usage,
-                  first_index, terminal, text)
+                  first_index, terminal, text, reasoning)
 
 
 async def _run(state: AppState, request: Request, body: SamplingFields, prompt_ids: list[int],
-               sampling: SamplingParams, request_id: str, renderer: Renderer) -> Response | StreamResponse:
+               sampling: SamplingParams, request_id: str, renderer: Renderer,
+               reasoning: bool | None = None) -> Response | StreamResponse:
     """Shared by both endpoints: one engine request per choice (``n``, sent as one message),
     their output rendered by ``renderer`` as it arrives — streamed as SSE chunks, or collected
     into one body."""
     check_capacity(state)
-    output = engine_output(state, body, prompt_ids, sampling, request_id, renderer)
+    output = engine_output(state, body, prompt_ids, sampling, request_id, renderer, reasoning=reasoning)
     handle = await state.client.add(output)
     if body.stream:
         return StreamResponse(handle, {"X-Request-Id": request_id})
@@ -297,6 +299,38 @@ async def completions(request: Request) -> Response | StreamResponse | BatchStre
     return await _run_batch(state, request, body, runs, request_id)
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's
+
+
+def thinking_kwargs(kwargs: dict[str, Any] | None, effort: str | None, splits: bool,
+                    param: str) -> dict[str, Any] | None:
+    """The chat template's variables: the request's own (``chat_template_kwargs``, which win),
+    and what a reasoning effort asks for. ``none`` renders the template with ``enable_thinking``
+    false (Qwen3's switch); every effort is given to it as ``reasoning_effort`` (what templates
+    that take an effort read). A model that writes no reasoning (``splits`` false) honours only
+    none; asking it for more is a 400 naming ``param``."""
+    if effort is None:
+        return kwargs
+    if effort not in REASONING_EFFORTS:
+        raise bad_request(f"{param} must be one of {', '.join(REASONING_EFFORTS)}; got {effort[:40]!r}", param)
+    if effort != "none" and not splits:
+        raise bad_request(f"{param} {effort!r}: the served model writes no reasoning (its tokenizer has no "
+                          "<think> and </think>, or the server runs with --reasoning-parser none); leave it "
+                          "unset or none", param)
+    asked: dict[str, Any] = {"reasoning_effort": effort}
+    if effort == "none":
+        asked["enable_thinking"] = False
+    return asked | (kwargs or {})
+
+
+def starts_thinking(tokenizer: ModelTokenizer, prompt_ids: list[int], grammar: str | None) -> bool:
+    """Whether a split answer starts inside the think block (``frontend.reasoning``): the
+    prompt left ``<think>`` open, and no grammar shapes the output. A grammar's output is what
+    it allows from the first token on (JSON, tool calls), so it is content unless it opens a
+    block itself; the model cannot think first."""
+    return grammar is None and tokenizer.opens_think(prompt_ids)
+
+
 async def chat_prompt_ids(tokenizer: ModelTokenizer, messages: list[ChatMessage], use: ToolUse | None,
                           max_chars: int | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The conversation rendered with the chat template and tokenized (a 400 naming the message
@@ -325,7 +359,9 @@ async def chat_completions(request: Request) -> Response | StreamResponse:
     check_priority(state, request, body.priority)
     use = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls)
     max_chars = tokenizer.max_text_chars(state.require_model().max_model_len - 1)
-    prompt_ids = await chat_prompt_ids(tokenizer, body.messages, use, max_chars, body.chat_template_kwargs)
+    splits = state.splits_reasoning(tokenizer)
+    kwargs = thinking_kwargs(body.chat_template_kwargs, body.reasoning_effort, splits, "reasoning_effort")
+    prompt_ids = await chat_prompt_ids(tokenizer, body.messages, use, max_chars, kwargs)
     max_tokens, max_tokens_param = (body.max_completion_tokens, "max_completion_tokens") \
         if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens")
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -336,7 +372,8 @@ async def chat_completions(request: Request) -> Response | StreamResponse:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     renderer = ChatRenderer(request_id, int(time.time()), state.model_name, tokenizer, prompt_ids,
                             body.return_token_ids, top_logprobs, tools=use, prompt_logprobs=body.prompt_logprobs)
-    return await _run(state, request, body, prompt_ids, sampling, request_id, renderer)
+    reasoning = starts_thinking(tokenizer, prompt_ids, grammar) if splits and body.separate_reasoning else None
+    return await _run(state, request, body, prompt_ids, sampling, request_id, renderer, reasoning)
 
 
 async def list_models(request: Request) -> Response:

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from frontend.metrics import Metrics
+from frontend.reasoning import ReasoningParser
 from frontend.render import Renderer, usage_dict
 from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopStringMatcher
 from protocol.messages import (
@@ -62,15 +63,18 @@ class Choice:
 
     __slots__ = (
         "abort_sent", "arrivals", "cached_tokens", "completion_tokens", "detok", "ended", "first_chunk",
-        "generated", "index", "logprobs", "output", "parts", "request_id", "rid", "silent_ids", "stops",
-        "text_offset", "token_ids", "unsent_ids", "unsent_text",
+        "generated", "index", "logprobs", "output", "parts", "reasoning", "request_id", "rid", "silent_ids",
+        "stops", "text_offset", "thought", "token_ids", "unsent_ids", "unsent_reasoning", "unsent_text",
     )  # fmt: skip
 
     def __init__(self, output: Output, index: int, rid: int, request_id: str, tokenizer: ModelTokenizer,
-                 request: AddRequest, stop_strings: list[str], text: TextOptions) -> None:
+                 request: AddRequest, stop_strings: list[str], text: TextOptions,
+                 reasoning: bool | None = None) -> None:
         self.output, self.index, self.rid, self.request_id = output, index, rid, request_id
         self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, text.skip_special_tokens)
         self.stops = StopStringMatcher(stop_strings, text.include_stop) if stop_strings else None
+        # After stop strings: the think block's text (reasoning) told apart from the answer's.
+        self.reasoning = ReasoningParser(reasoning) if reasoning is not None else None
         # Tokens that end generation (EOS, stop ids) are not part of the text, as in OpenAI's API.
         sampling = request.sampling
         self.silent_ids = set(sampling.stop_token_ids)
@@ -86,15 +90,31 @@ class Choice:
         self.abort_sent = False
         # Not streaming: the whole answer, collected. Streaming: a backlog merged into one chunk.
         self.parts: list[str] = []
+        self.thought: list[str] = []  # the reasoning's parts
         self.token_ids: list[int] = []
         self.logprobs: list[Logprob] = []
         self.unsent_text: list[str] = []
+        self.unsent_reasoning: list[str] = []
         self.unsent_ids: list[int] = []
 
     @property
     def prompt_logprobs(self) -> list[PromptLogprob] | None:
         """The prompt's logprobs (entry i for prompt token i + 1), once they arrived."""
         return self.output.prompt_logprobs
+
+    def split(self, text: str, token_ids: list[int], last: bool = False) -> tuple[str, str]:
+        """(reasoning, content) of the next tokens' text; ``last``: with what was held back."""
+        parser = self.reasoning
+        assert parser is not None
+        if not text and token_ids:
+            hidden = self.output.hidden_tags
+            if hidden and token_ids[-1] in hidden:
+                text = hidden[token_ids[-1]]
+        reasoning, text = parser.feed(text, len(token_ids))
+        if last:
+            held_reasoning, held_text = parser.flush()
+            reasoning, text = reasoning + held_reasoning, text + held_text
+        return reasoning, text
 
 
 class Output:
@@ -106,8 +126,11 @@ class Output:
 
     def __init__(self, request: AddRequest, tokenizer: ModelTokenizer, stop_strings: list[str],
                  renderer: Renderer, streaming: bool, include_usage: bool, first_index: int = 0,
-                 terminal: bool = True, text: TextOptions = TextOptions()) -> None:
+                 terminal: bool = True, text: TextOptions = TextOptions(), reasoning: bool | None = None) -> None:
+        """``reasoning``: None when the answer is text alone; else it is split into reasoning and
+        content (``frontend.reasoning``), True when the prompt leaves the model inside ``<think>``."""
         self.request = request
+        self.hidden_tags = tokenizer.hidden_think_tags if reasoning is not None else {}
         self.renderer = renderer
         self.streaming = streaming
         self.include_usage = include_usage
@@ -118,7 +141,7 @@ class Output:
         self.terminal = terminal
         rid, request_id = request.rid, request.request_id
         self.choices = [Choice(self, first_index + i, rid + i, request_id if i == 0 else f"{request_id}-{i}",
-                               tokenizer, request, stop_strings, text) for i in range(request.n)]
+                               tokenizer, request, stop_strings, text, reasoning) for i in range(request.n)]
         self.finishes: dict[int, Finish] = {}  # by choice index: the scheduler's word on how it ended
         # Echo with logprobs, or vLLM's prompt_logprobs: the prompt's, computed by the first
         # choice, reported for every choice.
@@ -182,29 +205,42 @@ class Output:
         for choice in self.choices:
             if choice.unsent_ids:
                 self.buffer.append(self.renderer.chunk(choice, "".join(choice.unsent_text), choice.unsent_ids,
-                                                       [None] * len(choice.unsent_ids), None, None))
-                choice.unsent_text, choice.unsent_ids = [], []
+                                                       [None] * len(choice.unsent_ids), None, None,
+                                                       "".join(choice.unsent_reasoning)))
+                choice.unsent_text, choice.unsent_ids, choice.unsent_reasoning = [], [], []
 
     # ----------------------------------------------------------------- the processor's side
 
     def emit(self, choice: Choice, text: str, token_id: int, logprob: Logprob) -> None:
         """One token of ``choice`` that does not end it."""
         self.produced = True
+        reasoning = ""
+        if choice.reasoning is not None:
+            reasoning, text = choice.split(text, [token_id])
         if not self.streaming:
             choice.parts.append(text)
+            if reasoning:
+                choice.thought.append(reasoning)
             choice.token_ids.append(token_id)
             choice.logprobs.append(logprob)
             return
         renderer = self.renderer
         if not renderer.plain:
-            self.put(renderer.chunk(choice, text, [token_id], [logprob], None, None))
+            self.put(renderer.chunk(choice, text, [token_id], [logprob], None, None, reasoning))
         elif choice.unsent_ids or len(self.buffer) >= COALESCE_AFTER:
             choice.unsent_text.append(text)
+            if reasoning:
+                choice.unsent_reasoning.append(reasoning)
             choice.unsent_ids.append(token_id)
             self.backlogged = True
             self._wake()  # the writer renders the merged chunk when it next writes
-        else:
+        elif choice.reasoning is None:
             self.put(renderer.token(choice, text))
+        else:  # a token held back (part of a tag) makes no chunk: its text comes with a later one
+            if reasoning:
+                self.put(renderer.token(choice, reasoning, reasoning=True))
+            if text:
+                self.put(renderer.token(choice, text))
 
     def end(self, choice: Choice, text: str, token_ids: list[int], logprobs: list[Logprob], reason: str) -> None:
         """``choice`` ends with ``text`` (and the tokens it came from, if any)."""
@@ -213,15 +249,21 @@ class Output:
         self.reasons[choice.index] = reason
         self.open -= 1
         abort_reason = self.abort_reason if reason == FinishReason.ABORT else None
+        reasoning = ""
+        if choice.reasoning is not None:
+            reasoning, text = choice.split(text, token_ids, last=True)
         if self.streaming:
             if choice.unsent_ids:
                 text, token_ids = "".join(choice.unsent_text) + text, choice.unsent_ids + token_ids
+                reasoning = "".join(choice.unsent_reasoning) + reasoning
                 unsent: list[Logprob] = [None] * len(choice.unsent_ids)
                 logprobs = unsent + logprobs
-                choice.unsent_text, choice.unsent_ids = [], []
-            self.put(self.renderer.chunk(choice, text, token_ids, logprobs, reason, abort_reason))
+                choice.unsent_text, choice.unsent_ids, choice.unsent_reasoning = [], [], []
+            self.put(self.renderer.chunk(choice, text, token_ids, logprobs, reason, abort_reason, reasoning))
         else:
             choice.parts.append(text)
+            if reasoning:
+                choice.thought.append(reasoning)
             choice.token_ids += token_ids
             choice.logprobs += logprobs
         if self.open == 0:
@@ -244,7 +286,7 @@ class Output:
         if self.streaming:
             if internal:
                 for choice in self.choices:
-                    choice.unsent_text, choice.unsent_ids = [], []
+                    choice.unsent_text, choice.unsent_ids, choice.unsent_reasoning = [], [], []
                 self.backlogged = False
             elif self.backlogged:
                 self._render_backlog()  # text merged for the next write goes before the error
@@ -264,14 +306,19 @@ class Output:
     # ----------------------------------------------------------------- reading the result
 
     def usage(self) -> dict[str, object]:
-        """One prompt, however many choices: its tokens count once, completions add up."""
+        """One prompt, however many choices: its tokens count once, completions add up (and
+        their think blocks' tokens, when the answers are split)."""
+        reasoning = None
+        if self.choices[0].reasoning is not None:
+            reasoning = sum(c.reasoning.reasoning_tokens for c in self.choices if c.reasoning is not None)
         return usage_dict(len(self.request.prompt_token_ids), sum(c.completion_tokens for c in self.choices),
-                          self.choices[0].cached_tokens)
+                          self.choices[0].cached_tokens, reasoning)
 
     def answers(self) -> list[dict[str, Any]]:
         """Each choice's whole non-streaming answer."""
         return [self.renderer.answer(c, "".join(c.parts), c.token_ids, c.logprobs, self.reasons[c.index],
-                                     self.abort_reason) for c in self.choices]
+                                     self.abort_reason, "".join(c.thought) if c.reasoning is not None else None)
+                for c in self.choices]
 
     def body(self) -> dict[str, Any]:
         """The whole non-streaming answer."""

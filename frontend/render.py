@@ -32,13 +32,19 @@ def error_chunk(message: str, code: str = "engine_error") -> bytes:
     return sse({"error": {"message": message, "type": kind, "param": None, "code": code}})
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, object]:
-    return {
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+               reasoning_tokens: int | None = None) -> dict[str, object]:
+    """``reasoning_tokens``: of the completion tokens, those of think blocks (OpenAI's
+    ``completion_tokens_details``), when the answers are split into reasoning and content."""
+    usage: dict[str, object] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 class Piece(Protocol):
@@ -53,17 +59,21 @@ class Piece(Protocol):
 
 
 class Renderer(Protocol):
+    """``text`` is a choice's content; ``reasoning``, where the answer is split into reasoning and
+    content (chat and responses, ``frontend.reasoning``), its think block's text before it (None
+    in an answer that is not split). Others never get any."""
+
     endpoint: str  # the route whose answers it renders (the admin API and the metrics say it)
     plain: bool  # ``token`` may be used: chunks carry text only
     stream_end: bytes  # what a stream ends with, after its last chunk (and usage chunk)
 
-    def token(self, choice: Piece, text: str) -> bytes: ...
+    def token(self, choice: Piece, text: str, reasoning: bool = False) -> bytes: ...
 
     def chunk(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
-              finish_reason: str | None, abort_reason: str | None) -> bytes: ...
+              finish_reason: str | None, abort_reason: str | None, reasoning: str = "") -> bytes: ...
 
     def answer(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
-               finish_reason: str, abort_reason: str | None) -> dict[str, Any]: ...
+               finish_reason: str, abort_reason: str | None, reasoning: str | None = None) -> dict[str, Any]: ...
 
     def body(self, choices: list[dict[str, Any]], usage: dict[str, object],
              prompt_logprobs: list[PromptLogprob] | None = None) -> dict[str, Any]: ...
@@ -149,7 +159,7 @@ class CompletionRenderer(_Base):
         self._prefixes: dict[int, bytes] = {}
         self._prompt_pieces: list[str] | None = None
 
-    def token(self, choice: Piece, text: str) -> bytes:
+    def token(self, choice: Piece, text: str, reasoning: bool = False) -> bytes:
         prefix = self._prefixes.get(choice.index)
         if prefix is None:
             prefix = self._prefixes[choice.index] = self._head + b'%d,"text":' % choice.index
@@ -199,7 +209,7 @@ class CompletionRenderer(_Base):
         return out
 
     def chunk(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
-              finish_reason: str | None, abort_reason: str | None) -> bytes:
+              finish_reason: str | None, abort_reason: str | None, reasoning: str = "") -> bytes:
         # A chunk's text offsets: its text counts once, at its first token (a backlog's merged
         # chunk never has logprobs, so one text per token is what a logprobs chunk holds).
         texts = [text] + [""] * (len(token_ids) - 1) if token_ids else []
@@ -218,7 +228,7 @@ class CompletionRenderer(_Base):
         return sse(self._envelope(_with_abort_reason(body, finish_reason, abort_reason)))
 
     def answer(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
-               finish_reason: str, abort_reason: str | None) -> dict[str, Any]:
+               finish_reason: str, abort_reason: str | None, reasoning: str | None = None) -> dict[str, Any]:
         texts = [self.tokenizer.decode([t]) for t in token_ids] if self.logprobs is not None else []
         shown_ids = token_ids
         if self.echo:
@@ -233,6 +243,10 @@ class CompletionRenderer(_Base):
 
 
 class ChatRenderer(_Base):
+    """A split answer's think block is the message's ``reasoning_content`` (null when empty) and
+    streams as ``delta.reasoning_content``, before the ``delta.content`` of the rest; the tool
+    call parser reads the content only."""
+
     endpoint = "/v1/chat/completions"
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
@@ -245,15 +259,16 @@ class ChatRenderer(_Base):
         # With tools the model may call, each choice's text goes through its call parser.
         self.tools = tools if tools is not None and tools.parses else None
         self.plain = top_logprobs is None and self.tools is None and prompt_logprobs is None
-        self._prefixes: dict[tuple[int, bool], bytes] = {}
+        self._prefixes: dict[tuple[int, bool, bool], bytes] = {}
         self._parsers: dict[int, ToolCallParser] = {}
 
-    def token(self, choice: Piece, text: str) -> bytes:
-        key = (choice.index, choice.first_chunk)
+    def token(self, choice: Piece, text: str, reasoning: bool = False) -> bytes:
+        key = (choice.index, choice.first_chunk, reasoning)
         prefix = self._prefixes.get(key)
         if prefix is None:
             role = b'"role":"assistant",' if choice.first_chunk else b""
-            prefix = self._prefixes[key] = self._head + b'%d,"delta":{%b"content":' % (choice.index, role)
+            field = b'"reasoning_content":' if reasoning else b'"content":'
+            prefix = self._prefixes[key] = self._head + b'%d,"delta":{%b%b' % (choice.index, role, field)
         choice.first_chunk = False
         return prefix + _json.encode(text) + b'},"logprobs":null,"finish_reason":null}]}\n\n'
 
@@ -275,14 +290,15 @@ class ChatRenderer(_Base):
         return {"content": content}
 
     def chunk(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
-              finish_reason: str | None, abort_reason: str | None) -> bytes:
+              finish_reason: str | None, abort_reason: str | None, reasoning: str = "") -> bytes:
         if self.tools is not None:
-            return self._tool_chunks(choice, text, token_ids, logprobs, finish_reason, abort_reason)
+            return self._tool_chunks(choice, text, token_ids, logprobs, finish_reason, abort_reason, reasoning)
         first = choice.first_chunk
-        if first:
-            delta: dict[str, Any] = {"role": "assistant", "content": text}
-        else:
-            delta = {"content": text} if text or finish_reason is None else {}
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if text or (not reasoning and (first or finish_reason is None)):
+            delta["content"] = text
         choice.first_chunk = False
         body = {"index": choice.index, "delta": delta, "logprobs": self._logprobs(token_ids, logprobs),
                 "finish_reason": finish_reason}
@@ -292,13 +308,14 @@ class ChatRenderer(_Base):
         return sse(envelope)
 
     def _tool_chunks(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
-                     finish_reason: str | None, abort_reason: str | None) -> bytes:
-        """The chunks a piece of output makes when it may hold calls: its content, each call's
-        start (id, type, name) and argument fragments; nothing while a call's header is read."""
+                     finish_reason: str | None, abort_reason: str | None, reasoning: str = "") -> bytes:
+        """The chunks a piece of output makes when it may hold calls: its reasoning, its content,
+        each call's start (id, type, name) and argument fragments; nothing while a call's header is
+        read."""
         parser = self._parsers.setdefault(choice.index, ToolCallParser())
         events = parser.feed(text, final=finish_reason is not None)
-        deltas: list[dict[str, Any]] = []
-        if events.content or (choice.first_chunk and finish_reason is None and not events):
+        deltas: list[dict[str, Any]] = [{"reasoning_content": reasoning}] if reasoning else []
+        if events.content or (choice.first_chunk and finish_reason is None and not events and not deltas):
             deltas.append({"content": events.content})
         for index, call in events.started:
             deltas.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
@@ -329,7 +346,7 @@ class ChatRenderer(_Base):
         return body
 
     def answer(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
-               finish_reason: str, abort_reason: str | None) -> dict[str, Any]:
+               finish_reason: str, abort_reason: str | None, reasoning: str | None = None) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.tools is not None:
             parser = ToolCallParser()
@@ -341,6 +358,8 @@ class ChatRenderer(_Base):
                                            "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
                 if finish_reason == "stop":
                     finish_reason = "tool_calls"
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning or None
         body = {"index": choice.index, "message": message,
                 "logprobs": self._logprobs(token_ids, logprobs), "finish_reason": finish_reason}
         if self.return_token_ids:

@@ -28,6 +28,8 @@ from frontend.openai_api import (
     engine_output,
     json_response,
     sampling_params,
+    starts_thinking,
+    thinking_kwargs,
 )
 from frontend.responses_input import (
     ResponsesRequest,
@@ -36,6 +38,7 @@ from frontend.responses_input import (
     check_unsupported,
     input_messages,
     output_messages,
+    reasoning_effort,
     response_format,
 )
 from frontend.responses_render import ResponsesRenderer, new_id
@@ -82,7 +85,9 @@ def _echo(body: ResponsesRequest, parallel: bool, stored: bool) -> dict[str, Any
         "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}},
         "max_output_tokens": body.max_output_tokens, "previous_response_id": body.previous_response_id,
         "store": stored, "user": body.user, "truncation": body.truncation or "disabled", "background": False,
-        "reasoning": None, "service_tier": body.service_tier or "default",
+        "reasoning": {"effort": body.reasoning.get("effort"), "summary": body.reasoning.get("summary")}
+        if body.reasoning else None,
+        "service_tier": body.service_tier or "default",
     }
 
 
@@ -90,6 +95,7 @@ async def create_response(request: Request) -> Response | StreamResponse:
     state: AppState = request.app.state.sluice
     body: ResponsesRequest = decode(await request.body(), ResponsesRequest)
     check_unsupported(body)
+    effort = reasoning_effort(body.reasoning)
     tokenizer = state.require_tokenizer()
     check_model(state, body.model)
     check_priority(state, request, body.priority)
@@ -105,9 +111,11 @@ async def create_response(request: Request) -> Response | StreamResponse:
                             seed=body.seed, priority=body.priority, user=body.user or body.safety_identifier,
                             stream=body.stream, stream_options=StreamOptions(include_usage=True),
                             response_format=response_format(body.text))
+    splits = state.splits_reasoning(tokenizer)
     try:
         max_chars = tokenizer.max_text_chars(state.require_model().max_model_len - 1)
-        prompt_ids = await chat_prompt_ids(tokenizer, messages, use, max_chars)
+        kwargs = thinking_kwargs(None, effort, splits, "reasoning.effort")
+        prompt_ids = await chat_prompt_ids(tokenizer, messages, use, max_chars, kwargs)
         grammar = await constraint_grammar(state, fields, calls_constraint(use))
         sampling = sampling_params(state, fields, len(prompt_ids), body.max_output_tokens, None, default_max_tokens=None,
                              grammar=grammar, prompt_param="input", max_tokens_param="max_output_tokens")
@@ -124,7 +132,8 @@ async def create_response(request: Request) -> Response | StreamResponse:
                                  _echo(body, use.parallel if use else body.parallel_tool_calls is not False,
                                        store is not None), use, finished)
     check_capacity(state)
-    output = engine_output(state, fields, prompt_ids, sampling, response_id, renderer)
+    reasoning = starts_thinking(tokenizer, prompt_ids, grammar) if splits else None
+    output = engine_output(state, fields, prompt_ids, sampling, response_id, renderer, reasoning=reasoning)
     handle = await state.client.add(output)
     if body.stream:
         return StreamResponse(handle, {"X-Request-Id": response_id})

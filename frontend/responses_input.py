@@ -6,7 +6,9 @@ string or a list of items (messages with content parts, the model's earlier ``fu
 items, the client's ``function_call_output`` items), tools are flat (``{"type": "function",
 "name": ...}``) and the output format is ``text.format``. Each is translated here, once, and
 whatever Sluice cannot act on is refused with a 400 naming the field: built-in tools (web search,
-file search, computer use, ...), reasoning settings, ``background``, images and files in input.
+file search, computer use, ...), ``background``, images and files in input. A thinking model's
+earlier ``reasoning`` items go back to the template as the next assistant turn's
+``reasoning_content``.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # Features Sluice does not have: refused when set (``check_unsupported``).
+    # Its effort is read by ``reasoning_effort``: a model that does not think takes none only.
     reasoning: dict[str, Any] | None = None
+    # Features Sluice does not have: refused when set (``check_unsupported``).
     background: bool | None = None
     include: list[str] | None = None
     top_logprobs: int | None = None
@@ -66,8 +69,6 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
 def check_unsupported(body: ResponsesRequest) -> None:
     """A 400 naming the first field that asks for what Sluice cannot do."""
-    if body.reasoning and any(v is not None for v in body.reasoning.values()):
-        raise bad_request("reasoning is not supported: the served model is not a reasoning model", "reasoning")
     if body.background:
         raise bad_request("background responses are not supported; use stream or wait for the response",
                           "background")
@@ -86,6 +87,23 @@ def check_unsupported(body: ResponsesRequest) -> None:
     if body.truncation not in (None, "disabled"):
         raise bad_request('truncation "auto" is not supported: a conversation longer than the context is a 400',
                           "truncation")
+
+
+REASONING_KEYS = ("effort", "summary", "generate_summary")
+
+
+def reasoning_effort(reasoning: dict[str, Any] | None) -> str | None:
+    """``reasoning.effort`` (``openai_api.thinking_kwargs`` says what it does). ``summary`` is
+    accepted and writes none: a reasoning item carries the think block's own text, as its
+    ``content``."""
+    for key in reasoning or {}:
+        if key not in REASONING_KEYS:
+            raise bad_request(f"reasoning.{key} is not supported ({', '.join(REASONING_KEYS)} are)",
+                              f"reasoning.{key}")
+    effort = (reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise bad_request("reasoning.effort must be a string", "reasoning.effort")
+    return effort
 
 
 # ------------------------------------------------------------------------------------ tools
@@ -177,17 +195,31 @@ def _content_text(content: Any, where: str) -> str:
     return "".join(_part_text(part, f"{where}[{j}]") for j, part in enumerate(content))
 
 
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its ``reasoning_text`` content, else its summaries."""
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key)
+        if isinstance(parts, list):
+            text = "".join(p["text"] for p in parts if isinstance(p, dict) and p.get("type") == kind
+                           and isinstance(p.get("text"), str))
+            if text:
+                return text
+    return ""
+
+
 def input_messages(items: str | list[Any], history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """``input`` as chat messages, after ``history`` (a stored conversation it continues):
     messages as they are; an earlier ``function_call`` as an assistant's tool call (calls in a
     row are one assistant turn, joined to the assistant's text before them); a
-    ``function_call_output`` as a tool message answering a call made before it."""
+    ``function_call_output`` as a tool message answering a call made before it; a ``reasoning``
+    item's text as the ``reasoning_content`` of the assistant turn after it."""
     messages = [dict(m) for m in history or []]
     if isinstance(items, str):
         return [*messages, {"role": "user", "content": items}]
     if not items:
         raise bad_request("input is empty", "input")
     calls = {c["id"] for m in messages for c in m.get("tool_calls") or []}
+    thought = ""  # a reasoning item's text, for the next assistant turn
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -200,6 +232,10 @@ def input_messages(items: str | list[Any], history: list[dict[str, Any]] | None 
                 raise bad_request(f"{where}.role must be one of {', '.join(INPUT_ROLES)}; got {role!r}",
                                   f"{where}.role")
             messages.append({"role": role, "content": _content_text(item.get("content"), f"{where}.content")})
+            if role == "assistant" and thought:
+                messages[-1]["reasoning_content"], thought = thought, ""
+        elif kind == "reasoning":
+            thought += _reasoning_text(item)
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
             for field, value in (("call_id", call_id), ("name", name), ("arguments", arguments)):
@@ -211,6 +247,9 @@ def input_messages(items: str | list[Any], history: list[dict[str, Any]] | None 
                 last["tool_calls"] = [*(last.get("tool_calls") or []), call]
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if thought:
+                messages[-1]["reasoning_content"] = messages[-1].get("reasoning_content", "") + thought
+                thought = ""
             calls.add(call_id)
         elif kind == "function_call_output":
             call_id = item.get("call_id")
@@ -231,14 +270,17 @@ def input_messages(items: str | list[Any], history: list[dict[str, Any]] | None 
 
 
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A stored response's ``output`` items as the assistant turn they were: its text and its
-    calls, in one message."""
+    """A stored response's ``output`` items as the assistant turn they were: its reasoning, its
+    text and its calls, in one message."""
     text = "".join(part.get("text", "") for item in output if item.get("type") == "message"
                    for part in item.get("content") or [] if part.get("type") == "output_text")
     calls = [{"id": item["call_id"], "type": "function",
               "function": {"name": item["name"], "arguments": item["arguments"]}}
              for item in output if item.get("type") == "function_call"]
+    thought = "".join(_reasoning_text(item) for item in output if item.get("type") == "reasoning")
     message: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
         message["tool_calls"] = calls
-    return [message] if text or calls else []
+    if thought:
+        message["reasoning_content"] = thought
+    return [message] if text or calls or thought else []

@@ -4,13 +4,19 @@ A stream is OpenAI's sequence of events, each ``event: TYPE`` / ``data: {...}`` 
 ``sequence_number`` counted from 0::
 
     response.created, response.in_progress
-    for each output item (a message, or a function call):
+    for each output item (a thinking model's reasoning, a message, or a function call):
         response.output_item.added
-        message:  response.content_part.added, response.output_text.delta..., response.output_text.done,
-                  response.content_part.done
-        call:     response.function_call_arguments.delta..., response.function_call_arguments.done
+        reasoning: response.content_part.added, response.reasoning_text.delta..., response.reasoning_text.done,
+                   response.content_part.done
+        message:   response.content_part.added, response.output_text.delta..., response.output_text.done,
+                   response.content_part.done
+        call:      response.function_call_arguments.delta..., response.function_call_arguments.done
         response.output_item.done
     response.completed (or response.incomplete, or response.failed)
+
+A split answer's think block (``frontend.reasoning``) is one ``reasoning`` item before the rest,
+its text the item's ``reasoning_text`` content (as vLLM gives an open model's raw reasoning; no
+summary is written).
 
 The first two go out with the first output (so a request the engine refuses at once still gets a
 plain 503, as on the other endpoints). A plain token (no tools to parse) is one prebuilt prefix
@@ -47,8 +53,10 @@ def usage_object(usage: dict[str, Any]) -> dict[str, Any]:
     """Chat completions' usage (``render.usage_dict``) in the Responses API's names."""
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens", 0) if isinstance(details, dict) else 0
+    completion = usage.get("completion_tokens_details")
+    reasoning = completion.get("reasoning_tokens", 0) if isinstance(completion, dict) else 0
     return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": usage["total_tokens"]}
 
 
@@ -77,8 +85,10 @@ class ResponsesRenderer:
         self.sequence = 0
         self.started = False
         self.items: list[dict[str, Any]] = []  # the output so far
-        self._texts: dict[int, list[str]] = {}  # message items' text pieces, by output index
+        self._texts: dict[int, list[str]] = {}  # message and reasoning items' text pieces, by output index
         self._message: int | None = None  # the output index of the message item text goes to
+        self._reasoning: int | None = None  # the output index of the open reasoning item
+        self._thought_head = b""
         self._space = ""  # whitespace held back until text shows it belongs to a message
         self._calls: dict[int, int] = {}  # call index (the parser's) -> output index
         self._parser = ToolCallParser() if self.tools is not None else None
@@ -105,16 +115,51 @@ class ResponsesRenderer:
         shown = self.response("in_progress", [])
         return self._event("response.created", response=shown) + self._event("response.in_progress", response=shown)
 
+    # ------------------------------------------------------------------------------ reasoning items
+
+    def _thought(self, text: str) -> bytes:
+        """``text`` into the open reasoning item (opened first when needed)."""
+        out = b""
+        if self._reasoning is None:
+            index = len(self.items)
+            item: dict[str, Any] = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [],
+                                    "encrypted_content": None, "status": "in_progress"}
+            self.items.append(item)
+            self._texts[index] = []
+            self._reasoning = index
+            out = (self._event("response.output_item.added", output_index=index, item=item)
+                   + self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                 content_index=0, part={"type": "reasoning_text", "text": ""}))
+        index = self._reasoning
+        self._texts[index].append(text)
+        return out + self._event("response.reasoning_text.delta", item_id=self.items[index]["id"],
+                                 output_index=index, content_index=0, delta=text)
+
+    def _close_reasoning(self, status: str) -> bytes:
+        index = self._reasoning
+        if index is None:
+            return b""
+        self._reasoning = None
+        item = self.items[index]
+        part = {"type": "reasoning_text", "text": "".join(self._texts[index])}
+        item.update(status=status, content=[part])
+        return (self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=part["text"])
+                + self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                              content_index=0, part=part)
+                + self._event("response.output_item.done", output_index=index, item=item))
+
     # ------------------------------------------------------------------------------ message items
 
     def _open_message(self) -> bytes:
+        out = self._close_reasoning("completed")  # the answer begins: the thinking is over
         index = len(self.items)
         item = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
         self.items.append(item)
         self._texts[index] = []
         self._message = index
         part = {"type": "output_text", "text": "", "annotations": []}
-        return (self._event("response.output_item.added", output_index=index, item=item)
+        return out + (self._event("response.output_item.added", output_index=index, item=item)
                 + self._event("response.content_part.added", item_id=item["id"], output_index=index,
                               content_index=0, part=part))
 
@@ -146,11 +191,13 @@ class ResponsesRenderer:
 
     # ------------------------------------------------------------------------------ streaming
 
-    def token(self, choice: Piece, text: str) -> bytes:
+    def token(self, choice: Piece, text: str, reasoning: bool = False) -> bytes:
         """A plain token: one delta event, its prefix made once (after the item's first events).
         A token that adds no text yet (part of a character) makes no event."""
         if not text:
             return self._start()
+        if reasoning:
+            return self._thought_token(choice, text)
         if not self._delta_head:
             out = self._start() + self._text(text)
             index = self._message
@@ -166,10 +213,29 @@ class ResponsesRenderer:
         self.sequence += 1
         return self._delta_head + b'%d,"delta":' % sequence + _json.encode(text) + b"}\n\n"
 
+    def _thought_token(self, choice: Piece, text: str) -> bytes:
+        if not self._thought_head:
+            out = self._start() + self._thought(text)
+            index = self._reasoning
+            assert index is not None
+            self._thought_head = (b'event: response.reasoning_text.delta\ndata: {"type":"response.reasoning_text.delta",'
+                                  b'"item_id":' + _json.encode(self.items[index]["id"])
+                                  + b',"output_index":%d,"content_index":0,"sequence_number":' % index)
+            choice.first_chunk = False
+            return out
+        # The reasoning comes before any other text, so its item is still the open one.
+        assert self._reasoning is not None
+        self._texts[self._reasoning].append(text)
+        sequence = self.sequence
+        self.sequence += 1
+        return self._thought_head + b'%d,"delta":' % sequence + _json.encode(text) + b"}\n\n"
+
     def chunk(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
-              finish_reason: str | None, abort_reason: str | None) -> bytes:
+              finish_reason: str | None, abort_reason: str | None, reasoning: str = "") -> bytes:
         choice.first_chunk = False
         out = self._start()
+        if reasoning:
+            out += self._thought_token(choice, reasoning) if self._thought_head else self._thought(reasoning)
         if self._parser is None:
             if text:
                 out += self.token(choice, text) if self._delta_head else self._text(text)
@@ -178,6 +244,8 @@ class ResponsesRenderer:
         if finish_reason is not None:
             self._finish_reason = finish_reason
             status = status_of(finish_reason)[0]
+            # A block cut by the end of the output is as complete as the response.
+            out += self._close_reasoning(status)
             if self._message is None and not self.items:
                 out += self._open_message()  # an empty answer is still one message, as OpenAI's
             out += self._close_message(status) + self._close_calls(status)
@@ -198,7 +266,7 @@ class ResponsesRenderer:
             out += self._text(self._space)
         for index, call in events.started:
             self._space = ""
-            out += self._close_message("completed")
+            out += self._close_reasoning("completed") + self._close_message("completed")
             output_index = len(self.items)
             self._calls[index] = output_index
             item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
@@ -247,7 +315,7 @@ class ResponsesRenderer:
     # ------------------------------------------------------------------------------ whole answers
 
     def answer(self, choice: Piece, text: str, token_ids: list[int], logprobs: list[Logprob],
-               finish_reason: str, abort_reason: str | None) -> dict[str, Any]:
+               finish_reason: str, abort_reason: str | None, reasoning: str | None = None) -> dict[str, Any]:
         status = status_of(finish_reason)[0]
         calls: list[ToolCall] = []
         if self.tools is not None:
@@ -256,7 +324,11 @@ class ResponsesRenderer:
             calls = parser.calls or ([c] if (c := parse_llama3_call(text)) is not None else [])
             text = (content.strip() if parser.calls else "") if calls else content
         output: list[dict[str, Any]] = []
-        if text or not calls:
+        if reasoning:  # as a stream has it: complete once the answer began, else as the response is
+            output.append({"id": new_id("rs"), "type": "reasoning", "summary": [],
+                           "content": [{"type": "reasoning_text", "text": reasoning}], "encrypted_content": None,
+                           "status": "completed" if text or calls else status})
+        if text or not (calls or reasoning):
             output.append({"id": new_id("msg"), "type": "message", "role": "assistant", "status": status,
                            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
         output += [{"id": new_id("fc"), "type": "function_call", "status": "completed" if c.complete else "incomplete",

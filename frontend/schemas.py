@@ -159,10 +159,17 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     tool_call_id: str | None = None  # a tool message: the call it answers
     function_call: Any = None  # OpenAI's deprecated single call: refused by name
     refusal: str | None = None
+    # An earlier answer's think block, as this server (SGLang, DeepSeek) returns it, or as vLLM
+    # names it: templates of thinking models (Qwen3) render it back for the turns they keep it in.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """What the chat template reads of it."""
         out: dict[str, Any] = {"role": self.role, "content": message_text(self)}
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thought is not None:
+            out["reasoning_content"] = thought
         if self.tool_calls is not None:
             out["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
@@ -208,6 +215,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
     parallel_tool_calls: bool | None = None
     # vLLM's extension: more variables for the chat template (``{"enable_thinking": false}``).
     chat_template_kwargs: dict[str, Any] | None = None
+    # A thinking model's answer (``frontend/reasoning.py``): OpenAI's effort (none turns thinking
+    # off where the template can), and SGLang's switch to leave the think block in the content.
+    reasoning_effort: str | None = None
+    separate_reasoning: bool = True
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -55,6 +55,12 @@ class AppState:
             self._tokenizer = ModelTokenizer(model)
         return self._tokenizer
 
+    def splits_reasoning(self, tokenizer: ModelTokenizer) -> bool:
+        """Whether chat answers are split into reasoning and content (``--reasoning-parser``):
+        auto splits them for a tokenizer that has ``<think>`` and ``</think>``."""
+        parser = self.config.reasoning_parser
+        return parser != "none" and (parser != "auto" or bool(tokenizer.think_tags))
+
     def is_admin(self, request: Request) -> bool:
         """Constant-time check of ``Authorization: Bearer <admin token>``."""
         token = self.config.admin_token

@@ -19,6 +19,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from frontend.reasoning import END_THINK, THINK
 from protocol.messages import ModelInfo
 
 # Used when the model ships no chat template: one line per message, then the assistant's turn.
@@ -190,6 +191,28 @@ class ModelTokenizer:
         if self.info.chat_template is None and self.info.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
         return ids
+
+    @functools.cached_property
+    def think_tags(self) -> dict[int, str]:
+        """The ids of ``<think>`` and ``</think>`` when the tokenizer has both as tokens (added
+        tokens or vocabulary entries), as the models that think in such blocks have them;
+        empty otherwise."""
+        tags = {self._tok.token_to_id(tag): tag for tag in (THINK, END_THINK)}
+        return {} if None in tags else {i: tag for i, tag in tags.items() if i is not None}
+
+    @functools.cached_property
+    def hidden_think_tags(self) -> dict[int, str]:
+        """Those of ``think_tags`` that are special tokens: decoding skips their text, so the
+        reasoning parser is given it by id."""
+        added = self._tok.get_added_tokens_decoder()
+        return {i: tag for i, tag in self.think_tags.items() if i in added and added[i].special}
+
+    def opens_think(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt ends inside an open ``<think>`` (whitespace after it aside): the
+        generation prompt of templates that start the model's turn thinking (DeepSeek-R1,
+        Qwen3-Thinking-2507)."""
+        tail: str = self._tok.decode(prompt_ids[-8:], skip_special_tokens=False)
+        return tail.rstrip().endswith(THINK)
 
     def token_str(self, token_id: int) -> str:
         """A token's text for logprobs: decoded, or its vocabulary entry when it is only part of

@@ -155,7 +155,8 @@ def prompt_messages(messages: list[dict[str, Any]], use: ToolUse | None, knows_t
             else:
                 out.append({"role": "user", "content": fact})
         else:
-            out.append({"role": m["role"], "content": m.get("content") or ""})
+            kept = {"reasoning_content": m["reasoning_content"]} if "reasoning_content" in m else {}
+            out.append({"role": m["role"], "content": m.get("content") or ""} | kept)
     if use is not None and use.choice != "none":
         prompt = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t) for t in use.tools))
         if out and out[0]["role"] in ("system", "developer"):

@@ -16,6 +16,9 @@ from protocol.curve import is_loopback
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 PREEMPTION_MODES = ("recompute", "swap")
+# How chat answers are split into reasoning and content (frontend/reasoning.py): auto (when the
+# tokenizer has <think> and </think>), none, or the <think> parser by its name or vLLM's names for it.
+REASONING_PARSERS = ("auto", "none", "think", "qwen3", "deepseek_r1")
 
 C = TypeVar("C")
 
@@ -191,6 +194,8 @@ class FrontendConfig:
     responses_store: str = "sqlite"
     # /v1/embeddings: the prompt's final hidden states pooled as its last token's, or their mean.
     pooling: str = "last"
+    # Chat answers' <think> block as reasoning_content: auto, none, or on (think and its aliases).
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if not (self.responses_store in ("none", "sqlite") or
@@ -198,6 +203,9 @@ class FrontendConfig:
             raise ConfigError(f"--responses-store must be none, sqlite or sqlite:PATH, got {self.responses_store!r}")
         if self.pooling not in ("last", "mean"):
             raise ConfigError(f"--pooling must be last or mean, got {self.pooling!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+                              f"got {self.reasoning_parser!r}")
         for address in self.addresses:
             check_link_security(address, self.curve_keys, self.insecure_zmq, binds=False)
         if len(set(self.addresses)) != len(self.addresses):

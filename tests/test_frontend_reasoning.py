@@ -1,14 +1,27 @@
 """Reasoning output without a server: the ``<think>`` parser split at every point gives what the
-whole text gives, and its cases (an opening tag, a prompt that opened it, none, a block cut short,
-whitespace around the tags)."""
+whole text gives; its cases (an opening tag, a prompt that opened it, none, a block cut short,
+whitespace around the tags); and the chat and responses shapes that an ``Output`` renders from it
+(deltas in order, one per token, logprobs per token, usage's reasoning tokens)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from fake_scheduler import model_info
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import AddedToken
 
+from frontend.output import Output, OutputProcessor
 from frontend.reasoning import ReasoningParser
+from frontend.render import ChatRenderer
+from frontend.responses_input import input_messages, output_messages
+from frontend.responses_render import ResponsesRenderer
+from frontend.tokenizer import ModelTokenizer
+from frontend.tools import tool_use
+from protocol.messages import AddRequest, Finish, ModelInfo, SamplingParams, TokenBatch, pack_logprobs
+from worker.model.tiny import build_byte_level_tokenizer
 
 
 def whole(text: str, thinking: bool) -> tuple[str, str]:
@@ -91,3 +104,148 @@ def test_reasoning_tokens_are_the_blocks_tags_included() -> None:
     assert pieces(["\n", "<th", "ink>", "a", "</think>", "b"], False)[2] == 5
     assert pieces(["\n", "<th", "x", "</think>"], False) == ("", "\n<thx</think>", 0)
     assert pieces(["a", "b"], True)[2] == 2  # cut while thinking: all of it
+
+
+# ---------------------------------------------------------------------------------- through an Output
+
+THOUGHT = ["<think>", "\n", "Two", " and", " two", "\n", "</think>", "\n\n", "Four", "."]
+
+
+def think_tokenizer(special: bool = False) -> ModelTokenizer:
+    """A byte-level tokenizer with <think> and </think> as added tokens (special ones: their text
+    is skipped when decoding, as some tokenizers mark them)."""
+    tok = build_byte_level_tokenizer(510)
+    tok.add_tokens([AddedToken("<think>", special=special), AddedToken("</think>", special=special)])
+    info = model_info()
+    return ModelTokenizer(ModelInfo(name="fake", max_model_len=512, vocab_size=512, eos_token_ids=[2], bos_token_id=1,
+                                    tokenizer_json=tok.to_str(), chat_template=None, add_bos_token=True,
+                                    num_kv_blocks=info.num_kv_blocks, block_size=16))
+
+
+def thought_ids(tokenizer: ModelTokenizer) -> tuple[list[int], int]:
+    """``THOUGHT``'s token ids, and how many of them are the think block's."""
+    ids = [i for piece in THOUGHT for i in tokenizer.encode_text(piece)]
+    return ids, ids.index(tokenizer.encode_text("</think>")[0]) + 1
+
+
+def run_output(tokenizer: ModelTokenizer, renderer: object, streaming: bool, n: int = 1,
+               logprobs: bool = False) -> tuple[Output, bytes]:
+    """``THOUGHT``'s tokens through an ``Output`` (each choice the same), as the processor feeds them."""
+    ids, _ = thought_ids(tokenizer)
+    request = AddRequest(10, "chatcmpl-x", [1, 5, 6], SamplingParams(max_tokens=64, logprobs=0 if logprobs else None),
+                         n=n)
+    output = Output(request, tokenizer, [], renderer, streaming, include_usage=True, reasoning=False)  # type: ignore[arg-type]
+    processor = OutputProcessor(lambda rid: None)
+    processor.add(output)
+    data = b""
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        rids = list(range(10, 10 + n))
+        lp = pack_logprobs([(rid, (-0.5, [token], [-0.5])) for rid in rids]) if logprobs else pack_logprobs([])
+        processor.process(TokenBatch(rids, [token] * n, [Finish(r, "stop", 3, 0, i + 1) for r in rids] if last else [],
+                                     lp))
+        data += b"".join(output.buffer)
+        output.buffer.clear()
+    return output, data
+
+
+def chunks(data: bytes) -> list[dict]:
+    return [json.loads(e[len(b"data: "):]) for e in data.split(b"\n\n") if e.startswith(b"data: {")]
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_a_chat_stream_sends_reasoning_then_content(special: bool) -> None:
+    tokenizer = think_tokenizer(special)
+    renderer = ChatRenderer("chatcmpl-x", 0, "m", tokenizer, [1, 5, 6], False, None)
+    _, data = run_output(tokenizer, renderer, streaming=True, n=2)
+    events = chunks(data)
+    for index in (0, 1):
+        deltas = [e["choices"][0]["delta"] for e in events if e.get("choices") and e["choices"][0]["index"] == index]
+        assert deltas[0]["role"] == "assistant"
+        kinds = [k for d in deltas for k in d if k != "role" and d[k]]
+        assert kinds == sorted(kinds, key=["reasoning_content", "content"].index), kinds  # reasoning first
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Two and two"
+        assert "".join(d.get("content") or "" for d in deltas) == "Four."
+    usage = events[-1]["usage"]
+    ids, thinking = thought_ids(tokenizer)
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 2 * thinking}
+    assert usage["completion_tokens"] == 2 * len(ids)
+
+
+def test_a_lagging_clients_merged_chunk_has_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("frontend.output.COALESCE_AFTER", 0)  # every token waits for the writer
+    tokenizer = think_tokenizer()
+    _, data = run_output(tokenizer, ChatRenderer("chatcmpl-x", 0, "m", tokenizer, [1, 5, 6], False, None),
+                         streaming=True)
+    (merged,) = [e for e in chunks(data) if e.get("choices")]
+    assert merged["choices"][0]["delta"] == {"role": "assistant", "reasoning_content": "Two and two",
+                                             "content": "Four."}
+
+
+def test_logprobs_stay_one_per_token_in_order() -> None:
+    tokenizer = think_tokenizer()
+    renderer = ChatRenderer("chatcmpl-x", 0, "m", tokenizer, [1, 5, 6], False, 0)
+    _, data = run_output(tokenizer, renderer, streaming=True, logprobs=True)
+    events = chunks(data)
+    tokens = [t["token"] for e in events if e.get("choices") and (lp := e["choices"][0]["logprobs"])
+              for t in lp["content"]]
+    ids, _ = thought_ids(tokenizer)
+    assert tokens == [tokenizer.token_str(i) for i in ids]
+    whole_output, _ = run_output(tokenizer, ChatRenderer("chatcmpl-x", 0, "m", tokenizer, [1, 5, 6], False, 0),
+                                 streaming=False, logprobs=True)
+    (answer,) = whole_output.body()["choices"]
+    assert [t["token"] for t in answer["logprobs"]["content"]] == tokens
+    assert answer["message"] == {"role": "assistant", "content": "Four.", "reasoning_content": "Two and two"}
+
+
+def test_tool_calls_are_read_from_the_content_only() -> None:
+    tokenizer = think_tokenizer()
+    use = tool_use([{"type": "function", "function": {"name": "f"}}], "auto", True)
+    renderer = ChatRenderer("chatcmpl-x", 0, "m", tokenizer, [1, 5, 6], False, None, tools=use)
+    text = '<think>maybe <tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>?</think>\n\n' \
+           '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    reasoning, content = whole(text, False)
+    answer = renderer.answer(_Piece(), content, [], [], "stop", None, reasoning)
+    assert answer["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in answer["message"]["tool_calls"]] == ["f"]
+    assert answer["message"]["reasoning_content"].startswith("maybe <tool_call>")
+
+
+class _Piece:
+    index, text_offset, first_chunk, prompt_logprobs = 0, 0, True, None
+
+
+def test_a_responses_stream_has_a_reasoning_item_before_the_message() -> None:
+    tokenizer = think_tokenizer()
+    done: list[dict] = []
+    renderer = ResponsesRenderer("resp_x", 1, "m", {}, None, done.append)
+    _, data = run_output(tokenizer, renderer, streaming=True)
+    events = [json.loads(block.split("\n")[1].removeprefix("data: ")) for block in data.decode().split("\n\n") if block]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds[2:5] == ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta"]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    final = done[0]
+    reasoning, message = final["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["status"] == "completed"
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Two and two"}] and reasoning["summary"] == []
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Two and two"
+    assert message["content"][0]["text"] == "Four."
+    assert final["usage"]["output_tokens_details"] == {"reasoning_tokens": thought_ids(tokenizer)[1]}
+    # The whole answer has the same items; the next turn gets the reasoning back on its assistant turn.
+    whole_output, _ = run_output(tokenizer, ResponsesRenderer("resp_y", 1, "m", {}, None), streaming=False)
+    body = whole_output.body()
+    assert [i["type"] for i in body["output"]] == ["reasoning", "message"]
+    assert output_messages(body["output"]) == [{"role": "assistant", "content": "Four.",
+                                                "reasoning_content": "Two and two"}]
+
+
+def test_reasoning_input_items_go_to_the_next_assistant_turn() -> None:
+    items = [{"role": "user", "content": "weather?"},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Ask."}]},
+             {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "sun"},
+             {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "Say it."}]},
+             {"role": "assistant", "content": "Sunny."}]
+    messages = input_messages(items)
+    assert [m.get("reasoning_content") for m in messages] == [None, "Ask.", None, "Say it."]

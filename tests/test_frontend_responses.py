@@ -45,7 +45,7 @@ def test_input_items_become_one_conversation() -> None:
 @pytest.mark.parametrize(("items", "param"), [
     ([{"type": "function_call_output", "call_id": "nobody", "output": "x"}], "input[0].call_id"),
     ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input[0].call_id"),
-    ([{"type": "reasoning", "summary": []}], "input[0].type"),
+    ([{"type": "web_search_call", "id": "ws_1"}], "input[0].type"),
     (["just a string"], "input[0]"),
     ([{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}], "input[0].content[0].type"),
 ])

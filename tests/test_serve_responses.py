@@ -163,7 +163,7 @@ def test_stored_responses_read_and_deleted(server: SluiceServer, client: OpenAI)
      "input[0].content[0].type"),
     ({"input": [{"role": "wizard", "content": "hi"}]}, "input[0].role"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
