@@ -177,3 +177,25 @@ def save_qwen3_moe(path: Path) -> Path:
     build_byte_level_tokenizer(config.vocab_size).save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "</s>"}))
     return path
+
+
+def save_phi3(path: Path, partial_rotary_factor: float = 1.0) -> Path:
+    """A random Phi-3: q/k/v and gate/up fused in the file, LongRoPE (short factors inside the
+    original 32 positions, long ones after), untied; with ``partial_rotary_factor`` 0.75 and tied
+    embeddings, a Phi-4-mini (the first 12 of each head's 16 dimensions rotated)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    half = 8 if partial_rotary_factor == 1.0 else 6  # factors: one per rotated pair of dimensions
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [1.5 + 0.5 * i for i in range(half)],
+            "partial_rotary_factor": partial_rotary_factor}
+    config = Phi3Config(**SMALL | dict(max_position_embeddings=128), rope_parameters=rope,
+                        partial_rotary_factor=partial_rotary_factor, sliding_window=None,
+                        tie_word_embeddings=partial_rotary_factor != 1.0, pad_token_id=0,
+                        original_max_position_embeddings=32)  # where Phi-3's files keep it too
+    torch.manual_seed(9)
+    model = Phi3ForCausalLM(config).eval()
+    model.save_pretrained(path)
+    build_byte_level_tokenizer(config.vocab_size).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return path

@@ -77,7 +77,7 @@ def _shape(d: Path) -> None:
 
 
 def _rope(d: Path) -> None:
-    _edit_json(d / "config.json", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    _edit_json(d / "config.json", rope_scaling={"rope_type": "mrope", "mrope_section": [16, 24, 24]})
 
 
 def _act(d: Path) -> None:
@@ -107,7 +107,7 @@ def _too_long(d: Path) -> None:
     (_arch, r"config\.json: unsupported architecture \['GPT2LMHeadModel'\]"),
     (_no_weights, r"model: no \*\.safetensors weights found"),
     (_shape, r"model\.safetensors: tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape"),
-    (_rope, r"config\.json: rope scaling type 'yarn' is not supported"),
+    (_rope, r"config\.json: rope scaling type 'mrope' is not supported"),
     (_act, r"config\.json: hidden_act 'gelu' is not supported"),
     (_no_config, r"config\.json: missing"),
     (_no_tokenizer, r"tokenizer\.json: missing"),

@@ -16,6 +16,7 @@ from checkpoints import (
     save_llama_checkpoint,
     save_mistral,
     save_mixtral,
+    save_phi3,
     save_qwen2,
     save_qwen3,
     save_qwen3_moe,
@@ -229,7 +230,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
 
 
 FAMILIES = {"qwen2": save_qwen2, "qwen3": save_qwen3, "mistral": save_mistral, "mixtral": save_mixtral,
-            "qwen3_moe": save_qwen3_moe}
+            "qwen3_moe": save_qwen3_moe, "phi3": save_phi3, "phi4_mini": lambda p: save_phi3(p, 0.75)}
 FAMILY_NEW = 12
 
 
@@ -247,6 +248,9 @@ def test_family_loads_what_its_files_say(family: tuple[Worker, dict[int, list[in
     if cfg.architecture == "Qwen2ForCausalLM":
         assert cfg.qkv_bias and not cfg.qk_norm
         assert w.info.bos_token_id is None and not w.info.add_bos_token
+    elif cfg.architecture == "Phi3ForCausalLM":
+        assert cfg.fused_checkpoint and cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "longrope"
+        assert cfg.rotated_dims == (16 if not cfg.tie_word_embeddings else 12)
     elif cfg.architecture == "MixtralForCausalLM":
         assert (cfg.num_experts, cfg.experts_per_token, cfg.dense_layers) == (5, 2, ())
         assert w.runner.model.cpu_decoder is None  # no expert stage in decoder.c: operator by operator
@@ -302,3 +306,55 @@ def test_tensor_parallel_ranks_each_hold_a_share_of_every_expert(tmp_path: Path)
     assert [p.mlps()[0].inter for p in parts] == [cfg.expert_intermediate_size // 2] * 2
     with torch.inference_mode():
         assert torch.allclose(sum(p(x) for p in parts), moe(x), atol=1e-5)
+
+
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 2.5},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 24.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 3.0},
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPE_SCALINGS))
+def test_rope_scalings_match_transformers(kind: str, tmp_path: Path) -> None:
+    """A prompt of 40 tokens, then greedy decoding to position 99, past the trained 64 (32 for YaRN): dynamic NTK
+    rescales its base at every later position as transformers does for a sequence that long
+    (token by token, as its cached generation runs), YaRN interpolates some frequencies and scales
+    cos and sin, linear divides every position."""
+    trained = 128 if kind == "yarn" else 64  # YaRN's configs give the stretched length (32 x 4)
+    ckpt = save_llama_checkpoint(tmp_path / kind, seed=2, rope_scaling=ROPE_SCALINGS[kind],
+                                 max_position_embeddings=trained)
+    prompt = PROMPTS[3][:40]
+    want = hf_greedy(ckpt, [prompt], 60)[0]  # to position 99
+    w = Worker(WorkerConfig(model=str(ckpt), num_kv_blocks=64, block_size=8, dtype="float32"))
+    assert w.max_model_len == {"linear": 160, "yarn": 128, "dynamic": 192}[kind]  # stretched, as vLLM derives it
+    d = Driver(w.runner)
+    d.prefill({0: prompt}, greedy(60), 4)
+    d.decode_to_end(4)
+    assert d.outputs[0] == want
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_longrope_prompts_past_the_original_context_read_the_long_factors(partial: float, tmp_path: Path) -> None:
+    """A prompt longer than LongRoPE's original 32 positions is rotated with the long factors
+    throughout, as transformers rotates it; a short one with the short factors (the family
+    tests). Logits of every position of a 70-token prompt, against transformers' forward."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = save_phi3(tmp_path / "phi", partial)
+    w = Worker(WorkerConfig(model=str(ckpt), num_kv_blocks=64, block_size=8, dtype="float32"))
+    prompt = PROMPTS[3]
+    runner = w.runner
+    positions = list(range(len(prompt)))
+    meta = SdpaBackend(runner.device).build(runner.cache, [list(range(9))], [0], [len(prompt)], positions)
+    meta.rope_offsets = torch.full((len(prompt),), runner.model.rotary.long_offset)
+    with torch.inference_mode():
+        got = runner.model(torch.tensor(prompt), meta)
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]
+    assert torch.allclose(got, want, atol=1e-4)
+    d = Driver(runner)  # and the runner picks the long table for this request by itself
+    d.prefill({0: prompt}, greedy(8), 4)
+    d.decode_to_end(4)
+    assert d.outputs[0] == hf_greedy(ckpt, [prompt], 8)[0]

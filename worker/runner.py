@@ -384,6 +384,12 @@ class ModelRunner:
         prompt = batch.prompt
         logits_indices = batch.logits_indices if prompt is None else batch.logits_indices + prompt.indices
         meta = self.attention.build(self.cache, tables, batch.starts, batch.lengths, logits_indices, host)
+        rotary = self.model.rotary
+        if rotary.long_offset:  # LongRoPE: requests with long prompts read the long table
+            offsets = [rotary.long_offset if s.num_prompt_tokens > rotary.long_after else 0 for s in batch.seqs]
+            if any(offsets):
+                meta.rope_offsets = torch.tensor(offsets).repeat_interleave(torch.tensor(batch.lengths)).to(
+                    meta.positions.device)
         moved = meta.extra
         if batch.host_ids is not None:
             input_ids, moved = moved[0], moved[1:]

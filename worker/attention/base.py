@@ -31,6 +31,13 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # flat token indices whose logits are needed
     cache: KVCache
     extra: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    # [T] added to ``positions`` where the rotation is read (LongRoPE's long table); None: nothing
+    rope_offsets: torch.Tensor | None = None
+
+    @property
+    def rope_positions(self) -> torch.Tensor:
+        """Where each token's rotation is read in the model's tables."""
+        return self.positions if self.rope_offsets is None else self.positions + self.rope_offsets
 
     def decode_only(self) -> DecodeRows | None:
         """Where every row of the step decodes one token through a paged decode kernel that

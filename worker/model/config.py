@@ -2,7 +2,9 @@
 
 Llama, Mistral, Qwen2 and Qwen3 share one decoder; they differ in which projections carry a bias,
 in Qwen3's RMSNorm of each query and key head before the rotation, and in defaults. Mixtral and
-Qwen3-MoE are the same decoder with a mixture of experts in place of the MLP (``num_experts``). Anything this decoder cannot reproduce exactly (another activation, another
+Qwen3-MoE are the same decoder with a mixture of experts in place of the MLP (``num_experts``);
+Phi-3 and Phi-4-mini the same with their projections fused in the files and, for Phi-4-mini, part
+of each head rotated. Anything this decoder cannot reproduce exactly (another activation, another
 rope type, an active sliding window) is rejected here with one line naming the file, rather
 than served with silently different outputs.
 """
@@ -15,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+                           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
 # Families whose configs carry ``use_sliding_window``: a window applies only when it is set (and
 # then per layer, which this decoder does not do).
 _WINDOW_IF_USED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn", "longrope")
 
 
 class ModelLoadError(RuntimeError):
@@ -39,7 +41,7 @@ class LlamaConfig:
     head_dim: int
     max_position_embeddings: int
     rope_theta: float
-    rope_scaling: dict[str, Any] | None  # only llama3-type scaling; None = plain rope
+    rope_scaling: dict[str, Any] | None  # its rope_type one of SUPPORTED_ROPE_TYPES; None = plain rope
     rms_norm_eps: float
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2 always; Llama and Qwen3 when attention_bias
@@ -58,6 +60,27 @@ class LlamaConfig:
     expert_intermediate_size: int = 0
     normalize_expert_weights: bool = True
     dense_layers: tuple[int, ...] = ()
+    # Phi-3 / Phi-4-mini: the files hold q/k/v and gate/up fused as the model holds them
+    # (``qkv_proj``, ``gate_up_proj``), and Phi-4-mini rotates only the first ``rotary_dim`` of
+    # each head's dimensions (``partial_rotary_factor``). 0: the whole head.
+    fused_checkpoint: bool = False
+    rotary_dim: int = 0
+
+    @property
+    def rotated_dims(self) -> int:
+        """How many of each head's dimensions the rotation turns."""
+        return self.rotary_dim or self.head_dim
+
+    def context_limit(self) -> int:
+        """The longest context the model's rotation reaches: ``max_position_embeddings``, times the
+        factor of the scalings that stretch it (linear, dynamic NTK, YaRN: from
+        ``original_max_position_embeddings`` where the config gives it), as vLLM derives it. Llama 3's
+        and LongRoPE's configs already say their stretched length."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") not in ("linear", "dynamic", "yarn") or not scaling.get("factor"):
+            return self.max_position_embeddings
+        base = int(scaling.get("original_max_position_embeddings") or self.max_position_embeddings)
+        return max(self.max_position_embeddings, int(base * float(scaling["factor"])))
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -88,8 +111,8 @@ class LlamaConfig:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             return f"rope scaling type {rope_type!r} is not supported (only {', '.join(SUPPORTED_ROPE_TYPES)})"
-        if float(_rope_parameters(raw).get("partial_rotary_factor", 1.0)) != 1.0:
-            return "partial_rotary_factor is not supported"
+        if self.rotated_dims % 2 or self.rotated_dims > self.head_dim:
+            return f"partial_rotary_factor gives {self.rotated_dims} of {self.head_dim} dimensions rotated"
         if self.architecture in _WINDOW_IF_USED and self.sliding_window is not None:
             return f"{self.architecture.removesuffix('ForCausalLM')} per-layer sliding window attention " \
                    "(use_sliding_window) is not supported"
@@ -142,6 +165,8 @@ def _parse(raw: dict[str, Any], arch: str) -> LlamaConfig:
     # attention_bias puts a bias on all four projections in Llama and Qwen3; Qwen2 has q/k/v biases always.
     attention_bias = bool(raw.get("attention_bias", False)) and arch in ("LlamaForCausalLM", *_QWEN3)
     layers = int(raw["num_hidden_layers"])
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     moe: dict[str, Any] = {}
     if arch == "MixtralForCausalLM":  # every layer; Mixtral always renormalises its top-k weights
         moe = dict(num_experts=int(raw["num_local_experts"]), experts_per_token=int(raw["num_experts_per_tok"]),
@@ -163,7 +188,7 @@ def _parse(raw: dict[str, Any], arch: str) -> LlamaConfig:
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
+        head_dim=head_dim,
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         rope_scaling=scaling,
@@ -177,4 +202,6 @@ def _parse(raw: dict[str, Any], arch: str) -> LlamaConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         **moe,
+        fused_checkpoint=arch == "Phi3ForCausalLM",
+        rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
     )

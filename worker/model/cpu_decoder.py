@@ -68,13 +68,14 @@ class CpuDecoder:
         """The embeddings ``x`` [T, hidden] (overwritten) of a step whose rows all decode ->
         (the last layer's output, the residual stream), as the per-operator forward returns them."""
         num_rows = x.shape[0]
-        self.model.rotary.check(meta.positions)
+        rope_positions = meta.rope_positions
+        self.model.rotary.check(rope_positions)
         residual = torch.empty_like(x)
         h, qkv, attn, gate_up, act = self._buffers(num_rows)
         ptr = cpu_kernels._ptr
         self.entry(ptr(x), ptr(residual), ptr(h), ptr(qkv), ptr(attn), ptr(gate_up), ptr(act),
                    ptr(self._quantized_scratch(num_rows)), ptr(self._layer_table(meta.cache)), len(self.model.model.layers), ptr(meta.slot_mapping),
-                   ptr(meta.positions), ptr(self.cos), ptr(self.sin), ptr(rows.block_table), rows.block_table.shape[1],
+                   ptr(rope_positions), ptr(self.cos), ptr(self.sin), ptr(rows.block_table), rows.block_table.shape[1],
                    ptr(rows.context_lens), ptr(rows.first_positions), num_rows, self.hidden, self.heads, self.kv_heads,
                    self.head_dim, self.inter, meta.cache.block_size, self.eps, self.scale, torch.get_num_threads())
         return x, residual
@@ -130,6 +131,8 @@ def _unsupported(model: LlamaForCausalLM) -> str | None:
         return f"no C kernels for {str(dtype).removeprefix('torch.')}"
     if model.rotary.cos.device.type != "cpu" or model.rotary.kernel is None:
         return "the C kernels are not loaded"
+    if model.rotary.partial:
+        return "decoder.c rotates whole heads, and this model rotates part of each (partial_rotary_factor)"
     layers = model.model.decoder_layers()
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp

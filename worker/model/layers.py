@@ -1,5 +1,6 @@
 """The building blocks of a Llama-family decoder: weight-only linear and embedding layers,
-RMSNorm, and rotary position embeddings (with Llama-3 frequency scaling).
+RMSNorm, and rotary position embeddings (with the scalings configs use: Llama 3's, linear,
+dynamic NTK, YaRN, LongRoPE).
 
 ``Linear`` and ``Embedding`` allocate their parameters uninitialised: every weight comes from a
 checkpoint, and skipping ``reset_parameters`` also keeps building a model on the meta device
@@ -114,13 +115,17 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
-def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    """Rotary inverse frequencies, with Llama-3 scaling when the config asks for it."""
-    d = cfg.head_dim
-    # float32 throughout, as transformers computes it, so long positions round the same way.
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
+def rope_inv_freq(cfg: LlamaConfig, base: float | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies for the config's scaling at positions the model was trained on
+    (``rope_angles`` handles the kinds that change with the position): plain, Llama 3's, linear,
+    YaRN, LongRoPE's short factors. Computed in float32 as ``transformers`` computes them, so long
+    positions round the same way."""
+    d = cfg.rotated_dims
+    exponents = torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d
+    inv_freq = 1.0 / ((cfg.rope_theta if base is None else base) ** exponents)
     scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type") == "llama3":
+    kind = scaling.get("rope_type")
+    if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
         old_len = float(scaling.get("original_max_position_embeddings", 8192))
@@ -132,7 +137,94 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
         inv_freq = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(is_mid, mid, inv_freq)
+    elif kind == "linear":  # positions divided by the factor: the same as frequencies divided
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "yarn":
+        inv_freq = _yarn(cfg, scaling, exponents)
+    elif kind == "longrope":
+        inv_freq = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu")
+                          * cfg.rope_theta ** exponents)
     return inv_freq
+
+
+def _yarn(cfg: LlamaConfig, scaling: dict[str, object], exponents: torch.Tensor) -> torch.Tensor:
+    """YaRN: the frequencies that turn fewer than ``beta_slow`` times over the original context
+    are interpolated (divided by the factor), those that turn more than ``beta_fast`` times kept,
+    and a linear ramp between the two."""
+    d, base = cfg.rotated_dims, cfg.rope_theta
+    factor = float(scaling.get("factor") or cfg.max_position_embeddings / _original_len(scaling))  # type: ignore[arg-type]
+    original = _original_len(scaling)
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)  # type: ignore[arg-type]
+
+    def dim_turning(turns: float) -> float:  # the dimension whose frequency turns ``turns`` times
+        return d * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_turning(fast), dim_turning(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    pos_freqs = base ** exponents
+    return (1.0 / (factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept
+
+
+def _original_len(scaling: dict[str, object]) -> float:
+    return float(scaling["original_max_position_embeddings"])  # type: ignore[arg-type]
+
+
+def rope_attention_factor(cfg: LlamaConfig) -> float:
+    """What YaRN and LongRoPE multiply cos and sin by (1.0 for the other kinds)."""
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type")
+    if kind not in ("yarn", "longrope"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling.get("factor") or cfg.max_position_embeddings / _original_len(scaling))
+    if kind == "longrope":
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(_original_len(scaling)))
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, float(m)) / mscale(factor, float(m_all)) if m and m_all else mscale(factor)
+
+
+def rope_angles(cfg: LlamaConfig, max_positions: int) -> torch.Tensor:
+    """Every position's rotation angles [max_positions, rotated_dims / 2]. Dynamic NTK changes its
+    frequencies past the trained context, here position by position (so a token's rotation never
+    depends on the batch it runs in): the base for position p is the one ``transformers`` uses
+    when the sequence is p + 1 long, so decoding token by token gives its keys and queries
+    exactly. (LongRoPE's long factors are a second table: ``long_rope_angles``.)"""
+    positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+    angles = torch.outer(positions, rope_inv_freq(cfg))
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") == "dynamic" and max_positions > cfg.max_position_embeddings:
+        trained = cfg.max_position_embeddings
+        d, factor = cfg.rotated_dims, float(scaling["factor"])
+        later = torch.arange(trained, max_positions, dtype=torch.float64, device="cpu")
+        bases = cfg.rope_theta * ((factor * (later + 1) / trained) - (factor - 1)) ** (d / (d - 2))
+        exponents = torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d
+        angles[trained:] = later.float().unsqueeze(1) * (1.0 / (bases.float().unsqueeze(1) ** exponents))
+    return angles
+
+
+def long_rope_angles(cfg: LlamaConfig, max_positions: int) -> torch.Tensor | None:
+    """LongRoPE's angles with its long factors, for requests whose prompt is longer than the
+    original context (None for the other kinds). ``transformers`` switches a sequence to them
+    once it is that long; here a request takes one table for its whole life (chosen by its
+    prompt's length), so its keys and queries always turn alike and no batch changes them."""
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return None
+    d = cfg.rotated_dims
+    exponents = torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d
+    inv = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32, device="cpu") * cfg.rope_theta ** exponents)
+    return torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv)
 
 
 class RotaryEmbedding(nn.Module):
@@ -145,10 +237,19 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: LlamaConfig, max_positions: int) -> None:
         super().__init__()
         self.kernel: ctypes.CDLL | None = None  # the C kernels, on the CPU (LlamaForCausalLM.use_cpu_kernels)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), rope_inv_freq(cfg))
+        self.partial = cfg.rotated_dims < cfg.head_dim  # Phi-4-mini: the C rotation turns whole heads only
+        freqs = rope_angles(cfg, max_positions)
+        long = long_rope_angles(cfg, max_positions)
+        # LongRoPE: the long table after the short one; a long request's positions are read
+        # ``long_offset`` further on (``AttentionMetadata.rope_offsets``).
+        self.long_offset = max_positions if long is not None else 0
+        self.long_after = int((cfg.rope_scaling or {}).get("original_max_position_embeddings") or 0)
+        if long is not None:
+            freqs = torch.cat([freqs, long])
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        factor = rope_attention_factor(cfg)  # YaRN's and LongRoPE's, on both tables as transformers applies it
+        self.register_buffer("cos", emb.cos() * factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * factor, persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, d] of a step's positions: looked up once, used by every layer."""
@@ -161,7 +262,8 @@ class RotaryEmbedding(nn.Module):
 
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
         """What every layer of a step rotates its queries and keys with."""
-        if self.kernel is not None and dtype in (torch.float32, torch.bfloat16) and positions.device.type == "cpu":
+        if (self.kernel is not None and not self.partial and dtype in (torch.float32, torch.bfloat16)
+                and positions.device.type == "cpu"):
             self.check(positions)
             return StepRope(kernel=self.kernel, positions=positions.contiguous(), tables=(self.cos, self.sin))
         return StepRope(kernel=None, positions=positions, tables=self.lookup(positions, dtype))
@@ -186,6 +288,10 @@ class StepRope:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [T, heads, d] by its positions' angles (``RotaryEmbedding.lookup``)."""
+    """Rotate ``x`` [T, heads, d] by its positions' angles (``RotaryEmbedding.lookup``); with
+    tables narrower than d (a partial rotation), its first dimensions only, the rest as they are."""
+    rotated = cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :rotated], cos, sin), x[..., rotated:]], dim=-1)
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin

@@ -219,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
             assert self.cpu_decoder is not None
             x, residual = self.cpu_decoder(x, meta, decoding)
         else:
-            rope = self.rotary.for_step(meta.positions, x.dtype)
+            rope = self.rotary.for_step(meta.rope_positions, x.dtype)
             residual = None
             for layer in self.model.layers:
                 x, residual = layer(x, residual, meta, rope)
@@ -333,6 +333,8 @@ def _unfused(name: str, cfg: LlamaConfig) -> list[tuple[str, int]] | None:
     """The checkpoint tensors a fused parameter is made of, with their row counts, in order
     (an expert's gate and up: ``mlp.experts.N.gate_up_proj`` from ``mlp.experts.N.gate_proj``
     and ``up_proj``, the names ``checkpoint_name`` gives every family's files)."""
+    if cfg.fused_checkpoint:  # Phi-3: the files hold them as the model does
+        return None
     prefix, _, rest = name.partition("self_attn.qkv_proj.")
     if rest:
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

@@ -135,12 +135,17 @@ def resolve_dtype(name: str, device: torch.device, cfg: LlamaConfig) -> tuple[to
 
 
 def resolve_max_model_len(cfg: LlamaConfig, requested: int | None, config_file: Path) -> int:
-    """``--max-model-len`` if given, else the model's ``max_position_embeddings``; never more."""
+    """``--max-model-len`` if given, else the longest context the model reaches
+    (``max_position_embeddings``, stretched by a rope scaling that says so: ``context_limit``);
+    never more."""
+    limit = cfg.context_limit()
     if requested is None:
-        return cfg.max_position_embeddings
-    if requested > cfg.max_position_embeddings:
+        return limit
+    if requested > limit:
+        stretched = f" ({cfg.max_position_embeddings} stretched by its rope scaling)" \
+            if limit != cfg.max_position_embeddings else ""
         raise ModelLoadError(f"{config_file}: --max-model-len {requested} exceeds the model's "
-                             f"max_position_embeddings {cfg.max_position_embeddings}")
+                             f"max_position_embeddings {limit}{stretched}")
     return requested
 
 

@@ -71,6 +71,9 @@ _LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?(\w
 class ShardLayout:
     def __init__(self, cfg: LlamaConfig, rank: int, size: int) -> None:
         h, kv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+        if cfg.fused_checkpoint:
+            raise ModelLoadError(f"--tensor-parallel-size {size}: {cfg.architecture}'s files hold q/k/v and "
+                                 f"gate/up fused, which are not split across ranks yet")
         if size > h or h % size:
             raise ModelLoadError(f"--tensor-parallel-size {size} does not divide the model's {h} attention heads "
                                  f"(use a divisor of {h})")
