@@ -365,7 +365,7 @@ async def chat_completions(request: Request) -> Response | StreamResponse:
     max_tokens, max_tokens_param = (body.max_completion_tokens, "max_completion_tokens") \
         if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens")
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    grammar = await constraint_grammar(state, body, calls_constraint(use))
+    grammar = await constraint_grammar(state, body, calls_constraint(use, tokenizer.tool_tags))
     sampling = sampling_params(state, body, len(prompt_ids), max_tokens, top_logprobs, default_max_tokens=None,
                          grammar=grammar, prompt_param="messages", max_tokens_param=max_tokens_param,
                          prompt_logprobs=body.prompt_logprobs)

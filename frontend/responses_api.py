@@ -116,7 +116,7 @@ async def create_response(request: Request) -> Response | StreamResponse:
         max_chars = tokenizer.max_text_chars(state.require_model().max_model_len - 1)
         kwargs = thinking_kwargs(None, effort, splits, "reasoning.effort")
         prompt_ids = await chat_prompt_ids(tokenizer, messages, use, max_chars, kwargs)
-        grammar = await constraint_grammar(state, fields, calls_constraint(use))
+        grammar = await constraint_grammar(state, fields, calls_constraint(use, tokenizer.tool_tags))
         sampling = sampling_params(state, fields, len(prompt_ids), body.max_output_tokens, None, default_max_tokens=None,
                              grammar=grammar, prompt_param="input", max_tokens_param="max_output_tokens")
     except APIError as e:

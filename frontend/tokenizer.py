@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from frontend.reasoning import END_THINK, THINK
+from frontend.tool_calls import CLOSE, OPEN
 from protocol.messages import ModelInfo
 
 # Used when the model ships no chat template: one line per message, then the assistant's turn.
@@ -206,6 +207,13 @@ class ModelTokenizer:
         reasoning parser is given it by id."""
         added = self._tok.get_added_tokens_decoder()
         return {i: tag for i, tag in self.think_tags.items() if i in added and added[i].special}
+
+    @functools.cached_property
+    def tool_tags(self) -> dict[str, int]:
+        """``<tool_call>`` and ``</tool_call>``, each by the id of the one token the tokenizer
+        writes it as (Qwen2.5's and Qwen3's added tokens); a tag written in pieces is absent."""
+        ids = {tag: self.encode_text(tag) for tag in (OPEN, CLOSE)}
+        return {tag: written[0] for tag, written in ids.items() if len(written) == 1}
 
     def opens_think(self, prompt_ids: list[int]) -> bool:
         """Whether the prompt ends inside an open ``<think>`` (whitespace after it aside): the

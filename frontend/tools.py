@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,14 +109,25 @@ def tool_use(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -
     return ToolUse(checked, choice, named, parallel is not False)
 
 
-def calls_constraint(use: ToolUse | None) -> Constraint | None:
+def calls_constraint(use: ToolUse | None, tag_ids: Mapping[str, int]) -> Constraint | None:
     """The constraint that holds a required or named choice's output to calls of its tools (a
-    Lark grammar, llguidance's, with ``%json`` for each call's body); None when the model chooses."""
-    grammar = None if use is None else calls_grammar(use)
+    Lark grammar, llguidance's, with ``%json`` for each call's body); None when the model chooses.
+    ``tag_ids``: the tags the tokenizer writes as one token, by that token's id
+    (``ModelTokenizer.tool_tags``)."""
+    grammar = None if use is None else calls_grammar(use, tag_ids)
     return None if grammar is None else Constraint("tool_choice", grammar)
 
 
-def calls_grammar(use: ToolUse) -> str | None:
+def _tag(text: str, tag_ids: Mapping[str, int]) -> str:
+    """A tag as the grammar spells it: the token by its id where the tokenizer writes the tag as
+    one token, else the string. llguidance counts every added token as special, whatever the
+    tokenizer says: a string literal that spells one lets the model pick that token, then refuses
+    it (a Qwen tokenizer's ``<tool_call>``: the output ended after one token)."""
+    token = tag_ids.get(text)
+    return json.dumps(text) if token is None else f"<[{token}]>"
+
+
+def calls_grammar(use: ToolUse, tag_ids: Mapping[str, int]) -> str | None:
     if use.choice not in ("required", "named"):
         return None
     names = [use.named] if use.named is not None else [t["function"]["name"] for t in use.tools]
@@ -126,7 +138,7 @@ def calls_grammar(use: ToolUse) -> str | None:
     # After a call the output may end; with parallel calls, a newline may begin the next one.
     more = ' ("\\n" call)*' if use.parallel and use.named is None else ""
     return (f"start: call{more}\n"
-            f'call: "{OPEN}\\n" body "\\n{CLOSE}"\n'
+            f'call: {_tag(OPEN, tag_ids)} "\\n" body "\\n" {_tag(CLOSE, tag_ids)}\n'
             f"body: %json {json.dumps(schema)}\n")
 
 

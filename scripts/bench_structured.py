@@ -105,10 +105,12 @@ async def timed(awaitable: Any) -> float:
 def compile_figures(model: str, repeats: int) -> list[tuple[str, float, float, float, float]]:
     """(schema, frontend cold ms, frontend cached ms, worker cold ms, worker cached ms), medians."""
     from frontend.structured import GrammarValidator, constraint_of
+    from frontend.tokenizer import ModelTokenizer
     from frontend.tools import calls_constraint, tool_use
     from worker.structured import GrammarEngine
 
     info = _model_info(model)
+    tags = ModelTokenizer(info).tool_tags
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
         "required": ["city"]}}}
@@ -125,7 +127,7 @@ def compile_figures(model: str, repeats: int) -> list[tuple[str, float, float, f
         if name == "tool call (required)":
             fn = weather["function"]
             tool = {"type": "function", "function": {**fn, "parameters": {**fn["parameters"], "title": f"v{variant}"}}}
-            return calls_constraint(tool_use([tool], "required", None))
+            return calls_constraint(tool_use([tool], "required", None), tags)
         return constraint_of(None, {"json": {**cases[name], "title": f"v{variant}"}}, {})
 
     for name in [*cases, "tool call (required)"]:

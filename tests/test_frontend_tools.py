@@ -13,10 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_frontend_chat_template import _model_dir, _sluice
+from tokenizers import AddedToken, Tokenizer
 
 from frontend.errors import APIError
+from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer
 from frontend.tool_calls import CLOSE, OPEN, ToolCallParser, parse_llama3_call
 from frontend.tools import calls_grammar, prompt_messages, tool_use
+from protocol.messages import ModelInfo
 from worker.model.tiny import build_byte_level_tokenizer
 
 WEATHER = {"type": "function", "function": {
@@ -63,7 +66,7 @@ def _accepts(grammar: str, text: str) -> bool:
 
 
 def test_a_required_choice_holds_the_output_to_calls_of_its_tools() -> None:
-    required = calls_grammar(tool_use([WEATHER, ADD], "required", None))  # type: ignore[arg-type]
+    required = calls_grammar(tool_use([WEATHER, ADD], "required", None), {})  # type: ignore[arg-type]
     assert required is not None
     one = f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}'
     two = f'{one}\n{OPEN}\n{{"name": "add", "arguments": {{"a": 1, "b": 2}}}}\n{CLOSE}'
@@ -72,12 +75,67 @@ def test_a_required_choice_holds_the_output_to_calls_of_its_tools() -> None:
     assert not _accepts(required, one.replace("get_weather", "get_time"))  # not a tool
     assert not _accepts(required, one.replace('"city": "Paris"', '"town": "Paris"'))  # not its schema
     assert not _accepts(required, one.replace('{"city": "Paris"}', '{ "city":"Paris" }'))  # written as json.dumps
-    single = calls_grammar(tool_use([WEATHER, ADD], "required", False))  # type: ignore[arg-type]
-    named = calls_grammar(tool_use([WEATHER, ADD], {"type": "function", "function": {"name": "add"}}, None))  # type: ignore[arg-type]
+    single = calls_grammar(tool_use([WEATHER, ADD], "required", False), {})  # type: ignore[arg-type]
+    named = calls_grammar(tool_use([WEATHER, ADD], {"type": "function", "function": {"name": "add"}}, None), {})  # type: ignore[arg-type]
     assert single is not None and named is not None
     assert _accepts(single, one) and not _accepts(single, two)  # parallel_tool_calls false: one call
     assert not _accepts(named, one) and _accepts(named, two.split("\n", 3)[3])
-    assert calls_grammar(tool_use([WEATHER], "auto", None)) is None  # type: ignore[arg-type]
+    assert calls_grammar(tool_use([WEATHER], "auto", None), {}) is None  # type: ignore[arg-type]
+
+
+def _qwen_like_tokenizer() -> tuple[Tokenizer, ModelTokenizer]:
+    """A byte-level BPE with the tags as added tokens that are not special, as Qwen2.5's and
+    Qwen3's tokenizers have them (ids 318 and 319)."""
+    tok = build_byte_level_tokenizer(318)
+    tok.add_tokens([AddedToken(OPEN, special=False), AddedToken(CLOSE, special=False)])
+    info = ModelInfo(name="qwen-like", max_model_len=512, vocab_size=320, eos_token_ids=[2], bos_token_id=None,
+                     tokenizer_json=tok.to_str(), chat_template=None, add_bos_token=False, num_kv_blocks=8,
+                     block_size=16)
+    return tok, ModelTokenizer(info)
+
+
+def test_tags_that_are_tokens_are_named_as_tokens_and_their_text_reaches_the_parser() -> None:
+    tok, ours = _qwen_like_tokenizer()
+    assert ours.tool_tags == {OPEN: 318, CLOSE: 319}
+    assert ModelTokenizer(_plain_info()).tool_tags == {}  # tags written byte by byte
+    use = tool_use([WEATHER, ADD], "required", None)
+    assert use is not None
+    ll = llguidance.LLTokenizer(tok.to_str(), n_vocab=320, eos_token=[2])
+    one = f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}'
+    text = f'{one}\n{OPEN}\n{{"name": "add", "arguments": {{"a": 1, "b": 2}}}}\n{CLOSE}'
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert ids.count(318) == ids.count(319) == 2  # the tokenizer writes each tag as its token
+
+    # Before: the tag as a string. llguidance counts added tokens as special and allows the tag's
+    # token alone, then refuses it: the output ended after one token.
+    spelled = llguidance.LLMatcher(ll, calls_grammar(use, {}))  # type: ignore[arg-type]
+    first = spelled.compute_logit_bias()
+    assert [i for i in range(320) if first[i]] == [318]
+    assert not spelled.consume_token(318) and spelled.is_error()
+
+    grammar = calls_grammar(use, ours.tool_tags)
+    assert grammar is not None and "<[318]>" in grammar and "<[319]>" in grammar
+    matcher = llguidance.LLMatcher(ll, grammar)
+    assert not matcher.is_error(), matcher.get_error()
+    assert matcher.consume_tokens(ids) and matcher.is_accepting(), matcher.get_error()
+    assert not llguidance.LLMatcher(ll, grammar).consume_tokens(tok.encode("Paris", add_special_tokens=False).ids)
+
+    # Not special to the tokenizer, the tags keep their text when special tokens are skipped (the
+    # default), so the call parser finds the calls in what the detokenizer gives.
+    detok = IncrementalDetokenizer(ours, [], skip_special_tokens=True)
+    written = "".join(detok.push(i) for i in ids)
+    assert written == text
+    parser = ToolCallParser()
+    assert parser.feed(written, final=True).content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_weather", {"city": "Paris"}),
+                                                                         ("add", {"a": 1, "b": 2})]
+
+
+def _plain_info() -> ModelInfo:
+    tok = build_byte_level_tokenizer(320)
+    return ModelInfo(name="plain", max_model_len=512, vocab_size=320, eos_token_ids=[2], bos_token_id=1,
+                     tokenizer_json=tok.to_str(), chat_template=None, add_bos_token=True, num_kv_blocks=8,
+                     block_size=16)
 
 
 # ------------------------------------------------------------------------------------ templates
