@@ -13,6 +13,7 @@ import pytest
 import torch
 from checkpoints import (
     hf_greedy,
+    save_gemma3,
     save_llama_checkpoint,
     save_mistral,
     save_mixtral,
@@ -230,7 +231,8 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
 
 
 FAMILIES = {"qwen2": save_qwen2, "qwen3": save_qwen3, "mistral": save_mistral, "mixtral": save_mixtral,
-            "qwen3_moe": save_qwen3_moe, "phi3": save_phi3, "phi4_mini": lambda p: save_phi3(p, 0.75)}
+            "qwen3_moe": save_qwen3_moe, "phi3": save_phi3, "phi4_mini": lambda p: save_phi3(p, 0.75),
+            "gemma3": save_gemma3}
 FAMILY_NEW = 12
 
 
@@ -248,6 +250,9 @@ def test_family_loads_what_its_files_say(family: tuple[Worker, dict[int, list[in
     if cfg.architecture == "Qwen2ForCausalLM":
         assert cfg.qkv_bias and not cfg.qk_norm
         assert w.info.bos_token_id is None and not w.info.add_bos_token
+    elif cfg.architecture == "Gemma3ForCausalLM":
+        assert cfg.gemma and cfg.qk_norm and cfg.layer_windows == (6, 6, 0, 6, 6, 0) and cfg.local_rope_theta == 10000.0
+        assert cfg.attention_scale == pytest.approx(24**-0.5) and w.runner.model.cpu_decoder is None
     elif cfg.architecture == "Phi3ForCausalLM":
         assert cfg.fused_checkpoint and cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "longrope"
         assert cfg.rotated_dims == (16 if not cfg.tie_word_embeddings else 12)

@@ -126,6 +126,10 @@ class ModelRunner:
         cfg = model.config
         self.attention = select_backend(device, cache.keys[0].dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                         cache.block_size, cfg.sliding_window)
+        # Gemma 3's sliding-window layers: each window's own backend, whose metadata rides along
+        # with the step's (``AttentionMetadata.windowed``).
+        self.windowed = {w: select_backend(device, cache.keys[0].dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                           cache.block_size, w) for w in sorted(set(cfg.layer_windows) - {0})}
         self.seqs: dict[int, SequenceState] = {}
         max_blocks = -(-max_model_len // cache.block_size)
         self.batch = InputBatch(max_num_seqs, max_blocks, pin_memory=device.type == "cuda")
@@ -384,6 +388,8 @@ class ModelRunner:
         prompt = batch.prompt
         logits_indices = batch.logits_indices if prompt is None else batch.logits_indices + prompt.indices
         meta = self.attention.build(self.cache, tables, batch.starts, batch.lengths, logits_indices, host)
+        for window, backend in self.windowed.items():
+            meta.windowed[window] = backend.build(self.cache, tables, batch.starts, batch.lengths, logits_indices)
         rotary = self.model.rotary
         if rotary.long_offset:  # LongRoPE: requests with long prompts read the long table
             offsets = [rotary.long_offset if s.num_prompt_tokens > rotary.long_after else 0 for s in batch.seqs]

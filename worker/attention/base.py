@@ -33,6 +33,8 @@ class AttentionMetadata:
     extra: list[torch.Tensor] = dataclasses.field(default_factory=list)
     # [T] added to ``positions`` where the rotation is read (LongRoPE's long table); None: nothing
     rope_offsets: torch.Tensor | None = None
+    # Gemma 3: the same step as layers with a sliding window of that many tokens see it
+    windowed: dict[int, AttentionMetadata] = dataclasses.field(default_factory=dict)
 
     @property
     def rope_positions(self) -> torch.Tensor:

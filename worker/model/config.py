@@ -4,7 +4,8 @@ Llama, Mistral, Qwen2 and Qwen3 share one decoder; they differ in which projecti
 in Qwen3's RMSNorm of each query and key head before the rotation, and in defaults. Mixtral and
 Qwen3-MoE are the same decoder with a mixture of experts in place of the MLP (``num_experts``);
 Phi-3 and Phi-4-mini the same with their projections fused in the files and, for Phi-4-mini, part
-of each head rotated. Anything this decoder cannot reproduce exactly (another activation, another
+of each head rotated. Gemma 3 (text) adds its own norms, GeGLU, scaled embeddings and sliding
+window layers between global ones (``gemma``). Anything this decoder cannot reproduce exactly (another activation, another
 rope type, an active sliding window) is rejected here with one line naming the file, rather
 than served with silently different outputs.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
+                           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
 # Families whose configs carry ``use_sliding_window``: a window applies only when it is set (and
 # then per layer, which this decoder does not do).
 _WINDOW_IF_USED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -66,6 +67,22 @@ class LlamaConfig:
     fused_checkpoint: bool = False
     rotary_dim: int = 0
 
+    # Gemma 3: norms as (1 + weight) computed in float32, four per layer (the attention's and the
+    # MLP's outputs normalised too), GeGLU (gelu-tanh), embeddings times sqrt(hidden), queries
+    # scaled by ``attention_scale``; layers with a window in ``layer_windows`` (0: global) rotate
+    # with ``local_rope_theta`` and no scaling, the global ones with rope_theta and rope_scaling.
+    gemma: bool = False
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float = 0.0
+    attention_scale: float = 0.0  # 0: head_dim ** -0.5
+    final_logit_softcapping: float = 0.0  # 0: none; else logits = cap * tanh(logits / cap)
+
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of ``layer`` (None: it sees its whole context)."""
+        if self.layer_windows:
+            return self.layer_windows[layer] or None
+        return self.sliding_window
+
     @property
     def rotated_dims(self) -> int:
         """How many of each head's dimensions the rotation turns."""
@@ -105,9 +122,11 @@ class LlamaConfig:
         return cfg
 
     def _unsupported(self, raw: dict[str, Any]) -> str | None:
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            return f"hidden_act {act!r} is not supported (only silu)"
+        act = raw.get("hidden_activation") or raw.get("hidden_act", "silu") if self.gemma else raw.get("hidden_act", "silu")
+        if act != ("gelu_pytorch_tanh" if self.gemma else "silu"):
+            return f"hidden_act {act!r} is not supported (only {'gelu_pytorch_tanh' if self.gemma else 'silu'})"
+        if self.gemma and (raw.get("attn_logit_softcapping") or raw.get("use_bidirectional_attention")):
+            return "attention logit soft-capping and bidirectional attention (Gemma 2, EmbeddingGemma) are not supported"
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             return f"rope scaling type {rope_type!r} is not supported (only {', '.join(SUPPORTED_ROPE_TYPES)})"
@@ -135,10 +154,15 @@ def _read_json(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
-    """transformers >= 5 writes one ``rope_parameters`` dict; older files write ``rope_theta`` and
-    ``rope_scaling`` (whose type key was once ``type``). Merge both spellings into one dict."""
+def _rope_parameters(raw: dict[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:
+    """transformers >= 5 writes one ``rope_parameters`` dict (Gemma 3: one per layer type); older
+    files write ``rope_theta`` and ``rope_scaling`` (whose type key was once ``type``). Merge both
+    spellings into one dict."""
     params = dict(raw.get("rope_parameters") or {})
+    if layer_type in params:  # per layer type
+        return _rope_parameters({"rope_parameters": params[layer_type]})
+    if isinstance(params.get("full_attention"), dict):
+        params = dict(params["full_attention"])
     params.update(raw.get("rope_scaling") or {})
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params.pop("type")
@@ -151,7 +175,7 @@ def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
     """Mistral applies ``sliding_window`` in every layer when set. Qwen2 and Qwen3 configs carry a
     window they use only with ``use_sliding_window`` (and then per layer, which is rejected elsewhere)."""
     window = raw.get("sliding_window")
-    if arch == "LlamaForCausalLM" or (arch in _WINDOW_IF_USED and not raw.get("use_sliding_window")):
+    if arch in ("LlamaForCausalLM", "Gemma3ForCausalLM") or (arch in _WINDOW_IF_USED and not raw.get("use_sliding_window")):
         return None
     return int(window) if window else None
 
@@ -166,6 +190,18 @@ def _parse(raw: dict[str, Any], arch: str) -> LlamaConfig:
     attention_bias = bool(raw.get("attention_bias", False)) and arch in ("LlamaForCausalLM", *_QWEN3)
     layers = int(raw["num_hidden_layers"])
     head_dim = int(raw.get("head_dim") or hidden // heads)
+    gemma: dict[str, Any] = {}
+    if arch == "Gemma3ForCausalLM":
+        window = int(raw["sliding_window"])
+        pattern = int(raw.get("sliding_window_pattern") or 6)
+        kinds = raw.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                           for i in range(layers)]
+        local = _rope_parameters(raw, "sliding_attention") if isinstance(
+            (raw.get("rope_parameters") or {}).get("sliding_attention"), dict) else {}
+        gemma = dict(gemma=True, layer_windows=tuple(window if k == "sliding_attention" else 0 for k in kinds),
+                     local_rope_theta=float(local.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0),
+                     attention_scale=float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+                     final_logit_softcapping=float(raw.get("final_logit_softcapping") or 0.0))
     partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     moe: dict[str, Any] = {}
     if arch == "MixtralForCausalLM":  # every layer; Mixtral always renormalises its top-k weights
@@ -197,11 +233,12 @@ def _parse(raw: dict[str, Any], arch: str) -> LlamaConfig:
         qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
         o_bias=attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
-        qk_norm=arch in _QWEN3,
+        qk_norm=arch in (*_QWEN3, "Gemma3ForCausalLM"),
         sliding_window=_sliding_window(raw, arch),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         **moe,
         fused_checkpoint=arch == "Phi3ForCausalLM",
+        **gemma,
         rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
     )

@@ -131,6 +131,8 @@ def _unsupported(model: LlamaForCausalLM) -> str | None:
         return f"no C kernels for {str(dtype).removeprefix('torch.')}"
     if model.rotary.cos.device.type != "cpu" or model.rotary.kernel is None:
         return "the C kernels are not loaded"
+    if model.config.gemma:
+        return "decoder.c has no stages for Gemma's norms, GeGLU and sliding-window layers"
     if model.rotary.partial:
         return "decoder.c rotates whole heads, and this model rotates part of each (partial_rotary_factor)"
     layers = model.model.decoder_layers()

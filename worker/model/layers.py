@@ -87,16 +87,20 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, gemma: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # Gemma's: times (1 + weight), all in float32 and rounded once (never the C kernel's).
+        self.gemma = gemma
         self.kernel: ctypes.CDLL | None = None  # the C kernels, on the CPU (LlamaForCausalLM.use_cpu_kernels)
 
     def _kernel_takes(self, x: torch.Tensor) -> bool:
-        return self.kernel is not None and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1
+        return self.kernel is not None and not self.gemma and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemma:
+            return (F.rms_norm(x.float(), self.weight.shape, None, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         if self._kernel_takes(x):
             assert self.kernel is not None
             return cpu_kernels.rms_norm(self.kernel, x, self.weight, self.eps)  # one call instead of six operators
@@ -238,6 +242,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.kernel: ctypes.CDLL | None = None  # the C kernels, on the CPU (LlamaForCausalLM.use_cpu_kernels)
         self.partial = cfg.rotated_dims < cfg.head_dim  # Phi-4-mini: the C rotation turns whole heads only
+        self.local: RotaryEmbedding | None = None  # Gemma 3: the sliding-window layers' own (``for_local``)
         freqs = rope_angles(cfg, max_positions)
         long = long_rope_angles(cfg, max_positions)
         # LongRoPE: the long table after the short one; a long request's positions are read
@@ -250,6 +255,11 @@ class RotaryEmbedding(nn.Module):
         factor = rope_attention_factor(cfg)  # YaRN's and LongRoPE's, on both tables as transformers applies it
         self.register_buffer("cos", emb.cos() * factor, persistent=False)
         self.register_buffer("sin", emb.sin() * factor, persistent=False)
+
+    @classmethod
+    def for_local(cls, cfg: LlamaConfig, max_positions: int) -> RotaryEmbedding:
+        """Gemma 3's sliding-window layers' rotation: their own base, no scaling."""
+        return cls(dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None), max_positions)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, d] of a step's positions: looked up once, used by every layer."""

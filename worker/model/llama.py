@@ -42,9 +42,11 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias)
         # Qwen3: each query and key head RMS-normalised (one weight per family of heads) before
         # the rotation.
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = self.head_dim**-0.5
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.gemma) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.gemma) if cfg.qk_norm else None
+        self.scale = cfg.attention_scale or self.head_dim**-0.5
+        # Gemma 3: this layer's own window, read through the step's metadata for it.
+        self.window = cfg.window_of(layer) if cfg.layer_windows else None
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum the ranks' o_proj
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: StepRope) -> torch.Tensor:
@@ -57,6 +59,8 @@ class Attention(nn.Module):
         qk = rope.rotate(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.window is not None:
+            meta = meta.windowed[self.window]
         out = self.o_proj(meta.attend(self.layer, q, k, v, self.scale).reshape(t, self.num_heads * self.head_dim))
         return self.reduce(out) if self.reduce is not None else out
 
@@ -71,9 +75,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, h: int, inter: int, bias: bool) -> None:
+    def __init__(self, h: int, inter: int, bias: bool, gelu: bool = False) -> None:
         super().__init__()
         self.inter = inter
+        self.gelu = gelu  # Gemma's GeGLU: gelu-tanh(gate) * up, in torch (the C kernel is silu's)
         self.gate_up_proj = Linear(h, 2 * inter, bias=bias)
         self.down_proj = Linear(inter, h, bias=bias)
         self.silu_kernel: ctypes.CDLL | None = None  # the C kernels, on the CPU (LlamaForCausalLM.use_cpu_kernels)
@@ -81,7 +86,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.silu_kernel is not None and gate_up.dtype in (torch.float32, torch.bfloat16):
+        if self.gelu:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            out = self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
+        elif self.silu_kernel is not None and gate_up.dtype in (torch.float32, torch.bfloat16):
             out = self.down_proj(cpu_kernels.silu_mul(self.silu_kernel, gate_up, self.inter))
         else:
             gate, up = gate_up.split(self.inter, dim=-1)
@@ -137,9 +145,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
         self.mlp: MLP | SparseMoE = (SparseMoE(cfg) if cfg.is_moe_layer(layer) else
-                                     MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+                                     MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, gelu=cfg.gemma))
+        self.local = cfg.window_of(layer) is not None and cfg.gemma  # rotates with the local tables
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        # Gemma 3: post_attention_layernorm normalises the attention's output, and the MLP has a
+        # norm before (instead of post_attention_layernorm) and after it.
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True) if cfg.gemma else None
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True) if cfg.gemma else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
                 rope: StepRope) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,6 +163,9 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
         h = self.self_attn(h, meta, rope)
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            h, residual = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
 
@@ -159,7 +175,7 @@ class LlamaBody(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]
@@ -172,6 +188,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBody(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg, max_positions)
+        if cfg.gemma:
+            self.rotary.local = RotaryEmbedding.for_local(cfg, max_positions)
         # A decode step's whole stack in one C call, on a CPU where every piece has its kernel
         # (worker/model/cpu_decoder.py); set after the weights are packed.
         self.cpu_decoder: Callable[[torch.Tensor, AttentionMetadata, DecodeRows],
@@ -199,6 +217,8 @@ class LlamaForCausalLM(nn.Module):
         computed its step."""
         kernels = cpu_kernels.load()
         self.rotary.kernel = kernels
+        if self.rotary.local is not None:
+            self.rotary.local.kernel = kernels
         self.model.norm.kernel = kernels
         for layer in self.model.decoder_layers():
             layer.input_layernorm.kernel = layer.post_attention_layernorm.kernel = kernels
@@ -220,14 +240,18 @@ class LlamaForCausalLM(nn.Module):
             x, residual = self.cpu_decoder(x, meta, decoding)
         else:
             rope = self.rotary.for_step(meta.rope_positions, x.dtype)
+            local = self.rotary.local.for_step(meta.rope_positions, x.dtype) if self.rotary.local is not None else rope
             residual = None
-            for layer in self.model.layers:
-                x, residual = layer(x, residual, meta, rope)
+            for layer in self.model.decoder_layers():
+                x, residual = layer(x, residual, meta, local if layer.local else rope)
         assert residual is not None
         if hidden_rows is not None:
             self.hidden = self.model.norm(x[hidden_rows] + residual[hidden_rows]).float()
         x = self.model.norm(x[meta.logits_indices] + residual[meta.logits_indices])
         logits = self.lm_head(x).float()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
         if self.group is None:
             return logits
         if not len(logits):  # no row samples this step, on every rank alike
@@ -236,6 +260,12 @@ class LlamaForCausalLM(nn.Module):
         return gathered[:, : self.full_vocab] if gathered is not None else None
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self._lookup(ids)
+        if self.config.gemma:  # sqrt(hidden), rounded to the weights' dtype first, as Gemma scales
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        return x
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return self.model.embed_tokens(ids)
         # This rank's vocabulary rows: ids outside them look up zeros, and the ranks' sum is the row.
