@@ -191,9 +191,9 @@ def check_capacity(state: AppState) -> None:
 
 def engine_output(state: AppState, body: SamplingFields, prompt_ids: list[int], sampling: SamplingParams,
             request_id: str, renderer: Renderer, first_index: int = 0, terminal: bool = True,
-            reasoning: bool | None = None) -> Output:
+            reasoning: bool | None = None, tools: bool = False) -> Output:
     """One prompt's engine request (its ``n`` choices, sent as one message) and the ``Output``
-    its answers are rendered into (``reasoning``: ``Output``'s)."""
+    its answers are rendered into (``reasoning``, ``tools``: ``Output``'s)."""
     add = AddRequest(
         rid=state.client.next_rids(body.n),
         request_id=request_id,
@@ -207,17 +207,17 @@ def engine_output(state: AppState, body: SamplingFields, prompt_ids: list[int], 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     text = TextOptions(body.skip_special_tokens, body.include_stop_str_in_output)
     return Output(add, state.require_tokenizer(), body.stop_strings(), renderer, body.stream, include_usage,
-                  first_index, terminal, text, reasoning)
+                  first_index, terminal, text, reasoning, tools)
 
 
 async def _run(state: AppState, request: Request, body: SamplingFields, prompt_ids: list[int],
                sampling: SamplingParams, request_id: str, renderer: Renderer,
-               reasoning: bool | None = None) -> Response | StreamResponse:
+               reasoning: bool | None = None, tools: bool = False) -> Response | StreamResponse:
     """Shared by both endpoints: one engine request per choice (``n``, sent as one message),
     their output rendered by ``renderer`` as it arrives — streamed as SSE chunks, or collected
     into one body."""
     check_capacity(state)
-    output = engine_output(state, body, prompt_ids, sampling, request_id, renderer, reasoning=reasoning)
+    output = engine_output(state, body, prompt_ids, sampling, request_id, renderer, reasoning=reasoning, tools=tools)
     handle = await state.client.add(output)
     if body.stream:
         return StreamResponse(handle, {"X-Request-Id": request_id})
@@ -373,7 +373,8 @@ async def chat_completions(request: Request) -> Response | StreamResponse:
     renderer = ChatRenderer(request_id, int(time.time()), state.model_name, tokenizer, prompt_ids,
                             body.return_token_ids, top_logprobs, tools=use, prompt_logprobs=body.prompt_logprobs)
     reasoning = starts_thinking(tokenizer, prompt_ids, grammar) if splits and body.separate_reasoning else None
-    return await _run(state, request, body, prompt_ids, sampling, request_id, renderer, reasoning)
+    return await _run(state, request, body, prompt_ids, sampling, request_id, renderer, reasoning,
+                      tools=use is not None and use.parses)
 
 
 async def list_models(request: Request) -> Response:

@@ -106,10 +106,6 @@ class Choice:
         """(reasoning, content) of the next tokens' text; ``last``: with what was held back."""
         parser = self.reasoning
         assert parser is not None
-        if not text and token_ids:
-            hidden = self.output.hidden_tags
-            if hidden and token_ids[-1] in hidden:
-                text = hidden[token_ids[-1]]
         reasoning, text = parser.feed(text, len(token_ids))
         if last:
             held_reasoning, held_text = parser.flush()
@@ -126,11 +122,15 @@ class Output:
 
     def __init__(self, request: AddRequest, tokenizer: ModelTokenizer, stop_strings: list[str],
                  renderer: Renderer, streaming: bool, include_usage: bool, first_index: int = 0,
-                 terminal: bool = True, text: TextOptions = TextOptions(), reasoning: bool | None = None) -> None:
+                 terminal: bool = True, text: TextOptions = TextOptions(), reasoning: bool | None = None,
+                 tools: bool = False) -> None:
         """``reasoning``: None when the answer is text alone; else it is split into reasoning and
-        content (``frontend.reasoning``), True when the prompt leaves the model inside ``<think>``."""
+        content (``frontend.reasoning``), True when the prompt leaves the model inside ``<think>``.
+        ``tools``: its text is read for tool calls."""
         self.request = request
-        self.hidden_tags = tokenizer.hidden_think_tags if reasoning is not None else {}
+        # Tags a parser reads that are special tokens: their text, which decoding skips, by id.
+        self.hidden_tags = (tokenizer.hidden_think_tags if reasoning is not None else {}) \
+            | (tokenizer.hidden_tool_tags if tools else {})
         self.renderer = renderer
         self.streaming = streaming
         self.include_usage = include_usage
@@ -455,6 +455,8 @@ class OutputProcessor:
                     text = ""
                 else:
                     text = c.detok.push(token)
+                    if not text and token in c.output.hidden_tags:
+                        text = c.output.hidden_tags[token]
                 stops = c.stops
                 if stops is not None:
                     text, hit = stops.feed(text)

@@ -133,7 +133,8 @@ async def create_response(request: Request) -> Response | StreamResponse:
                                        store is not None), use, finished)
     check_capacity(state)
     reasoning = starts_thinking(tokenizer, prompt_ids, grammar) if splits else None
-    output = engine_output(state, fields, prompt_ids, sampling, response_id, renderer, reasoning=reasoning)
+    output = engine_output(state, fields, prompt_ids, sampling, response_id, renderer, reasoning=reasoning,
+                           tools=use is not None and use.parses)
     handle = await state.client.add(output)
     if body.stream:
         return StreamResponse(handle, {"X-Request-Id": response_id})

@@ -201,12 +201,15 @@ class ModelTokenizer:
         tags = {self._tok.token_to_id(tag): tag for tag in (THINK, END_THINK)}
         return {} if None in tags else {i: tag for i, tag in tags.items() if i is not None}
 
+    def _special(self, tags: dict[int, str]) -> dict[int, str]:
+        added = self._tok.get_added_tokens_decoder()
+        return {i: tag for i, tag in tags.items() if i in added and added[i].special}
+
     @functools.cached_property
     def hidden_think_tags(self) -> dict[int, str]:
         """Those of ``think_tags`` that are special tokens: decoding skips their text, so the
         reasoning parser is given it by id."""
-        added = self._tok.get_added_tokens_decoder()
-        return {i: tag for i, tag in self.think_tags.items() if i in added and added[i].special}
+        return self._special(self.think_tags)
 
     @functools.cached_property
     def tool_tags(self) -> dict[str, int]:
@@ -214,6 +217,13 @@ class ModelTokenizer:
         writes it as (Qwen2.5's and Qwen3's added tokens); a tag written in pieces is absent."""
         ids = {tag: self.encode_text(tag) for tag in (OPEN, CLOSE)}
         return {tag: written[0] for tag, written in ids.items() if len(written) == 1}
+
+    @functools.cached_property
+    def hidden_tool_tags(self) -> dict[int, str]:
+        """Those of ``tool_tags`` that are special tokens (Qwen's are not; a fine-tune that named a
+        base model's reserved special token ``<tool_call>`` has one): decoding skips their text,
+        so the call parser is given it by id."""
+        return self._special({i: tag for tag, i in self.tool_tags.items()})
 
     def opens_think(self, prompt_ids: list[int]) -> bool:
         """Whether the prompt ends inside an open ``<think>`` (whitespace after it aside): the

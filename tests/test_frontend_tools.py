@@ -16,10 +16,12 @@ from test_frontend_chat_template import _model_dir, _sluice
 from tokenizers import AddedToken, Tokenizer
 
 from frontend.errors import APIError
+from frontend.output import Output, OutputProcessor
+from frontend.render import ChatRenderer
 from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer
 from frontend.tool_calls import CLOSE, OPEN, ToolCallParser, parse_llama3_call
 from frontend.tools import calls_grammar, prompt_messages, tool_use
-from protocol.messages import ModelInfo
+from protocol.messages import AddRequest, Finish, ModelInfo, SamplingParams, TokenBatch, pack_logprobs
 from worker.model.tiny import build_byte_level_tokenizer
 
 WEATHER = {"type": "function", "function": {
@@ -83,11 +85,11 @@ def test_a_required_choice_holds_the_output_to_calls_of_its_tools() -> None:
     assert calls_grammar(tool_use([WEATHER], "auto", None), {}) is None  # type: ignore[arg-type]
 
 
-def _qwen_like_tokenizer() -> tuple[Tokenizer, ModelTokenizer]:
-    """A byte-level BPE with the tags as added tokens that are not special, as Qwen2.5's and
-    Qwen3's tokenizers have them (ids 318 and 319)."""
+def _qwen_like_tokenizer(special: bool = False) -> tuple[Tokenizer, ModelTokenizer]:
+    """A byte-level BPE with the tags as added tokens (ids 318 and 319) that are not special, as
+    Qwen2.5's and Qwen3's tokenizers have them, or are."""
     tok = build_byte_level_tokenizer(318)
-    tok.add_tokens([AddedToken(OPEN, special=False), AddedToken(CLOSE, special=False)])
+    tok.add_tokens([AddedToken(OPEN, special=special), AddedToken(CLOSE, special=special)])
     info = ModelInfo(name="qwen-like", max_model_len=512, vocab_size=320, eos_token_ids=[2], bos_token_id=None,
                      tokenizer_json=tok.to_str(), chat_template=None, add_bos_token=False, num_kv_blocks=8,
                      block_size=16)
@@ -129,6 +131,40 @@ def test_tags_that_are_tokens_are_named_as_tokens_and_their_text_reaches_the_par
     assert parser.feed(written, final=True).content == ""
     assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_weather", {"city": "Paris"}),
                                                                          ("add", {"a": 1, "b": 2})]
+
+
+def test_tags_that_are_special_tokens_are_given_their_text_for_the_call_parser() -> None:
+    tok, ours = _qwen_like_tokenizer(special=True)
+    assert ours.tool_tags == {OPEN: 318, CLOSE: 319} and ours.hidden_tool_tags == {318: OPEN, 319: CLOSE}
+    assert _qwen_like_tokenizer()[1].hidden_tool_tags == {}
+    use = tool_use([WEATHER], "required", None)
+    text = f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}'
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert ours.decode(ids) == text[len(OPEN):-len(CLOSE)]  # skipped: the parser would see no call
+
+    def answered(streaming: bool, tools: bool) -> list[dict]:
+        processor = OutputProcessor(lambda rid: None)
+        request = AddRequest(10, "chatcmpl-x", [5, 6], SamplingParams(max_tokens=64))
+        renderer = ChatRenderer("chatcmpl-x", 0, "m", ours, [5, 6], False, None, tools=use)
+        output = Output(request, ours, [], renderer, streaming, include_usage=False, tools=tools)
+        processor.add(output)
+        for i, token in enumerate([*ids, 2]):
+            end = [Finish(10, "stop", 2, 0, i + 1)] if token == 2 else []
+            processor.process(TokenBatch([10], [token], end, pack_logprobs([])))
+        if not streaming:
+            return [output.body()["choices"][0]["message"]]
+        chunks = b"".join(output.buffer).split(b"\n\n")
+        return [json.loads(c[6:])["choices"][0]["delta"] for c in chunks if c.startswith(b"data: {")]
+
+    (message,) = answered(streaming=False, tools=True)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] \
+        == [("get_weather", '{"city": "Paris"}')]
+    deltas = answered(streaming=True, tools=True)
+    assert [c["function"].get("name") for d in deltas for c in d.get("tool_calls", []) if "id" in c] == ["get_weather"]
+    assert not any(d.get("content") for d in deltas)
+    # Without the tags' text the stream reads no call: its JSON goes out as content.
+    unread = answered(streaming=True, tools=False)
+    assert not any("tool_calls" in d for d in unread) and '"city"' in "".join(d.get("content", "") for d in unread)
 
 
 def _plain_info() -> ModelInfo:
