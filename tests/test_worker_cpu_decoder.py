@@ -1,7 +1,8 @@
 """The CPU's whole-stack decoder (one C call per decode step) against the per-operator forward:
 the same logits and the same cache contents, bit for bit, in float32 and bfloat16, for Llama with
-GQA, Qwen2 (q/k/v bias, tied embeddings) and Mistral (a sliding window), rows of different
-context lengths on shuffled blocks, one row and many."""
+GQA, Qwen2 (q/k/v bias, tied embeddings), Qwen3 (q/k norms per head) and Mistral (a sliding
+window), rows of different context lengths on shuffled blocks, one row and many. Every other
+family the decoder has no stage for steps aside, and the start-up log says why."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import save_llama_checkpoint, save_mistral, save_qwen2, save_qwen3
+from checkpoints import (
+    save_gemma3,
+    save_llama_checkpoint,
+    save_mistral,
+    save_mixtral,
+    save_phi3,
+    save_qwen2,
+    save_qwen3,
+    save_qwen3_moe,
+)
 
 from protocol.config import WorkerConfig
 from worker.engine import Worker
@@ -108,3 +118,25 @@ def test_the_c_silu_matches_torchs_within_rounding() -> None:
     bf = gate_up.bfloat16()
     want_bf = torch.nn.functional.silu(bf[:, :200]).mul_(bf[:, 200:])
     torch.testing.assert_close(cpu_kernels.silu_mul(lib, bf, 200), want_bf, rtol=1e-2, atol=1e-2)
+
+
+STEPS_ASIDE = {
+    "mixtral": (save_mixtral, "no stage for a mixture of experts"),
+    "qwen3_moe": (save_qwen3_moe, "no stage for a mixture of experts"),
+    "gemma3": (save_gemma3, "no stages for Gemma's norms"),
+    "phi4_mini": (lambda p: save_phi3(p, 0.75), "rotates part of each"),
+}
+
+
+@pytest.mark.parametrize("family", list(STEPS_ASIDE))
+def test_a_family_the_decoder_cannot_run_goes_operator_by_operator_and_says_why(
+        family: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    if not _dtypes():
+        pytest.skip("no packed linear kernel on this CPU (AVX-512), or no C compiler")
+    save, why = STEPS_ASIDE[family]
+    with caplog.at_level("INFO", logger="sluice.worker"):
+        worker = Worker(WorkerConfig(model=str(save(tmp_path / family)), dtype="float32", num_kv_blocks=16,
+                                     block_size=BS))
+    assert worker.runner.model.cpu_decoder is None
+    assert any("decode steps run operator by operator" in r.getMessage() and why in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
