@@ -30,6 +30,7 @@ from worker.gguf.file import GGUFFile, GGUFFormatError, GGUFTensor
 from worker.gguf.quants import KEPT_LAYOUT, UnsupportedTensorType, block_codes, dequantize
 from worker.gguf.tokenizer import UnsupportedTokenizer, build_tokenizer
 from worker.model.config import LlamaConfig, ModelLoadError
+from worker.model.families import GGUF_ARCHITECTURES
 from worker.model.quantized import QuantizedWeight
 from worker.model.sharding import ShardLayout, Slice, pad, pad_quantized_rows, take_quantized
 
@@ -51,9 +52,6 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-# GGUF's architecture names, as llama.cpp's converter writes them, and the model each one is.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3moe": "Qwen3MoeForCausalLM"}
 # A mixture of experts' tensors: the router, and each projection of every expert stacked in one
 # 3-D tensor [experts, rows, columns] (each expert's rows contiguous), split here into the experts.
 _EXPERT_NAME = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
@@ -69,9 +67,9 @@ class GGUFCheckpoint:
         self.metadata = self.file.metadata
         self.tensors = self.file.tensors
         self.arch = str(self._field("general.architecture"))
-        if self.arch not in ARCHITECTURES:
+        if self.arch not in GGUF_ARCHITECTURES:
             raise ModelLoadError(f"{self.path}: GGUF architecture {self.arch!r} is not supported "
-                                 f"(supported: {', '.join(ARCHITECTURES)})")
+                                 f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
         self.permuted_qk = self.arch == "llama"  # see the module's docstring
 
     def _field(self, key: str, default: Any = None) -> Any:
@@ -100,7 +98,7 @@ class GGUFCheckpoint:
                        normalize_expert_weights=bool(self.metadata.get(f"{a}.expert_weights_norm", True)),
                        dense_layers=tuple(i for i in range(int(self._field(f"{a}.block_count")))
                                           if f"blk.{i}.ffn_gate_inp.weight" not in self.tensors))
-        architecture = "MixtralForCausalLM" if experts and a == "llama" else ARCHITECTURES[a]
+        architecture = "MixtralForCausalLM" if experts and a == "llama" else GGUF_ARCHITECTURES[a]
         vocab = len(self.metadata.get("tokenizer.ggml.tokens", []))
         eos = self.metadata.get("tokenizer.ggml.eos_token_id")
         bos = self.metadata.get("tokenizer.ggml.bos_token_id")

@@ -13,7 +13,6 @@ decode step's profile. Checkpoints keep Hugging Face's separate names:
 from __future__ import annotations
 
 import ctypes
-import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
@@ -362,7 +361,7 @@ class LlamaForCausalLM(nn.Module):
 def _unfused(name: str, cfg: LlamaConfig) -> list[tuple[str, int]] | None:
     """The checkpoint tensors a fused parameter is made of, with their row counts, in order
     (an expert's gate and up: ``mlp.experts.N.gate_up_proj`` from ``mlp.experts.N.gate_proj``
-    and ``up_proj``, the names ``checkpoint_name`` gives every family's files)."""
+    and ``up_proj``, the names a family's ``checkpoint_name`` gives its files')."""
     if cfg.fused_checkpoint:  # Phi-3: the files hold them as the model does
         return None
     prefix, _, rest = name.partition("self_attn.qkv_proj.")
@@ -374,21 +373,3 @@ def _unfused(name: str, cfg: LlamaConfig) -> list[tuple[str, int]] | None:
         rows = cfg.expert_intermediate_size if ".experts." in prefix else cfg.intermediate_size
         return [(f"{prefix}{p}_proj.{rest}", rows) for p in ("gate", "up")]
     return None
-
-
-# Mixtral's files name its experts' MLPs as its reference code did: w1 the gate, w3 the up, w2
-# the down projection, under ``block_sparse_moe``. The model (and Qwen3-MoE's files) say
-# ``mlp.experts.N.{gate,up,down}_proj`` and ``mlp.gate``.
-_MIXTRAL_NAME = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate\.|experts\.\d+\.w([123])\.)(weight|bias)$")
-_MIXTRAL_PROJ = {"1": "gate_proj.", "2": "down_proj.", "3": "up_proj."}
-
-
-def checkpoint_name(name: str) -> str:
-    """A checkpoint file's tensor name under the names the model's ``checkpoint_shapes`` uses."""
-    match = _MIXTRAL_NAME.match(name)
-    if match is None:
-        return name
-    layer, part, w, kind = match.groups()
-    if w is not None:
-        part = part[: -len(f"w{w}.")] + _MIXTRAL_PROJ[w]
-    return f"{layer}mlp.{part}{kind}"

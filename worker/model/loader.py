@@ -19,7 +19,9 @@ from safetensors import SafetensorError, safe_open
 from protocol.models import unknown_model
 from worker.model import cpu_matmul
 from worker.model.config import LlamaConfig, ModelLoadError
-from worker.model.llama import LlamaForCausalLM, checkpoint_name
+from worker.model.families import family_of
+from worker.model.families.base import same_name
+from worker.model.llama import LlamaForCausalLM
 from worker.model.quantized import QuantizedWeight
 from worker.model.sharding import ShardLayout, pad
 from worker.model.tiny import materialize_tiny
@@ -170,8 +172,9 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _read_weights(files: list[Path], expected: dict[str, torch.Size], dtype: torch.dtype,
-                  device: torch.device, layout: ShardLayout | None = None) -> dict[str, torch.Tensor]:
+def _read_weights(files: list[Path], expected: dict[str, torch.Size], dtype: torch.dtype, device: torch.device,
+                  layout: ShardLayout | None = None, checkpoint_name: Callable[[str], str] = same_name
+                  ) -> dict[str, torch.Tensor]:
     """Every tensor of ``files`` (shapes as ``expected``), cast; with a ``layout``, only this
     rank's part of each (``safe_open``'s slices read just those bytes)."""
     state: dict[str, torch.Tensor] = {}
@@ -181,7 +184,7 @@ def _read_weights(files: list[Path], expected: dict[str, torch.Size], dtype: tor
                 for stored in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     if stored.endswith(_IGNORED_SUFFIXES):
                         continue
-                    name = checkpoint_name(stored)  # Mixtral's experts under the model's names
+                    name = checkpoint_name(stored)  # the family's names for its tensors, as the model's
                     if name not in expected:
                         raise ModelLoadError(f"{file}: unexpected tensor {stored} (not part of this "
                                              f"architecture as config.json describes it)")
@@ -218,7 +221,8 @@ def load_model(model_dir: Path, cfg: LlamaConfig, dtype: torch.dtype, device: to
         expected = (LlamaForCausalLM(cfg, 1) if layout is not None else model).checkpoint_shapes()
     state: dict[str, torch.Tensor | QuantizedWeight]
     if weights is None:
-        state = dict(_read_weights(weight_files(model_dir), expected, dtype, device, layout))
+        state = dict(_read_weights(weight_files(model_dir), expected, dtype, device, layout,
+                                   family_of(cfg.architecture).checkpoint_name))
     else:
         state = weights(expected, dtype, device, layout)
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
