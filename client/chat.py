@@ -17,6 +17,11 @@ are sent after it, in order, and the line being typed waits at the next prompt.
 
 With stdin not a terminal (``printf 'hi\\n' | sluice chat``) there is no prompt and no line
 editing: stdout holds just the replies, one newline after each.
+
+A reasoning model's thinking (``delta.reasoning_content``) is shown as it streams, set apart from
+the answer (``terminal_stream.TextOut``): dim and italic on a terminal; with stdout not a
+terminal, on stderr with each line begun ``thinking: ``. It is not kept in the history: the next
+request carries each past answer's content alone, as OpenAI's clients send it back.
 """
 
 from __future__ import annotations
@@ -96,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
                 keys = typeahead.held(sys.stdin.fileno(), ahead) if interactive else contextlib.nullcontext()
                 try:
                     with keys:
-                        reply = server.stream("/v1/chat/completions", body, out)
-                    out("\n")
+                        reply = server.stream("/v1/chat/completions", body, out, out.thought)
+                    out.end_reply()
                 except ts.RequestFailed as e:  # the server's message; the chat goes on
                     out.end_line()
                     ts.error(str(e))

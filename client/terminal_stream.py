@@ -4,7 +4,8 @@ Shared by ``sluice chat`` and ``sluice complete``. Their ``run`` imports this mo
 pulls in httpx and rich, which the parser of every ``sluice`` command should not pay for.
 
 Streamed text goes to stdout unstyled and flushed per chunk, so it can be piped; notes, stats
-and errors go to stderr (dim or red on a terminal, plain otherwise).
+and errors go to stderr (dim or red on a terminal, plain otherwise). A reasoning model's thinking
+(``delta.reasoning_content``) streams before its answer, set apart from it (``TextOut.thought``).
 
 Interrupting is the caller's part: a Ctrl-C while ``Server.stream`` reads raises
 KeyboardInterrupt out of it, and leaving httpx's ``stream`` block closes the response. A
@@ -32,6 +33,8 @@ from rich.console import Console
 TIMEOUT = httpx.Timeout(None, connect=10.0)
 
 _stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+_stdout = Console(highlight=False, soft_wrap=True, emoji=False)
+THINKING = "thinking: "  # begins each line of thinking written off a terminal
 
 
 class RequestFailed(Exception):
@@ -51,20 +54,63 @@ def error(message: str) -> None:
 class TextOut:
     """The model's text on stdout: unstyled, flushed per chunk (a pipe would otherwise hold it
     back until the end), remembering whether its last line is open so that a note on stderr
-    after an interrupted reply starts on a line of its own."""
+    after an interrupted reply starts on a line of its own.
+
+    A reasoning model's thinking (``thought``) is not the reply. On a terminal it is shown dim
+    and italic as it streams, and the answer starts after a blank line; off a terminal (or on
+    one that takes no styles, TERM=dumb) stdout keeps just the replies, and the thinking goes to
+    stderr, each of its lines begun with ``THINKING``."""
 
     def __init__(self) -> None:
         self.line_open = False
+        self._screen = _stdout.is_terminal and _stdout.color_system is not None
+        self._thinking = False  # thinking was written, and no answer after it yet
+        self._thought_open = False  # off a terminal: the last line of thinking on stderr is open
 
     def __call__(self, text: str) -> None:
         if text:
+            self._end_thinking(blank_line=True)
             sys.stdout.write(text)
             sys.stdout.flush()
             self.line_open = not text.endswith("\n")
 
+    def thought(self, text: str) -> None:
+        if not text:
+            return
+        self._thinking = True
+        if self._screen:
+            _stdout.print(text, style="dim italic", end="", markup=False)
+            self.line_open = not text.endswith("\n")
+            return
+        marked = []
+        for line in text.splitlines(keepends=True):
+            marked.append(line if self._thought_open else THINKING + line)
+            self._thought_open = not line.endswith("\n")
+        sys.stderr.write("".join(marked))
+        sys.stderr.flush()
+
+    def _end_thinking(self, blank_line: bool) -> None:
+        if not self._thinking:
+            return
+        self._thinking = False
+        if self._screen:
+            sys.stdout.write("\n" * (self.line_open + blank_line))
+            sys.stdout.flush()
+            self.line_open = False
+        elif self._thought_open:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+            self._thought_open = False
+
     def end_line(self) -> None:
+        self._end_thinking(blank_line=False)
         if self.line_open:
             self("\n")
+
+    def end_reply(self) -> None:
+        """The newline after a reply (after its thinking, where it is all thinking)."""
+        self._end_thinking(blank_line=False)
+        self("\n")
 
 
 def stdout_closed() -> int:
@@ -120,9 +166,12 @@ class Server:
         except (ValueError, LookupError, TypeError):
             raise RequestFailed(f"{self.url}/v1/models lists no model; name one with --model") from None
 
-    def stream(self, path: str, body: dict[str, Any], write: Callable[[str], None]) -> Reply:
+    def stream(self, path: str, body: dict[str, Any], write: Callable[[str], None],
+               think: Callable[[str], None] | None = None) -> Reply:
         """POST ``body`` (with ``stream: true``) to ``path`` and ``write`` each piece of text of
-        choice 0 as it arrives, for /v1/completions and /v1/chat/completions alike."""
+        choice 0 as it arrives, for /v1/completions and /v1/chat/completions alike; ``think``
+        each piece of its reasoning (a chat's ``delta.reasoning_content``), which the reply's
+        ``text`` leaves out."""
         parts: list[str] = []
         finish_reason: str | None = None
         usage_tokens: int | None = None
@@ -141,12 +190,15 @@ class Server:
                 for choice in event.get("choices") or ():
                     if choice.get("index", 0) != 0:
                         continue
-                    text = _choice_text(choice)
-                    if text:
+                    text, reasoning = _choice_text(choice), _choice_reasoning(choice)
+                    if text or reasoning:
                         last = time.perf_counter()
                         if not chunks:
                             first = last
                         chunks += 1
+                    if reasoning and think is not None:
+                        think(reasoning)
+                    if text:
                         parts.append(text)
                         write(text)
                     finish_reason = choice.get("finish_reason") or finish_reason
@@ -189,6 +241,13 @@ def _choice_text(choice: dict[str, Any]) -> str:
     if "delta" in choice:  # chat; the first chunk may carry only the role
         return (choice["delta"] or {}).get("content") or ""
     return choice.get("text") or ""
+
+
+def _choice_reasoning(choice: dict[str, Any]) -> str:
+    """A chat chunk's thinking: ``reasoning_content`` (Sluice, SGLang, DeepSeek's API), or
+    ``reasoning`` (vLLM's newer releases)."""
+    delta = choice.get("delta") or {}
+    return delta.get("reasoning_content") or delta.get("reasoning") or ""
 
 
 def _raise_for_status(response: httpx.Response) -> None:

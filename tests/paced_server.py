@@ -2,10 +2,11 @@
 
 Every streamed request gets its first token ``ttft`` seconds after it arrived, then one token every
 ``itl`` seconds (deadlines from the arrival, so late wake-ups do not accumulate), ``max_tokens``
-tokens in all, then a usage chunk and ``data: [DONE]``. Prompt tokens are counted one per word
-(a list prompt: one per id). Two priorities misbehave on purpose: 9 answers HTTP 503, 8 breaks
-the connection after two tokens. It runs (Starlette on uvicorn) in a thread of the test process,
-so its ``time.perf_counter`` stamps compare directly with the client's.
+tokens in all, then a usage chunk and ``data: [DONE]``. With ``thinking``, a chat reply's first
+``thinking`` tokens are ``delta.reasoning_content``, as a reasoning model's are. Prompt tokens are
+counted one per word (a list prompt: one per id). Two priorities misbehave on purpose: 9 answers
+HTTP 503, 8 breaks the connection after two tokens. It runs (Starlette on uvicorn) in a thread of
+the test process, so its ``time.perf_counter`` stamps compare directly with the client's.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ BREAK_STREAM_PRIORITY = 8
 
 
 class PacedServer:
-    def __init__(self, ttft: float = 0.2, itl: float = 0.05) -> None:
-        self.ttft, self.itl = ttft, itl
+    def __init__(self, ttft: float = 0.2, itl: float = 0.05, thinking: int = 0) -> None:
+        self.ttft, self.itl, self.thinking = ttft, itl, thinking
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.arrivals: list[float] = []  # perf_counter of each streamed request's arrival
@@ -68,7 +69,8 @@ class PacedServer:
 
         def chunk(i: int) -> dict[str, Any]:
             reason = "length" if i == n - 1 else None
-            choice = {"index": 0, "delta": {"content": f" t{i}"}} if chat else {"index": 0, "text": f" t{i}"}
+            delta = {"reasoning_content": f" r{i}"} if i < self.thinking else {"content": f" t{i}"}
+            choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": f" t{i}"}
             return {"id": "x", "object": "chunk", "choices": [choice | {"finish_reason": reason}]}
 
         async def events() -> AsyncIterator[bytes]:
@@ -103,8 +105,8 @@ class PacedServer:
 
 
 @contextmanager
-def paced_server(ttft: float = 0.2, itl: float = 0.05) -> Iterator[PacedServer]:
-    server = PacedServer(ttft, itl)
+def paced_server(ttft: float = 0.2, itl: float = 0.05, thinking: int = 0) -> Iterator[PacedServer]:
+    server = PacedServer(ttft, itl, thinking)
     server.start()
     try:
         yield server

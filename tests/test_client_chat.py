@@ -252,3 +252,32 @@ def test_text_typed_while_a_reply_streams_waits_at_the_next_prompt() -> None:
         child.close()
         assert child.exitstatus == 0
         assert len(paced.bodies) == 3  # "/exit" was a command, and nothing else was sent
+
+
+def test_a_reasoning_models_thinking_is_shown_apart_and_not_sent_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``delta.reasoning_content`` streams before the answer: dim and italic on a terminal, the
+    answer after a blank line; piped (or on a terminal without styles), on stderr, each line
+    marked, stdout keeping the replies. The history carries each answer alone. Before: only
+    ``delta.content`` was shown, and a reasoning model's answer came after a silent wait."""
+    dim = "".join(f"\x1b[2;3m r{i}\x1b[0m" for i in range(3))
+    with paced_server(ttft=0.05, itl=0.02, thinking=3) as paced:  # " r0 r1 r2", then " t3 t4 t5"
+        for term, screen in (("xterm", f"{dim}\r\n\r\n"), ("dumb", "thinking:  r0 r1 r2\r\n")):
+            monkeypatch.setenv("TERM", term)
+            child = spawn_chat(paced, "--max-tokens", "6")
+            child.sendline("first")
+            child.expect_exact("first")
+            child.expect_exact("> ")
+            assert child.before == f"\r\n{screen} t3 t4 t5\r\n", term
+            child.sendline("/exit")
+            child.expect(pexpect.EOF)
+            child.close()
+            assert child.exitstatus == 0
+
+        piped = subprocess.run([sys.executable, "-m", "frontend", "chat", "--url", paced.url, "--max-tokens", "6"],
+                               input=b"first\nsecond\n", capture_output=True, cwd=REPO, timeout=60)
+        assert piped.returncode == 0, piped.stderr
+        assert piped.stdout == b" t3 t4 t5\n" * 2
+        assert piped.stderr == b"thinking:  r0 r1 r2\n" * 2
+        assert paced.bodies[-1]["messages"] == [{"role": "user", "content": "first"},
+                                                {"role": "assistant", "content": " t3 t4 t5"},
+                                                {"role": "user", "content": "second"}]
