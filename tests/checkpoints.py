@@ -201,16 +201,19 @@ def save_phi3(path: Path, partial_rotary_factor: float = 1.0) -> Path:
     return path
 
 
-def save_gemma3(path: Path) -> Path:
+def save_gemma3(path: Path, released_pattern: bool = False) -> Path:
     """A random Gemma 3 (text): a 6-token window in layers 0, 1, 3 and 4, layer 2 and 5 global
     (a 3:1 pattern, here, to have two of each), 1,000,000 / 10,000 rope bases, query scaling 24,
-    q/k norms, tied embeddings, norm weights random around 0 (Gemma's norms multiply by 1 + w)."""
+    q/k norms, tied embeddings, norm weights random around 0 (Gemma's norms multiply by 1 + w).
+    ``released_pattern``: as the released models are (and llama.cpp assumes): five windowed
+    layers to one global, queries scaled by the head width."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    kinds = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    kinds = ["sliding_attention"] * 5 + ["full_attention"] if released_pattern else \
+        ["sliding_attention", "sliding_attention", "full_attention"] * 2
     config = Gemma3TextConfig(**SMALL | dict(num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2),
-                              head_dim=16, sliding_window=6, layer_types=kinds, query_pre_attn_scalar=24,
-                              pad_token_id=0)
+                              head_dim=16, sliding_window=6, layer_types=kinds,
+                              query_pre_attn_scalar=16 if released_pattern else 24, pad_token_id=0)
     torch.manual_seed(11)
     model = Gemma3ForCausalLM(config).eval()
     with torch.no_grad():

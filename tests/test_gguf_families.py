@@ -12,9 +12,19 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from checkpoints import hf_greedy, save_mixtral, save_qwen2, save_qwen3, save_qwen3_moe, write_gguf
+from checkpoints import (
+    hf_greedy,
+    save_gemma3,
+    save_mixtral,
+    save_phi3,
+    save_qwen2,
+    save_qwen3,
+    save_qwen3_moe,
+    write_gguf,
+)
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
 from safetensors.torch import load_file
@@ -39,12 +49,20 @@ _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\
 _EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
-def _gguf_name(hf: str) -> str:
+# Where llama.cpp names a family's tensors its own way
+_FAMILY_LAYER = {
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+    "gemma3": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+}
+
+
+def _gguf_name(hf: str, arch: str = "") -> str:
     hf = hf.replace(".block_sparse_moe.gate.", ".mlp.gate.")
     base, _, kind = hf.rpartition(".")
     if base.startswith("model.layers."):
         layer, _, part = base.removeprefix("model.layers.").partition(".")
-        return f"blk.{layer}.{_LAYER[part]}.{kind}"
+        return f"blk.{layer}.{(_LAYER | _FAMILY_LAYER.get(arch, {}))[part]}.{kind}"
     return f"{_GLOBAL[base]}.{kind}"
 
 
@@ -67,7 +85,16 @@ def write_qwen_gguf(ckpt: Path, arch: str, path: Path, matrices: Q = Q.F32) -> P
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float((cfg.get("rope_parameters") or cfg)["rope_theta"]))
+    rope = cfg.get("rope_parameters") or cfg
+    rope = rope.get("full_attention", rope)  # Gemma 3: per layer type
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if arch == "phi3":  # LongRoPE's factors as tensors, the rotated width, the original context
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    if arch == "gemma3":
+        writer.add_sliding_window(cfg["sliding_window"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
@@ -93,12 +120,14 @@ def write_qwen_gguf(ckpt: Path, arch: str, path: Path, matrices: Q = Q.F32) -> P
             layer, expert, proj = match.groups()
             stacked.setdefault(f"blk.{layer}.ffn_{_EXPERT_PROJ[proj]}_exps.weight", {})[int(expert)] = state.pop(name)
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
-    tensors = {_gguf_name(name): t for name, t in state.items()}
+    if arch == "gemma3":  # llama.cpp's converter stores Gemma's norm weights as 1 + w
+        state = {name: t + 1 if name.endswith("norm.weight") else t for name, t in state.items()}
+    tensors = {_gguf_name(name, arch): t for name, t in state.items()}
     tensors |= {name: torch.stack([parts[e] for e in sorted(parts)]) for name, parts in stacked.items()}
     for name, tensor in state.items():
         proj = name.rsplit(".", 2)[-2]
         if arch == "llama" and proj in heads:  # llama.cpp's rope pairs neighbours: its converter interleaves
-            tensors[_gguf_name(name)] = _llama_cpp_permute(tensor, heads[proj])
+            tensors[_gguf_name(name, arch)] = _llama_cpp_permute(tensor, heads[proj])
     for name, tensor in tensors.items():
         w = tensor.float().numpy()
         if w.ndim >= 2 and matrices != Q.F32 and w.shape[-1] % 32 == 0:  # else float, as llama.cpp falls back
@@ -223,3 +252,26 @@ def test_quantized_experts_stay_quantized(tmp_path: Path) -> None:
     while d.live():
         d.plan([(1, 1)])
     assert len(d.outputs[1]) == 4
+
+
+OTHERS: dict[str, Callable[[Path], Path]] = {
+    "phi3": save_phi3, "phi4_mini": lambda p: save_phi3(p, 0.75), "gemma3": lambda p: save_gemma3(p, True)}
+
+
+@pytest.mark.parametrize("model", list(OTHERS))
+def test_phi_and_gemma_ggufs_generate_what_transformers_generates(model: str, tmp_path: Path) -> None:
+    """Phi-3 (fused attn_qkv and ffn_up, LongRoPE's factors as tensors; Phi-4-mini rotating 12 of
+    16 dimensions) and Gemma 3 (its norms stored as 1 + w, its own norm names, the window and
+    llama.cpp's every-sixth-layer global) as llama.cpp writes them. The prompts reach past
+    LongRoPE's original 32 positions, and past Gemma's 6-token window."""
+    arch = "gemma3" if model == "gemma3" else "phi3"
+    ckpt = OTHERS[model](tmp_path / "hf")
+    path = write_qwen_gguf(ckpt, arch, tmp_path / "model.gguf")
+    worker = Worker(WorkerConfig(model=str(path), num_kv_blocks=64, block_size=8, dtype="float32"))
+    cfg = worker.runner.model.config
+    if arch == "gemma3":
+        assert cfg.gemma and cfg.layer_windows == (6, 6, 6, 6, 6, 0)
+    else:
+        assert cfg.fused_checkpoint and cfg.rope_scaling is not None and cfg.rotated_dims == (12 if "4" in model else 16)
+    want = dict(zip(PROMPTS, hf_greedy(ckpt, list(PROMPTS.values()), NEW_TOKENS), strict=True))
+    assert _greedy(worker) == want

@@ -30,7 +30,8 @@ from worker.gguf.file import GGUFFile, GGUFFormatError, GGUFTensor
 from worker.gguf.quants import KEPT_LAYOUT, UnsupportedTensorType, block_codes, dequantize
 from worker.gguf.tokenizer import UnsupportedTokenizer, build_tokenizer
 from worker.model.config import LlamaConfig, ModelLoadError
-from worker.model.families import GGUF_ARCHITECTURES
+from worker.model.families import GGUF_ARCHITECTURES, family_of
+from worker.model.families.base import GGUFView
 from worker.model.quantized import QuantizedWeight
 from worker.model.sharding import ShardLayout, Slice, pad, pad_quantized_rows, take_quantized
 
@@ -71,6 +72,8 @@ class GGUFCheckpoint:
             raise ModelLoadError(f"{self.path}: GGUF architecture {self.arch!r} is not supported "
                                  f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
         self.permuted_qk = self.arch == "llama"  # see the module's docstring
+        self.family = family_of(GGUF_ARCHITECTURES[self.arch])
+        self.layer_names = _LAYER_NAMES | self.family.gguf_names
 
     def _field(self, key: str, default: Any = None) -> Any:
         value = self.metadata.get(key, default)
@@ -85,8 +88,12 @@ class GGUFCheckpoint:
         a = self.arch
         heads = int(self._field(f"{a}.attention.head_count"))
         hidden = int(self._field(f"{a}.embedding_length"))
-        if self.metadata.get(f"{a}.rope.scaling.type", "none") not in ("none", "") or "rope_freqs.weight" in self.tensors:
-            raise ModelLoadError(f"{self.path}: rope scaling in GGUF files is not supported")
+        scaling_type = self.metadata.get(f"{a}.rope.scaling.type", "none") or "none"
+        if scaling_type not in ("none", "linear") or "rope_freqs.weight" in self.tensors:
+            raise ModelLoadError(f"{self.path}: rope scaling {scaling_type!r} in GGUF files is not supported "
+                                 "(none or linear)")
+        scaling = {"rope_type": "linear", "factor": float(self._field(f"{a}.rope.scaling.factor"))} \
+            if scaling_type == "linear" else None
         experts = int(self.metadata.get(f"{a}.expert_count", 0))
         moe: dict[str, Any] = {}
         if experts:
@@ -104,7 +111,7 @@ class GGUFCheckpoint:
         bos = self.metadata.get("tokenizer.ggml.bos_token_id")
         # Qwen3's heads are not hidden / heads wide: llama.cpp writes their width as key_length.
         head_dim = self.metadata.get(f"{a}.attention.key_length") or self.metadata.get(f"{a}.rope.dimension_count")
-        return LlamaConfig(
+        fields: dict[str, Any] = dict(
             architecture=architecture,
             vocab_size=int(self._field(f"{a}.vocab_size", vocab)),
             hidden_size=hidden,
@@ -116,7 +123,7 @@ class GGUFCheckpoint:
             head_dim=int(head_dim or hidden // heads),
             max_position_embeddings=int(self._field(f"{a}.context_length")),
             rope_theta=float(self._field(f"{a}.rope.freq_base", 10000.0)),
-            rope_scaling=None,
+            rope_scaling=scaling,
             rms_norm_eps=float(self._field(f"{a}.attention.layer_norm_rms_epsilon")),
             tie_word_embeddings="output.weight" not in self.tensors,
             qkv_bias="blk.0.attn_q.bias" in self.tensors,
@@ -128,6 +135,12 @@ class GGUFCheckpoint:
             eos_token_ids=[int(eos)] if eos is not None else [],
             **moe,
         )
+        view = GGUFView(a, self.metadata, frozenset(self.tensors), self._floats)
+        return LlamaConfig(**fields | self.family.gguf_fields(view))
+
+    def _floats(self, name: str) -> list[float]:
+        t = self.tensors[name]
+        return [float(v) for v in dequantize(t.data, t.qtype, t.shape).reshape(-1)]
 
     # ------------------------------------------------------------------ weights
 
@@ -135,8 +148,8 @@ class GGUFCheckpoint:
         match = _BLOCK_NAME.match(name)
         if match:
             layer, part, kind = match.groups()
-            if part in _LAYER_NAMES:
-                return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+            if part in self.layer_names:
+                return f"model.layers.{layer}.{self.layer_names[part]}.{kind}"
         else:
             base, _, kind = name.rpartition(".")
             if base in _GLOBAL_NAMES:
@@ -146,6 +159,8 @@ class GGUFCheckpoint:
     def _named_tensors(self) -> Iterator[tuple[str, str, GGUFTensor]]:
         """(GGUF name, model name, tensor) of every tensor, a mixture's stacked experts one by one."""
         for name, t in self.tensors.items():
+            if name in self.family.gguf_config_tensors:
+                continue  # read into the config (``config``), not a weight
             match = _EXPERT_NAME.match(name)
             if match is None:
                 yield name, self.hf_name(name), t
@@ -210,6 +225,8 @@ class GGUFCheckpoint:
                 raise ModelLoadError(f"{self.path}: tensor {name}: {e}") from None
             if heads is not None:
                 tensor = _unpermute(tensor, heads)
+            if self.family.gguf_norm_offset and target.endswith("norm.weight"):
+                tensor = tensor + self.family.gguf_norm_offset  # Gemma's: stored as 1 + w
             if after is not None:
                 tensor = after.take(tensor)
             elif sl is not None:

@@ -13,6 +13,21 @@ if TYPE_CHECKING:
 
 Raw = dict[str, Any]  # a config.json
 
+
+@dataclasses.dataclass(frozen=True)
+class GGUFView:
+    """What a family reads from a GGUF file's header: its architecture prefix (``qwen3``), the
+    metadata, the tensor names, and ``floats`` (a small float tensor's values, by name)."""
+
+    arch: str
+    metadata: dict[str, Any]
+    tensors: frozenset[str]
+    floats: Callable[[str], list[float]]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``<arch>.<key>`` from the metadata."""
+        return self.metadata.get(f"{self.arch}.{key}", default)
+
 # The fields every family sets; a family's ``fields`` overrides the ones it needs.
 PLAIN: dict[str, Any] = dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, sliding_window=None)
 
@@ -40,6 +55,14 @@ class Family:
     checkpoint_name: Callable[[str], str] = same_name  # a file's tensor name under the model's names
     gguf: dict[str, str] = dataclasses.field(default_factory=dict)  # GGUF architecture -> config.json's
     activation: str = "silu"  # hidden_act (or hidden_activation) the family's MLP computes
+    # GGUF: the family's LlamaConfig fields from a file's header (over the ones every file gives),
+    # its tensor names where llama.cpp's differ from the other families' (blk.N.<name> -> the
+    # model's), tensors that are configuration rather than weights, and what llama.cpp's
+    # converter added to the norm weights (to take it back off).
+    gguf_fields: Callable[[GGUFView], dict[str, Any]] = lambda view: {}
+    gguf_names: dict[str, str] = dataclasses.field(default_factory=dict)
+    gguf_config_tensors: tuple[str, ...] = ()
+    gguf_norm_offset: float = 0.0
 
 
 def rope_parameters(raw: Raw, layer_type: str = "full_attention") -> dict[str, Any]:
