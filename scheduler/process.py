@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import select
+import selectors
 import signal
 import time
 from collections.abc import Callable
@@ -107,20 +107,18 @@ class SchedulerProcess(WorkerEvents):
         # A worker process that dies drops its connection at once: this is how its loss is
         # noticed within milliseconds (heartbeats only catch a worker that hangs).
         self.worker_links = self.to_workers.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
-        # The loop waits on the inboxes' ZeroMQ file descriptors with epoll, not ``zmq.Poller``:
+        # The loop waits on the inboxes' ZeroMQ file descriptors (epoll on Linux), not ``zmq.Poller``:
         # zmq_poll asks every socket for its events before and after it waits (a getpid and a
         # poll syscall each), about a dozen syscalls per worker step. A socket's descriptor is
         # readable once something may have arrived; its drain reads until ``ZMQ_EVENTS`` says
         # nothing is left, which also re-arms the descriptor. So each wake-up asks only the
         # sockets that woke it. (The descriptor is level-triggered: a message landing between
         # the drain's last check and the wait makes the wait return at once.)
-        self.inboxes = select.epoll()
-        self.inbox_by_fd: dict[int, Callable[[], None]] = {}
+        self.inboxes = selectors.DefaultSelector()
         for sock, drain in ((self.from_workers, self._drain_workers), (self.from_frontend, self._drain_frontends),
                             (self.worker_links, self._on_worker_link_event)):
             fd = cast(int, sock.get(zmq.FD))  # ZMQ_FD is an int
-            self.inboxes.register(fd, select.EPOLLIN)
-            self.inbox_by_fd[fd] = drain
+            self.inboxes.register(fd, selectors.EVENT_READ, drain)
         self.frontend_codec = scheduler_frontend_codec()
         self.worker_codec = scheduler_worker_codec()
         self.core: Scheduler | None = None
@@ -169,7 +167,7 @@ class SchedulerProcess(WorkerEvents):
         log.info("scheduler listening at %s", self.config.address)
         try:
             # Everything that arrived before the loop started (the descriptors may not say so).
-            ready: list[Callable[[], None]] = list(self.inbox_by_fd.values())
+            ready: list[Callable[[], None]] = [key.data for key in self.inboxes.get_map().values()]
             while not self.stopping:
                 for drain in ready:
                     drain()
@@ -183,7 +181,7 @@ class SchedulerProcess(WorkerEvents):
                 if self._can_send_plan():
                     self._send_plan()
                 timeout = 0 if self._can_send_plan() else IDLE_POLL_S
-                ready = [self.inbox_by_fd[fd] for fd, _ in self.inboxes.poll(timeout)]
+                ready = [key.data for key, _ in self.inboxes.select(timeout)]
         finally:
             self._close()
 
