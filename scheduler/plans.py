@@ -247,13 +247,15 @@ class Plans:
             elif rid == previous:
                 self.num_jumped += 1
             previous = rid
-            rids.append(rid)
-            tokens.append(token)
             known = req.token_ids
             if len(known) + 1 < req.quiet_until and token not in req.may_stop:
                 known.append(token)  # ``Request.add_output``'s quick answer, inline: it cannot stop here
+                rids.append(rid)
+                tokens.append(token)
                 continue
             reason = req.add_output(token, eos_token_ids, max_model_len)
+            rids.append(rid)  # (after the full check: a token whose check raised is not sent)
+            tokens.append(token)
             # (A first output always gets the full check: ``quiet_until`` is 0 until then.)
             if len(known) == req.num_prompt_tokens + 1:
                 started.append((rid, req.num_cached_tokens))
