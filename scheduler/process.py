@@ -167,7 +167,8 @@ class SchedulerProcess(WorkerEvents):
         log.info("scheduler listening at %s", self.config.address)
         try:
             # Everything that arrived before the loop started (the descriptors may not say so).
-            ready: list[Callable[[], None]] = [key.data for key in self.inboxes.get_map().values()]
+            every = [key.data for key in self.inboxes.get_map().values()]
+            ready: list[Callable[[], None]] = every
             while not self.stopping:
                 for drain in ready:
                     drain()
@@ -181,7 +182,10 @@ class SchedulerProcess(WorkerEvents):
                 if self._can_send_plan():
                     self._send_plan()
                 timeout = 0 if self._can_send_plan() else IDLE_POLL_S
-                ready = [key.data for key, _ in self.inboxes.select(timeout)]
+                # A wait that ends with no descriptor readable asks every socket anyway (three
+                # ZMQ_EVENTS reads): a message whose signal some other call on its socket took is
+                # then read within IDLE_POLL_S, as zmq_poll's own checks would have read it.
+                ready = [key.data for key, _ in self.inboxes.select(timeout)] or every
         finally:
             self._close()
 
