@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from gguf import GGUFWriter
+from tokenizers import AddedToken
 
 from worker.model.tiny import build_byte_level_tokenizer
 
@@ -77,11 +79,30 @@ def hf_prompt_logprobs(path: Path, prompt: list[int], k: int) -> tuple[list[floa
     return chosen.tolist(), logprobs.topk(k).values.tolist()
 
 
-def _save_hf(path: Path, config: Any, model_cls: Any, tokenizer_config: dict[str, Any], **save: Any) -> Path:
-    torch.manual_seed(3)
-    model_cls(config).eval().save_pretrained(path, **save)
+def _save_hf(path: Path, config: Any, model_cls: Any, tokenizer_config: dict[str, Any], seed: int = 3,
+             prepare: Callable[[Any], None] | None = None, **save: Any) -> Path:
+    """A random ``model_cls(config)`` (``prepare`` sets what its initialiser leaves uniform), its
+    byte-level tokenizer and ``tokenizer_config``, saved under ``path``."""
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    if prepare is not None:
+        with torch.no_grad():
+            prepare(model)
+    model.save_pretrained(path, **save)
     build_byte_level_tokenizer(config.vocab_size).save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return path
+
+
+def with_tags(path: Path, tags: tuple[str, str], template: str) -> Path:
+    """The checkpoint at ``path`` with its vocabulary's last two ids made the added tokens ``tags``
+    (not special: their text stays in the output) and ``template`` as its chat template."""
+    config = json.loads((path / "config.json").read_text())
+    tok = build_byte_level_tokenizer(config["vocab_size"] - 2)
+    tok.add_tokens([AddedToken(tag, special=False) for tag in tags])
+    tok.save(str(path / "tokenizer.json"))
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"chat_template": template}))
     return path
 
 
@@ -110,16 +131,8 @@ def save_qwen3(path: Path) -> Path:
     small = SMALL | dict(vocab_size=331, num_attention_heads=6, num_key_value_heads=2)
     config = Qwen3Config(**small, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 30000.0},
                          tie_word_embeddings=True, attention_bias=False)
-    torch.manual_seed(5)
-    model = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
-    build_byte_level_tokenizer(config.vocab_size).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "</s>"}))
-    return path
+    return _save_hf(path, config, Qwen3ForCausalLM, {"bos_token": None, "eos_token": "</s>"}, seed=5,
+                    prepare=_randomised_routers)
 
 
 def save_mistral(path: Path) -> Path:
@@ -139,11 +152,13 @@ def write_gguf(writer: GGUFWriter) -> None:
 
 
 def _randomised_routers(model: Any) -> None:
-    """Routers initialised apart (Qwen3-MoE's start at zero: every expert tied, topk then picks by index)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "q_norm.weight", "k_norm.weight")):
-                p.copy_(torch.randn_like(p) * (0.5 if name.endswith("gate.weight") else 0.3) + (0 if name.endswith("gate.weight") else 1))
+    """Routers initialised apart (Qwen3-MoE's start at zero: every expert tied, topk then picks by
+    index) and q/k norms away from 1 (so q's and k's cannot be swapped unseen)."""
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            p.copy_(torch.randn_like(p) * 0.5)
+        elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            p.copy_(1 + 0.3 * torch.randn_like(p))
 
 
 def save_mixtral(path: Path) -> Path:
@@ -152,13 +167,8 @@ def save_mixtral(path: Path) -> Path:
 
     config = MixtralConfig(**SMALL | dict(intermediate_size=48), num_local_experts=5, num_experts_per_tok=2,
                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    torch.manual_seed(7)
-    model = MixtralForCausalLM(config).eval()
-    _randomised_routers(model)
-    model.save_pretrained(path)
-    build_byte_level_tokenizer(config.vocab_size).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    return path
+    return _save_hf(path, config, MixtralForCausalLM, {"bos_token": "<s>", "eos_token": "</s>"}, seed=7,
+                    prepare=_randomised_routers)
 
 
 def save_qwen3_moe(path: Path) -> Path:
@@ -170,13 +180,8 @@ def save_qwen3_moe(path: Path) -> Path:
                             moe_intermediate_size=24, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
                             mlp_only_layers=[1], tie_word_embeddings=False,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    torch.manual_seed(8)
-    model = Qwen3MoeForCausalLM(config).eval()
-    _randomised_routers(model)
-    model.save_pretrained(path)
-    build_byte_level_tokenizer(config.vocab_size).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "</s>"}))
-    return path
+    return _save_hf(path, config, Qwen3MoeForCausalLM, {"bos_token": None, "eos_token": "</s>"}, seed=8,
+                    prepare=_randomised_routers)
 
 
 def save_phi3(path: Path, partial_rotary_factor: float = 1.0) -> Path:
@@ -193,12 +198,7 @@ def save_phi3(path: Path, partial_rotary_factor: float = 1.0) -> Path:
                         partial_rotary_factor=partial_rotary_factor, sliding_window=None,
                         tie_word_embeddings=partial_rotary_factor != 1.0, pad_token_id=0,
                         original_max_position_embeddings=32)  # where Phi-3's files keep it too
-    torch.manual_seed(9)
-    model = Phi3ForCausalLM(config).eval()
-    model.save_pretrained(path)
-    build_byte_level_tokenizer(config.vocab_size).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    return path
+    return _save_hf(path, config, Phi3ForCausalLM, {"bos_token": "<s>", "eos_token": "</s>"}, seed=9)
 
 
 def save_gemma3(path: Path, released_pattern: bool = False) -> Path:
@@ -214,13 +214,10 @@ def save_gemma3(path: Path, released_pattern: bool = False) -> Path:
     config = Gemma3TextConfig(**SMALL | dict(num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2),
                               head_dim=16, sliding_window=6, layer_types=kinds,
                               query_pre_attn_scalar=16 if released_pattern else 24, pad_token_id=0)
-    torch.manual_seed(11)
-    model = Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():
+    def norms_around_zero(model: Any) -> None:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
-    build_byte_level_tokenizer(config.vocab_size).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    return path
+
+    return _save_hf(path, config, Gemma3ForCausalLM, {"bos_token": "<s>", "eos_token": "</s>"}, seed=11,
+                    prepare=norms_around_zero)

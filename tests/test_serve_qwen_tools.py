@@ -11,11 +11,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from checkpoints import save_qwen3
+from checkpoints import save_qwen3, with_tags
 from sluice_server import SluiceServer, running_server
-from tokenizers import AddedToken
-
-from worker.model.tiny import build_byte_level_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,12 +29,7 @@ TEMPLATE = ("{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% en
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
-    path = save_qwen3(tmp_path_factory.mktemp("qwen3"))
-    tok = build_byte_level_tokenizer(329)  # and the two tags: the model's 331 ids
-    tok.add_tokens([AddedToken("<tool_call>", special=False), AddedToken("</tool_call>", special=False)])
-    tok.save(str(path / "tokenizer.json"))
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE}))
+    path = with_tags(save_qwen3(tmp_path_factory.mktemp("qwen3")), ('<tool_call>', '</tool_call>'), TEMPLATE)
     with running_server("--model", str(path), "--num-kv-blocks", "64",
                         log_dir=tmp_path_factory.mktemp("logs")) as s:
         yield s

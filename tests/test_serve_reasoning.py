@@ -17,11 +17,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from checkpoints import save_llama_checkpoint
+from checkpoints import save_llama_checkpoint, with_tags
 from sluice_server import SluiceServer, running_server
-from tokenizers import AddedToken
-
-from worker.model.tiny import build_byte_level_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,12 +36,7 @@ MODEL_OPENS = {"model_opens": True}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
-    path = save_llama_checkpoint(tmp_path_factory.mktemp("thinker"))
-    tok = build_byte_level_tokenizer(318)  # and the two tags: the model's 320 ids
-    tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
-    tok.save(str(path / "tokenizer.json"))
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE}))
+    path = with_tags(save_llama_checkpoint(tmp_path_factory.mktemp("thinker")), ('<think>', '</think>'), TEMPLATE)
     with running_server("--model", str(path), "--num-kv-blocks", "64",
                         log_dir=tmp_path_factory.mktemp("logs")) as s:
         yield s
