@@ -119,14 +119,19 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
-def rope_inv_freq(cfg: LlamaConfig, base: float | None = None) -> torch.Tensor:
+def _exponents(cfg: LlamaConfig) -> torch.Tensor:
+    """2i / d for each rotated pair of dimensions: a frequency is ``base ** -exponent``."""
+    d = cfg.rotated_dims
+    return torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     """Rotary inverse frequencies for the config's scaling at positions the model was trained on
     (``rope_angles`` handles the kinds that change with the position): plain, Llama 3's, linear,
     YaRN, LongRoPE's short factors. Computed in float32 as ``transformers`` computes them, so long
     positions round the same way."""
-    d = cfg.rotated_dims
-    exponents = torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d
-    inv_freq = 1.0 / ((cfg.rope_theta if base is None else base) ** exponents)
+    exponents = _exponents(cfg)
+    inv_freq = 1.0 / (cfg.rope_theta ** exponents)
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type")
     if kind == "llama3":
@@ -212,8 +217,7 @@ def rope_angles(cfg: LlamaConfig, max_positions: int) -> torch.Tensor:
         d, factor = cfg.rotated_dims, float(scaling["factor"])
         later = torch.arange(trained, max_positions, dtype=torch.float64, device="cpu")
         bases = cfg.rope_theta * ((factor * (later + 1) / trained) - (factor - 1)) ** (d / (d - 2))
-        exponents = torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d
-        angles[trained:] = later.float().unsqueeze(1) * (1.0 / (bases.float().unsqueeze(1) ** exponents))
+        angles[trained:] = later.float().unsqueeze(1) * (1.0 / (bases.float().unsqueeze(1) ** _exponents(cfg)))
     return angles
 
 
@@ -225,9 +229,7 @@ def long_rope_angles(cfg: LlamaConfig, max_positions: int) -> torch.Tensor | Non
     scaling = cfg.rope_scaling or {}
     if scaling.get("rope_type") != "longrope":
         return None
-    d = cfg.rotated_dims
-    exponents = torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d
-    inv = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32, device="cpu") * cfg.rope_theta ** exponents)
+    inv = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32, device="cpu") * cfg.rope_theta ** _exponents(cfg))
     return torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv)
 
 
