@@ -5,6 +5,7 @@ client, same run.
     python scripts/bench_smollm2.py --llama-server ~/llama.cpp/build/bin/llama-server
     python scripts/bench_smollm2.py --dtype bfloat16 --llama-server ... --rounds 3
     python scripts/bench_smollm2.py --dtype q4_1 --llama-server ... --rounds 3      # the shipped file, quantized
+    python scripts/bench_smollm2.py --dtype q8_0 --llama-server ...     # (or q4_k_m) requantized, both servers
     python scripts/bench_smollm2.py --concurrency 1 --prompt-tokens 7844 --output-tokens 4   # a long prompt
     python scripts/bench_smollm2.py --concurrency 1 --busy 2 --llama-server ...   # beside two busy processes
 
@@ -49,8 +50,11 @@ import itertools
 from bench_decode import open_completion
 from bench_serve import _free_port, _pct
 
-GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "q4_1": "Q4_1"}
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "q4_1": "Q4_1", "q8_0": "Q8_0",
+              "q4_k_m": "Q4_K_M"}
 AS_SHIPPED = "q4_1"  # the file's own type: Sluice serves it quantized (--dtype auto), llama.cpp reads it as is
+# Quantized types: both servers read the same file (made by llama-quantize from the shipped one), Sluice with --dtype auto.
+QUANTIZED = ("q4_1", "q8_0", "q4_k_m")
 
 
 def _prompts(n: int, length: int, salt: int) -> list[list[int]]:
@@ -214,7 +218,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=sorted(GGUF_TYPES),
                    help="weights' dtype on both sides (Sluice's --dtype; llama.cpp's converted GGUF); q4_1: the "
-                        "shipped file as it is (Sluice: --dtype auto, which serves it quantized)")
+                        "shipped file as it is (Sluice: --dtype auto, which serves it quantized); q8_0, q4_k_m: "
+                        "that file requantized by llama-quantize, both servers reading it")
     p.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
     p.add_argument("--sluice-args", default="", help="extra flags for sluice serve, e.g. '--worker-threads 1'")
     p.add_argument("--busy", type=int, default=0, help="processes that each spin a core during every timed cell")
@@ -222,11 +227,14 @@ def main() -> None:
 
     cores = len(os.sched_getaffinity(0))
     most = max(args.concurrency)
-    sluice_dtype = "auto" if args.dtype == AS_SHIPPED else args.dtype
-    sluice = Server("sluice", [sys.executable, "-m", "frontend", "serve", "--model", "smollm2", "--dtype", sluice_dtype,
+    gguf = _llama_gguf(args.llama_server, args.dtype, Path(tempfile.gettempdir())) if args.llama_server else None
+    if args.dtype in QUANTIZED and args.dtype != AS_SHIPPED and gguf is None:
+        p.error(f"--dtype {args.dtype} is made by llama-quantize: give --llama-server")
+    sluice_dtype = "auto" if args.dtype in QUANTIZED else args.dtype
+    model = str(gguf) if args.dtype in QUANTIZED and gguf is not None else "smollm2"
+    sluice = Server("sluice", [sys.executable, "-m", "frontend", "serve", "--model", model, "--dtype", sluice_dtype,
                                "--port", str(port := _free_port()), *args.sluice_args.split()],
                     f"http://127.0.0.1:{port}", pid_pattern="worker --config")
-    gguf = _llama_gguf(args.llama_server, args.dtype, Path(tempfile.gettempdir())) if args.llama_server else None
 
     def llama_cpp(c: int) -> Server:
         """llama-server as its users run it for c streams: a slot each, 512 tokens of context each

@@ -246,7 +246,7 @@ def test_quantized_experts_stay_quantized(tmp_path: Path) -> None:
     worker = Worker(WorkerConfig(model=str(path), num_kv_blocks=64, block_size=8))
     moe = worker.runner.model.model.decoder_layers()[0].mlp
     assert isinstance(moe, SparseMoE)
-    assert all(m.gate_up_proj.quant_layout and not m.down_proj.quant_layout for m in moe.mlps())
+    assert all(m.gate_up_proj.quant_format is not None and m.down_proj.quant_format is None for m in moe.mlps())
     d = Driver(worker.runner)
     d.plan([(1, len(PROMPTS[1]))], [NewRequest(1, PROMPTS[1], len(PROMPTS[1]), greedy(4))])
     while d.live():

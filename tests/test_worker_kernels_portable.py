@@ -39,23 +39,22 @@ def test_kernels_built_without_avx_pass_the_kernel_and_parity_tests() -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
 
 
-# Products of every quantized layout, both activation dtypes and row counts that leave every
+# Products of every quantized format, both activation dtypes and row counts that leave every
 # remainder of both builds' row blocks, float32 products and silu(gate) * up, saved for the parent
 # to compare.
 _PRODUCTS = """
 import sys, torch
 sys.path.insert(0, "tests")
-from test_worker_quantized import _weight
-from worker.kernels import cpu
+from test_worker_quantized import FORMS, _weight
+from worker.kernels import cpu, quant_records
 lib = cpu.load()
 results = {"instructions": (cpu.quantized_instructions(lib), cpu.linear_instructions(lib, torch.float32))}
-for layout in (4, 8, 16):
-    w = _weight(70, 96, layout, seed=layout)
-    packed = cpu.pack_quantized(w)
+for i, qtype in enumerate(FORMS):
+    packed, fmt = quant_records.pack(_weight(qtype, 70, 512, seed=i))
     for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(11, 96, generator=torch.Generator().manual_seed(layout)).to(dtype)
+        x = torch.randn(11, 512, generator=torch.Generator().manual_seed(i)).to(dtype)
         bias = torch.linspace(-1, 1, 70).to(dtype)
-        results[(layout, str(dtype))] = cpu.linear_q(lib, x, packed, bias, 70, layout)
+        results[(str(qtype), str(dtype))] = cpu.linear_q(lib, x, packed, bias, 70, fmt)
 gen = torch.Generator().manual_seed(0)
 w, bias = torch.randn(130, 96, generator=gen), torch.randn(130, generator=gen)
 for rows in (1, 7, 13):

@@ -87,6 +87,10 @@ class Worker:
         if self.device.type == "cpu":
             model.use_cpu_kernels()
             log.info("linear layers: %s", cpu_matmul.prepare(model, dtype))
+            if gguf is not None and gguf.kept_bytes:
+                records = cpu_matmul.quantized_bytes(model)
+                log.info("quantized weights: %.1f MiB in the kernel's records, %.1f MiB in the file (%.2fx): what a "
+                         "decode step reads", records / 2**20, gguf.kept_bytes / 2**20, records / gguf.kept_bytes)
             if group is None:
                 model.cpu_decoder = CpuDecoder.for_model(model)
         if group is not None and layout is not None:

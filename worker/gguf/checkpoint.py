@@ -27,7 +27,7 @@ from gguf import GGML_QUANT_SIZES
 from tokenizers import Tokenizer
 
 from worker.gguf.file import GGUFFile, GGUFFormatError, GGUFTensor
-from worker.gguf.quants import KEPT_LAYOUT, UnsupportedTensorType, block_codes, dequantize
+from worker.gguf.quants import KEPT_BITS, UnsupportedTensorType, block_codes, dequantize
 from worker.gguf.tokenizer import UnsupportedTokenizer, build_tokenizer
 from worker.model.config import LlamaConfig, ModelLoadError
 from worker.model.families import GGUF_ARCHITECTURES, family_of
@@ -67,6 +67,7 @@ class GGUFCheckpoint:
             raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
         self.metadata = self.file.metadata
         self.tensors = self.file.tensors
+        self.kept_bytes = 0  # the file's bytes of the tensors ``weights`` kept quantized
         self.arch = str(self._field("general.architecture"))
         if self.arch not in GGUF_ARCHITECTURES:
             raise ModelLoadError(f"{self.path}: GGUF architecture {self.arch!r} is not supported "
@@ -215,6 +216,7 @@ class GGUFCheckpoint:
                 elif sl is not None and sl.dim == 0:
                     codes = pad_quantized_rows(codes, sl.size)
                 state[target] = codes
+                self.kept_bytes += data.nbytes
                 self.file.release(t)
                 continue
             if keep_quantized and len(t.shape) == 2 and t.qtype.name not in ("F32", "F16", "BF16"):
@@ -235,7 +237,7 @@ class GGUFCheckpoint:
             self.file.release(t)  # a view of the map stays right: its pages fault back in from the file
         for qtype, count in dequantized.items():
             log.info("%d %s matrices are served dequantized to %s: the quantized kernel reads %s", count, qtype,
-                     str(dtype).removeprefix("torch."), ", ".join(t.name for t in KEPT_LAYOUT))
+                     str(dtype).removeprefix("torch."), ", ".join(t.name for t in KEPT_BITS))
         return state
 
     # ------------------------------------------------------------------ tokenizer

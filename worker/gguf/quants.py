@@ -33,8 +33,9 @@ Q6_K     210    128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8 scales
 F32, F16 and BF16 tensors are read as they are. Any other type is refused by name.
 
 ``block_codes`` reads every quantized type above into one form, per 32 inputs (Q6_K: per 16),
-``scale * code + min`` with unsigned codes: the quantized linear kernel's input, and what
-``dequantize`` multiplies out (each type bit for bit as the ``gguf`` package's dequantizer).
+``scale * code + min`` with unsigned codes and the file's own factors: the quantized linear
+kernel's input, and what ``dequantize`` multiplies out (each type bit for bit as the ``gguf``
+package's dequantizer).
 """
 
 from __future__ import annotations
@@ -43,10 +44,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from worker.model.quantized import QuantizedWeight
+from worker.model.quantized import SUPER, QuantizedWeight
 
 BLOCK = 32
-SUPER_BLOCK = 256
 _BLOCK_BYTES = {QType.Q4_0: 18, QType.Q4_1: 20, QType.Q5_0: 22, QType.Q5_1: 24, QType.Q8_0: 34}
 _K_BYTES = {QType.Q4_K: 144, QType.Q5_K: 176, QType.Q6_K: 210}
 SUPPORTED = (QType.F32, QType.F16, QType.BF16, *_BLOCK_BYTES, *_K_BYTES)
@@ -67,8 +67,8 @@ def dequantize(data: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> torch.
         return raw.view(torch.float16).float().reshape(shape)
     if qtype == QType.BF16:
         return raw.view(torch.bfloat16).float().reshape(shape)
-    per_block = SUPER_BLOCK if qtype in _K_BYTES else BLOCK
-    codes = block_codes(data, qtype, (int(np.prod(shape)) // per_block, per_block)) if qtype in KEPT_LAYOUT else None
+    per_block = SUPER if qtype in _K_BYTES else BLOCK
+    codes = block_codes(data, qtype, (int(np.prod(shape)) // per_block, per_block)) if qtype in KEPT_BITS else None
     if codes is None:
         name = getattr(qtype, "name", str(qtype))
         raise UnsupportedTensorType(f"tensor type {name} is not supported (supported: "
@@ -76,58 +76,57 @@ def dequantize(data: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> torch.
     return codes.dequantize().reshape(shape)  # one reading of the blocks, shared with the kernel's
 
 
-# The types ``block_codes`` reads, with the kernel layout they take (``worker.model.quantized``).
-KEPT_LAYOUT = {QType.Q4_0: 4, QType.Q4_1: 4, QType.Q4_K: 4, QType.Q5_0: 8, QType.Q5_1: 8, QType.Q5_K: 8,
-               QType.Q8_0: 8, QType.Q6_K: 16}
+# The types ``block_codes`` reads, with the width their codes are stored in (``worker.model.quantized``).
+KEPT_BITS = {QType.Q4_0: 4, QType.Q4_1: 4, QType.Q4_K: 4, QType.Q5_0: 5, QType.Q5_1: 5, QType.Q5_K: 5,
+             QType.Q8_0: 8, QType.Q6_K: 6}
 
 
 def block_codes(data: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> QuantizedWeight | None:
-    """A 2-D tensor of one of ``KEPT_LAYOUT``'s types as codes, scales and mins per 32 inputs
-    (Q6_K: per 16); None for any other type (or shape)."""
-    if qtype not in KEPT_LAYOUT or len(shape) != 2 or shape[1] % BLOCK:
+    """A 2-D tensor of one of ``KEPT_BITS``' types as unsigned codes and the file's own factors
+    (fp16 scales, the K-quants' integer sub-scales); None for any other type (or shape)."""
+    if qtype not in KEPT_BITS or len(shape) != 2 or shape[1] % BLOCK:
         return None
     rows, cols = shape
     raw = _torch_bytes(data)
+    bits, name = KEPT_BITS[qtype], (qtype.name,)
     if qtype == QType.Q6_K:
         blocks = raw.reshape(-1, _K_BYTES[qtype])
         n = blocks.shape[0]
         low = blocks[:, :128].reshape(n, 2, 64)  # two halves of 128 weights
         high = blocks[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
         codes = torch.cat([low & 0x0F, low >> 4], dim=2) | ((high & 3).reshape(n, 2, 128) << 4)
-        scales = _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()  # [N, 16]: exact
-        per_row = cols // 16
-        return QuantizedWeight(codes.reshape(rows, cols).contiguous(), scales.reshape(rows, per_row).contiguous(),
-                               (scales * -32.0).reshape(rows, per_row).contiguous(), 16, (qtype.name,))
+        return QuantizedWeight(codes.reshape(rows, cols).contiguous(), bits, 16,
+                               blocks[:, 192:208].contiguous().view(torch.int8).reshape(rows, cols // 16), None,
+                               -32.0, name, super_scales=_f16(blocks, 208).reshape(rows, cols // SUPER))
     if qtype in _K_BYTES:
         blocks = raw.reshape(-1, _K_BYTES[qtype])
         n = blocks.shape[0]
         sc, mins = _scales_and_mins(blocks[:, 4:16])
-        scales = _f16(blocks, 0) * sc.float()          # [N, 8]: exact (an fp16 times a 6-bit integer)
-        offsets = -(_f16(blocks, 2) * mins.float())
         packed = (blocks[:, 48:] if qtype == QType.Q5_K else blocks[:, 16:]).reshape(n, 4, 1, BLOCK)
         codes = torch.cat([packed & 0x0F, packed >> 4], dim=2).reshape(n, 8, BLOCK)
         if qtype == QType.Q5_K:
             fifth = blocks[:, 16:48].reshape(n, 1, BLOCK) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
             codes |= (fifth & 1) << 4
-    else:
-        blocks = raw.reshape(-1, _BLOCK_BYTES[qtype])
-        scales = _f16(blocks, 0)
-        if qtype == QType.Q8_0:
-            codes = (blocks[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-            offsets = scales * -128.0
-        else:
-            with_offset = qtype in (QType.Q4_1, QType.Q5_1)
-            five_bits = qtype in (QType.Q5_0, QType.Q5_1)
-            at = 4 if with_offset else 2
-            packed = blocks[:, at + 4 if five_bits else at :]
-            codes = torch.cat([packed & 0x0F, packed >> 4], dim=1)
-            if five_bits:
-                high = blocks[:, at : at + 4].contiguous().view(torch.int32)
-                codes |= (((high >> torch.arange(BLOCK, dtype=torch.int32)) & 1) << 4).to(torch.uint8)
-            offsets = _f16(blocks, 2) if with_offset else scales * (-16.0 if five_bits else -8.0)
-    per_row = cols // BLOCK
-    return QuantizedWeight(codes.reshape(rows, cols).contiguous(), scales.reshape(rows, per_row).contiguous(),
-                           offsets.reshape(rows, per_row).contiguous(), KEPT_LAYOUT[qtype], (qtype.name,))
+        per_row = cols // SUPER
+        return QuantizedWeight(codes.reshape(rows, cols).contiguous(), bits, BLOCK,
+                               sc.view(torch.int8).reshape(rows, cols // BLOCK), mins.view(torch.int8).reshape(rows, cols // BLOCK),
+                               0.0, name, super_scales=_f16(blocks, 0).reshape(rows, per_row),
+                               super_mins=(-_f16(blocks, 2)).reshape(rows, per_row))  # fp16 negation: exact
+    blocks = raw.reshape(-1, _BLOCK_BYTES[qtype])
+    scales = _f16(blocks, 0).reshape(rows, cols // BLOCK)
+    if qtype == QType.Q8_0:
+        codes = (blocks[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        return QuantizedWeight(codes.reshape(rows, cols), bits, BLOCK, scales, None, -128.0, name)
+    with_offset = qtype in (QType.Q4_1, QType.Q5_1)
+    five_bits = qtype in (QType.Q5_0, QType.Q5_1)
+    at = 4 if with_offset else 2
+    packed = blocks[:, at + 4 if five_bits else at :]
+    codes = torch.cat([packed & 0x0F, packed >> 4], dim=1)
+    if five_bits:
+        high = blocks[:, at : at + 4].contiguous().view(torch.int32)
+        codes |= (((high >> torch.arange(BLOCK, dtype=torch.int32)) & 1) << 4).to(torch.uint8)
+    mins = _f16(blocks, 2).reshape(rows, cols // BLOCK) if with_offset else None
+    return QuantizedWeight(codes.reshape(rows, cols), bits, BLOCK, scales, mins, -16.0 if five_bits else -8.0, name)
 
 
 def _scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,5 +147,5 @@ def _torch_bytes(data: np.ndarray) -> torch.Tensor:
 
 
 def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
-    """The fp16 at byte ``at`` of every block, as a float32 column [N, 1]."""
-    return blocks[:, at : at + 2].contiguous().view(torch.float16).float()
+    """The fp16 at byte ``at`` of every block, as a column [N, 1]."""
+    return blocks[:, at : at + 2].contiguous().view(torch.float16)

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from worker import cpu_isa
-from worker.model.quantized import QuantizedWeight
+from worker.kernels.quant_records import PackedFormat
 from worker.model.tiny import default_cache_dir
 
 log = logging.getLogger("sluice.worker")
@@ -43,6 +43,10 @@ SOURCES = [CSRC / name for name in ("paged_attention.c", "rms_norm.c", "linear.c
 HEADERS = [CSRC / name for name in ("bf16.h", "kernels.h", "norm.h", "simd.h")]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-ffp-contract=off"]
+# Per source, after FLAGS. linear_q.c widens a factor and multiplies it by the activations' scale
+# as two products: reassociated, they would round differently in each row count's copy of the
+# loop, and a row's result would depend on its batch.
+SOURCE_FLAGS = {"linear_q.c": ["-fno-associative-math"]}
 # What the kernel's fixed-size scratch holds (see the #defines in the source).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 128
 
@@ -68,7 +72,8 @@ def _flags() -> list[str]:
 
 def _library_path() -> Path:
     sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
-    digest = hashlib.sha256(sources + " ".join(_flags()).encode() + _cpu_signature().encode())
+    flags = " ".join(_flags()) + repr(sorted(SOURCE_FLAGS.items()))
+    digest = hashlib.sha256(sources + flags.encode() + _cpu_signature().encode())
     return default_cache_dir() / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
 
@@ -87,7 +92,8 @@ def _build(target: Path) -> None:
     # Built beside the target and renamed into place: concurrent workers never load half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
-        compiles = [subprocess.Popen([compiler, *_flags(), "-c", "-o", str(obj), str(source)], stdout=subprocess.DEVNULL,
+        compiles = [subprocess.Popen([compiler, *_flags(), *SOURCE_FLAGS.get(source.name, []), "-c", "-o", str(obj),
+                                      str(source)], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True) for source, obj in zip(SOURCES, objects, strict=True)]
         errors = []
         try:
@@ -361,58 +367,15 @@ def quantized_instructions(lib: ctypes.CDLL | None) -> str | None:
     return {2: "AVX-512 VNNI", 1: "AVX2"}.get(lib.linear_q_available()) if lib is not None else None
 
 
-def pack_quantized(weight: QuantizedWeight) -> torch.Tensor:
-    """A weight kept quantized -> the kernel's records (linear_q.c), as one uint8 tensor [out
-    blocks of 16, in blocks of 32, bytes]: the codes as 4-input groups of the 16 outputs (layout
-    4: groups g and g + 4 in the low and high nibbles of one vector), then the 16 outputs' scales
-    and mins (layout 16: those of inputs 0-15, then of 16-31). The last outputs padded with zeros."""
-    codes, layout = weight.codes, weight.layout
-    out, in_features = codes.shape
-    blocks, pad = in_features // QBLOCK, -out % 16
-    groups = torch.nn.functional.pad(codes, (0, 0, 0, pad)).reshape(-1, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4)
-    if layout == 4:  # [out blocks, in blocks, group, output, input]
-        groups = groups[:, :, :4] | (groups[:, :, 4:] << 4)
-    records = [groups.reshape(groups.shape[0], blocks, -1)]
-    halves = 2 if layout == 16 else 1
-    factors = [torch.nn.functional.pad(t.float(), (0, 0, 0, pad)).reshape(-1, 16, blocks, halves)
-               for t in (weight.scales, weight.mins)]
-    for half in range(halves):
-        for t in factors:
-            records.append(t[..., half].transpose(1, 2).contiguous().view(torch.uint8))  # [.., .., 64]
-    return torch.cat(records, dim=2).contiguous()
-
-
-def unpack_quantized(packed: torch.Tensor, out_features: int, layout: int,
-                     rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 weight [out, in] (or its ``rows``) from ``pack_quantized``'s records: what the
-    kernel multiplies by, and how a tied embedding looks its rows up in the output projection."""
-    code_bytes = (4 if layout == 4 else 8) * 64
-    selected = torch.arange(out_features) if rows is None else rows
-    records = packed[selected // 16]  # [R, in blocks, bytes]
-    groups = records[:, :, :code_bytes].reshape(len(selected), -1, code_bytes // 64, 16, 4)
-    lane = (selected % 16).view(-1, 1, 1, 1, 1).expand(-1, groups.shape[1], groups.shape[2], 1, 4)
-    codes = groups.gather(3, lane).squeeze(3)  # [R, in blocks, groups, 4]
-    if layout == 4:
-        codes = torch.cat([codes & 0x0F, codes >> 4], dim=2)
-    floats = records[:, :, code_bytes:].contiguous().view(torch.float32)  # [R, in blocks, 32 or 64]
-    index = (selected % 16).view(-1, 1, 1).expand(-1, floats.shape[1], 1)
-    halves = 2 if layout == 16 else 1
-    scales = torch.cat([floats[:, :, 32 * h : 32 * h + 16].gather(2, index) for h in range(halves)], dim=2)
-    mins = torch.cat([floats[:, :, 32 * h + 16 : 32 * h + 32].gather(2, index) for h in range(halves)], dim=2)
-    weight = codes.reshape(len(selected), -1, QBLOCK // halves).float()
-    weight = weight.mul_(scales.reshape(len(selected), -1, 1)).add_(mins.reshape(len(selected), -1, 1))
-    return weight.reshape(len(selected), -1)
-
-
 def linear_q(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-             layout: int) -> torch.Tensor:
+             fmt: PackedFormat) -> torch.Tensor:
     """x [T, in] float32 or bfloat16 (rows may be strided, values contiguous) times a weight packed
-    by ``pack_quantized`` in ``layout`` (plus ``bias``, x's dtype) -> [T, out] in x's dtype."""
+    by ``quant_records.pack`` in ``fmt`` (plus ``bias``, x's dtype) -> [T, out] in x's dtype."""
     rows, in_features = x.shape
     y = torch.empty((rows, out_features), dtype=x.dtype)
     scratch = torch.empty(quantized_scratch_bytes(rows, in_features), dtype=torch.uint8)
     lib.linear_q(_ptr(x), x.stride(0), _ptr(packed), None if bias is None else _ptr(bias), _ptr(y), rows,
-                 out_features, in_features, layout, _ptr(scratch), int(x.dtype == torch.bfloat16),
+                 out_features, in_features, fmt.word, _ptr(scratch), int(x.dtype == torch.bfloat16),
                  torch.get_num_threads())
     return y
 

@@ -28,7 +28,7 @@ from worker.model.llama import MLP, LlamaForCausalLM, SparseMoE
 
 log = logging.getLogger("sluice.worker")
 
-LAYER_FIELDS = 18  # the addresses (and quantized linears' layouts) decoder.c reads per layer, in its enum's order
+LAYER_FIELDS = 18  # the addresses (and quantized linears' formats) decoder.c reads per layer, in its enum's order
 
 
 class CpuDecoder:
@@ -46,7 +46,7 @@ class CpuDecoder:
         self._tables: weakref.WeakKeyDictionary[KVCache, torch.Tensor] = weakref.WeakKeyDictionary()
         self._scratch: list[torch.Tensor] = []
         self._xq: torch.Tensor | None = None
-        self.quantized = any(m.quant_layout for m in model.modules() if isinstance(m, Linear))
+        self.quantized = any(m.quant_format is not None for m in model.modules() if isinstance(m, Linear))
         self.widest_input = max(self.hidden, self.heads * self.head_dim, self.inter)  # of the layers' linears
         # The scratch rows of h, qkv, attention, gate/up and silu * up, in decoder.c's order.
         self.widths = [self.hidden, (self.heads + 2 * self.kv_heads) * self.head_dim, self.heads * self.head_dim,
@@ -122,7 +122,7 @@ def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
 
 
 def _linear(layer: Linear) -> tuple[int, int, int]:
-    return _address(layer.packed), _address(layer.bias), layer.quant_layout
+    return _address(layer.packed), _address(layer.bias), layer.quant_format.word if layer.quant_format else 0
 
 
 def _unsupported(model: LlamaForCausalLM) -> str | None:

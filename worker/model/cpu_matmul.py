@@ -42,6 +42,7 @@ from torch import nn
 from worker import cpu_isa
 from worker.heap import return_freed_memory
 from worker.kernels import cpu as cpu_kernels
+from worker.kernels import quant_records
 from worker.model.layers import Linear
 
 PACKED_FOR_ROWS = 16  # the batch size oneDNN's packed layout is chosen for
@@ -66,7 +67,8 @@ def pack_layer(layer: Linear, own_kernel: bool = True) -> None:
     if layer.quantized is not None:  # kept quantized: only Sluice's kernel reads it
         q = layer.quantized
         assert cpu_kernels.has_quantized_linear(kernels), "weights are kept quantized only where the kernel runs"
-        layer.packed, layer.kernels, layer.quant_layout = cpu_kernels.pack_quantized(q), kernels, q.layout
+        layer.packed, layer.quant_format = quant_records.pack(q)
+        layer.kernels = kernels
         layer.quantized = None
         del q
         return_freed_memory()  # the unpacked codes: else the next weight's packing grows the heap beside them
@@ -110,6 +112,12 @@ def choose_dtype(bf16_instructions: bool | None = None) -> DtypeChoice:
     if not can_pack():
         return DtypeChoice(torch.float32, "this torch build has no packed bfloat16 linear")
     return DtypeChoice(torch.bfloat16, "the CPU has bfloat16 instructions")
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """The bytes of the quantized linears' packed records (a decode step reads each once)."""
+    return sum(m.packed.numel() for m in model.modules()
+               if isinstance(m, Linear) and m.quant_format is not None and m.packed is not None)
 
 
 def prepare(model: nn.Module, dtype: torch.dtype) -> str:

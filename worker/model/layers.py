@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.kernels import cpu as cpu_kernels
+from worker.kernels import quant_records
+from worker.kernels.quant_records import PackedFormat
 from worker.model.config import LlamaConfig
 from worker.model.quantized import QuantizedWeight
 
@@ -36,9 +38,9 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.kernels: ctypes.CDLL | None = None
         # A weight kept quantized (a GGUF file's blocks): held here until packed for the quantized
-        # kernel (cpu_matmul.pack_layer), then ``quant_layout`` says how the packed codes are stored (4, 8 or 16).
+        # kernel (cpu_matmul.pack_layer), then ``quant_format`` says how the records store it.
         self.quantized: QuantizedWeight | None = None
-        self.quant_layout = 0
+        self.quant_format: PackedFormat | None = None
 
     def dense_weight(self) -> torch.Tensor:
         """The weight [out, in] as a checkpoint holds it, unpacked if need be (a quantized one
@@ -47,8 +49,8 @@ class Linear(nn.Module):
             return self.quantized.dequantize()
         if self.packed is None:
             return self.weight.detach()
-        if self.quant_layout:
-            return cpu_kernels.unpack_quantized(self.packed, self.out_features, self.quant_layout)
+        if self.quant_format is not None:
+            return quant_records.unpack(self.packed, self.quant_format, self.out_features).dequantize()
         if self.kernels is None:
             raise RuntimeError("a weight packed for oneDNN cannot be read back; load the model without packing")
         return cpu_kernels.unpack_linear(self.packed, self.out_features)
@@ -57,8 +59,8 @@ class Linear(nn.Module):
         """Rows of the weight (float32), read from its quantized form (a tied embedding's lookup)."""
         if self.quantized is not None:
             return self.quantized.rows(rows).dequantize()
-        assert self.packed is not None and self.quant_layout
-        return cpu_kernels.unpack_quantized(self.packed, self.out_features, self.quant_layout, rows)
+        assert self.packed is not None and self.quant_format is not None
+        return quant_records.unpack(self.packed, self.quant_format, self.out_features, rows).dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -66,8 +68,8 @@ class Linear(nn.Module):
         if self.kernels is not None:
             if x.stride(-1) != 1:
                 x = x.contiguous()
-            if self.quant_layout:
-                return cpu_kernels.linear_q(self.kernels, x, self.packed, self.bias, self.out_features, self.quant_layout)
+            if self.quant_format is not None:
+                return cpu_kernels.linear_q(self.kernels, x, self.packed, self.bias, self.out_features, self.quant_format)
             return cpu_kernels.linear(self.kernels, x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

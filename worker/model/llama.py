@@ -322,7 +322,7 @@ class LlamaForCausalLM(nn.Module):
 
     def size(self) -> tuple[int, int]:
         """(parameters, bytes) of the weights as loaded, tied ones counted once; a weight kept
-        quantized counts its codes and its scale and min per 32 inputs."""
+        quantized counts its codes and factors as the kernel stores them."""
         unique = {p.data_ptr(): p for p in self.parameters() if p.numel()}.values()
         params, nbytes = sum(p.numel() for p in unique), sum(p.numel() * p.element_size() for p in unique)
         for m in self.modules():

@@ -60,9 +60,8 @@ def pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 def pad_quantized_rows(w: QuantizedWeight, rows: int) -> QuantizedWeight:
-    """A quantized weight with zero rows appended (codes, scales and mins all zero: weight 0)."""
-    return dataclasses.replace(w, codes=pad(w.codes, 0, rows), scales=pad(w.scales, 0, rows),
-                               mins=pad(w.mins, 0, rows))
+    """A quantized weight with zero rows appended (codes and factors all zero: weight 0)."""
+    return w.pad_rows(rows)
 
 
 _LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?(\w+)_proj\.(weight|bias)$")
@@ -144,6 +143,4 @@ def take_quantized(w: QuantizedWeight, sl: Slice) -> QuantizedWeight:
     g = w.group
     if sl.start % g or sl.stop % g:
         raise ModelLoadError(f"a quantized weight's columns {sl.start}-{sl.stop} do not fall on its groups of {g}")
-    return dataclasses.replace(w, codes=w.codes[:, sl.start : sl.stop].contiguous(),
-                               scales=w.scales[:, sl.start // g : sl.stop // g].contiguous(),
-                               mins=w.mins[:, sl.start // g : sl.stop // g].contiguous())
+    return w.columns(sl.start, sl.stop)

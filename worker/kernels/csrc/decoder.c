@@ -144,21 +144,21 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int num_rows, int int
 /* ------------------------------------------------------------------ the stack */
 
 /* Per layer, the addresses of its tensors, in this order (int64 each; 0 for an absent bias); each
- * linear's _LAYOUT: 0 where its weight is packed for linear.c, 4, 8 or 16 where it is kept
- * quantized (linear_q.c's records in that layout). */
+ * linear's _FORMAT: 0 where its weight is packed for linear.c, else it is kept quantized
+ * (linear_q.c's records, in the format this word says). */
 enum {
-    INPUT_NORM, QKV, QKV_BIAS, QKV_LAYOUT, O, O_BIAS, O_LAYOUT, POST_NORM, GATE_UP, GATE_UP_BIAS, GATE_UP_LAYOUT, DOWN,
-    DOWN_BIAS, DOWN_LAYOUT, KEY_CACHE, VALUE_CACHE, Q_NORM, K_NORM, LAYER_FIELDS  /* Q_NORM, K_NORM: 0 if none */
+    INPUT_NORM, QKV, QKV_BIAS, QKV_FORMAT, O, O_BIAS, O_FORMAT, POST_NORM, GATE_UP, GATE_UP_BIAS, GATE_UP_FORMAT, DOWN,
+    DOWN_BIAS, DOWN_FORMAT, KEY_CACHE, VALUE_CACHE, Q_NORM, K_NORM, LAYER_FIELDS  /* Q_NORM, K_NORM: 0 if none */
 };
 
 #define P(l, f) ((const void *)(intptr_t)layers[(int64_t)(l) * LAYER_FIELDS + (f)])
-#define LAYOUT(l, f) (layers[(int64_t)(l) * LAYER_FIELDS + (f)])
+#define FORMAT(l, f) (layers[(int64_t)(l) * LAYER_FIELDS + (f)])
 
 static inline __attribute__((always_inline)) void linear_any(const void *x, const void *packed, const void *bias,
-                                                             int64_t layout, void *scratch, void *y, int rows, int out,
+                                                             int64_t format, void *scratch, void *y, int rows, int out,
                                                              int in, const int bf16) {
-    if (layout)
-        linear_q_rows(x, in, packed, bias, y, rows, out, in, (int)layout, scratch, bf16);
+    if (format)
+        linear_q_rows(x, in, packed, bias, y, rows, out, in, (int)format, scratch, bf16);
     else if (bf16)
         linear_tiles_bf16(x, in, packed, bias, y, rows, out, in);
     else
@@ -208,7 +208,7 @@ static inline __attribute__((always_inline)) void decode_layers(
         } else {
             norm_any(x, residual, P(l, INPUT_NORM), h, rows, hidden, eps, bf16);
         }
-        linear_any(h, P(l, QKV), P(l, QKV_BIAS), LAYOUT(l, QKV_LAYOUT), scratch, qkv, rows, qkv_size, hidden, bf16);
+        linear_any(h, P(l, QKV), P(l, QKV_BIAS), FORMAT(l, QKV_FORMAT), scratch, qkv, rows, qkv_size, hidden, bf16);
         if (P(l, Q_NORM))
             norm_heads(qkv, qkv_size, rows, num_heads, kv_heads, head_dim, P(l, Q_NORM), P(l, K_NORM), eps, bf16);
         rope_rows(qkv, qkv_size, rows, num_heads + kv_heads, head_dim, positions, cos, sin, bf16);
@@ -226,11 +226,11 @@ static inline __attribute__((always_inline)) void decode_layers(
             paged_decode_rows_f32(qkv, qkv_size, P(l, KEY_CACHE), P(l, VALUE_CACHE), block_table, max_blocks,
                                   context_lens, first_positions, attn, rows, num_heads, kv_heads, head_dim,
                                   block_size, scale);
-        linear_any(attn, P(l, O), P(l, O_BIAS), LAYOUT(l, O_LAYOUT), scratch, x, rows, hidden, q_size, bf16);
+        linear_any(attn, P(l, O), P(l, O_BIAS), FORMAT(l, O_FORMAT), scratch, x, rows, hidden, q_size, bf16);
         norm_any(x, residual, P(l, POST_NORM), h, rows, hidden, eps, bf16);
-        linear_any(h, P(l, GATE_UP), P(l, GATE_UP_BIAS), LAYOUT(l, GATE_UP_LAYOUT), scratch, gate_up, rows, 2 * inter, hidden, bf16);
+        linear_any(h, P(l, GATE_UP), P(l, GATE_UP_BIAS), FORMAT(l, GATE_UP_FORMAT), scratch, gate_up, rows, 2 * inter, hidden, bf16);
         silu_mul_rows(gate_up, act, rows, inter, bf16);
-        linear_any(act, P(l, DOWN), P(l, DOWN_BIAS), LAYOUT(l, DOWN_LAYOUT), scratch, x, rows, hidden, inter, bf16);
+        linear_any(act, P(l, DOWN), P(l, DOWN_BIAS), FORMAT(l, DOWN_FORMAT), scratch, x, rows, hidden, inter, bf16);
     }
 }
 

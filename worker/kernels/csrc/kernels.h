@@ -10,7 +10,7 @@ void linear_tiles_f32(const float *x, int64_t x_stride, const float *packed, con
 void linear_tiles_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                        int num_rows, int out, int in);
 void linear_q_rows(const void *x, int64_t x_stride, const uint8_t *packed, const void *bias, void *y, int num_rows,
-                   int out, int in, int layout, void *scratch, int bf16);
+                   int out, int in, int format, void *scratch, int bf16);
 void store_kv(const void *k_row, const void *v_row, void *k_cache, void *v_cache, int64_t slot, int kv_heads,
               int head_dim, int block_size, int elem_size);
 void rms_norm_rows_f32(const float *x, int64_t x_stride, float *residual, const float *weight, float *out,
