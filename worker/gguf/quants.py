@@ -125,8 +125,8 @@ def block_codes(data: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Quant
     if five_bits:
         high = blocks[:, at : at + 4].contiguous().view(torch.int32)
         codes |= (((high >> torch.arange(BLOCK, dtype=torch.int32)) & 1) << 4).to(torch.uint8)
-    mins = _f16(blocks, 2).reshape(rows, cols // BLOCK) if with_offset else None
-    return QuantizedWeight(codes.reshape(rows, cols), bits, BLOCK, scales, mins, -16.0 if five_bits else -8.0, name)
+    offsets = _f16(blocks, 2).reshape(rows, cols // BLOCK) if with_offset else None
+    return QuantizedWeight(codes.reshape(rows, cols), bits, BLOCK, scales, offsets, -16.0 if five_bits else -8.0, name)
 
 
 def _scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -86,12 +86,16 @@ def pack(w: QuantizedWeight) -> tuple[torch.Tensor, PackedFormat]:
         fields = [(low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(ob, blocks, 256)]
         high = groups >> 4
         if fmt.bits == 5:  # bit g: group g's fifth bit
-            plane = sum(((high[:, :, g] & 1) << g) for g in range(8))
-            fields.append(plane.to(torch.uint8).reshape(ob, blocks, 64))
+            plane = torch.zeros_like(high[:, :, 0])
+            for g in range(8):
+                plane |= (high[:, :, g] & 1) << g
+            fields.append(plane.reshape(ob, blocks, 64))
         elif fmt.bits == 6:  # plane h, bits 2 j and 2 j + 1: group 4 h + j's fifth and sixth
             for h in range(2):
-                plane = sum(((high[:, :, 4 * h + j] & 3) << (2 * j)) for j in range(4))
-                fields.append(plane.to(torch.uint8).reshape(ob, blocks, 64))
+                plane = torch.zeros_like(high[:, :, 0])
+                for j in range(4):
+                    plane |= (high[:, :, 4 * h + j] & 3) << (2 * j)
+                fields.append(plane.reshape(ob, blocks, 64))
     factors = [t for t in (w.scales, w.mins) if t is not None]
     for part in range(fmt.parts):
         for t in factors:  # [out, in / group] -> [ob, block, 16 outputs] of this part

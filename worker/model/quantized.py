@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -85,8 +85,8 @@ class QuantizedWeight:
 
     def _map(self, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> QuantizedWeight:
         """The weight with ``fn(name, tensor)`` in place of each of its tensors (all indexed by output first)."""
-        return dataclasses.replace(self, **{name: fn(name, t) for name in _TENSORS
-                                            if (t := getattr(self, name)) is not None})
+        changes: dict[str, Any] = {name: fn(name, t) for name in _TENSORS if (t := getattr(self, name)) is not None}
+        return dataclasses.replace(self, **changes)
 
     def rows(self, order: torch.Tensor) -> QuantizedWeight:
         """The rows in ``order`` (a permutation or a selection of output rows)."""

@@ -2,9 +2,9 @@
  *
  * GGUF's block formats all say the same thing in different bit layouts: a row is cut into groups
  * of 32 (or 16) inputs, and weight j of a group is  scale * code_j + min  with small unsigned
- * integer codes (worker/model/quantized.py). worker/kernels/cpu.py packs a weight for this kernel
- * in records of 16 outputs by 32 inputs (a block), keeping the file's own factors and bit widths,
- * so that a decode step reads about what the file holds:
+ * integer codes (worker/model/quantized.py). worker/kernels/quant_records.py packs a weight for
+ * this kernel in records of 16 outputs by 32 inputs (a block), keeping the file's own factors and
+ * bit widths, so that a decode step reads about what the file holds:
  *
  *     codes    4 bits: 4 x 64 bytes, byte 4 o + i of vector v = code of input 4 v + i (low nibble)
  *                      and of input 4 (v + 4) + i (high nibble), for output o < 16
@@ -53,9 +53,9 @@
 #define QBLOCK 32   /* inputs per block */
 #define QROWS 8     /* the most rows a pass takes (qblock's accumulators) */
 
-/* A packed weight's format, one int from cpu.py's PackedFormat.word: bits 0-3 the codes' width
- * (4, 5, 6, 8), 4-5 the factors' kind, 6 two parts (groups of 16), 7 mins stored, 8-11 the
- * offset's power of two (min = -2^k scale where no mins are stored). */
+/* A packed weight's format, one int (quant_records.py's PackedFormat.word): bits 0-3 the codes'
+ * width (4, 5, 6, 8), 4-5 the factors' kind, 6 two parts (groups of 16), 7 mins stored, 8-11
+ * the offset's power of two (min = -2^k scale where no mins are stored). */
 enum { KIND_FLOAT = 0, KIND_HALF = 1, KIND_SUPER = 2 };
 typedef struct {
     int bits, kind, parts, mins;
@@ -505,7 +505,7 @@ void linear_q_rows(const void *x, int64_t x_stride, const uint8_t *packed, const
 }
 
 /* x [num_rows, in] float32 or bfloat16 (bf16 says which; y the same), in a multiple of 32 (of 256
- * for "super" formats); packed as above in format (cpu.py's PackedFormat.word); bias [out] or
+ * for "super" formats); packed as above in format (PackedFormat.word); bias [out] or
  * NULL. A no-op where linear_q_available() is 0. */
 void linear_q(const void *x, int64_t x_stride, const uint8_t *packed, const void *bias, void *y, int num_rows, int out,
               int in, int format, void *scratch, int bf16, int num_threads) {
