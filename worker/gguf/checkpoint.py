@@ -33,7 +33,7 @@ from worker.model.config import LlamaConfig, ModelLoadError
 from worker.model.families import GGUF_ARCHITECTURES, family_of
 from worker.model.families.base import GGUFView
 from worker.model.quantized import QuantizedWeight
-from worker.model.sharding import ShardLayout, Slice, pad, pad_quantized_rows, take_quantized
+from worker.model.sharding import ShardLayout, Slice, pad, take_quantized
 
 log = logging.getLogger("sluice.worker")
 
@@ -214,7 +214,7 @@ class GGUFCheckpoint:
                 if after is not None:
                     codes = take_quantized(codes, after)
                 elif sl is not None and sl.dim == 0:
-                    codes = pad_quantized_rows(codes, sl.size)
+                    codes = codes.pad_rows(sl.size)
                 state[target] = codes
                 self.kept_bytes += data.nbytes
                 self.file.release(t)

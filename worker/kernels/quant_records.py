@@ -110,8 +110,8 @@ def pack(w: QuantizedWeight) -> tuple[torch.Tensor, PackedFormat]:
     return records.reshape(ob, -1).contiguous(), fmt
 
 
-def unpack(packed: torch.Tensor, fmt: PackedFormat, out_features: int, rows: torch.Tensor | None = None,
-           formats: tuple[str, ...] = ()) -> QuantizedWeight:
+def unpack(packed: torch.Tensor, fmt: PackedFormat, out_features: int,
+           rows: torch.Tensor | None = None) -> QuantizedWeight:
     """The weight (or its ``rows``) back from ``pack``'s records: what the kernel multiplies by,
     and how a tied embedding looks its rows up in the output projection."""
     selected = torch.arange(out_features) if rows is None else rows
@@ -145,6 +145,6 @@ def unpack(packed: torch.Tensor, fmt: PackedFormat, out_features: int, rows: tor
     values = factors.contiguous().view(dtype).reshape(n, blocks, fmt.parts, count, OUTPUTS)[pick, :, :, :, lane]
     scales = values[:, :, :, 0].reshape(n, -1)
     mins = values[:, :, :, 1].reshape(n, -1) if fmt.mins else None
-    return QuantizedWeight(codes.reshape(n, -1), fmt.bits, BLOCK // fmt.parts, scales, mins, fmt.offset, formats,
+    return QuantizedWeight(codes.reshape(n, -1), fmt.bits, BLOCK // fmt.parts, scales, mins, fmt.offset, (),
                            super_scales=supers[0] if supers else None,
                            super_mins=supers[1] if len(supers) > 1 else None)

@@ -59,11 +59,6 @@ def pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
-def pad_quantized_rows(w: QuantizedWeight, rows: int) -> QuantizedWeight:
-    """A quantized weight with zero rows appended (codes and factors all zero: weight 0)."""
-    return w.pad_rows(rows)
-
-
 _LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?(\w+)_proj\.(weight|bias)$")
 
 
@@ -139,7 +134,7 @@ def take_quantized(w: QuantizedWeight, sl: Slice) -> QuantizedWeight:
     """A slice of a whole quantized weight: rows, or input columns on group boundaries."""
     if sl.dim == 0:
         part = w.rows(torch.arange(sl.start, sl.stop))
-        return pad_quantized_rows(part, sl.size)
+        return part.pad_rows(sl.size)
     g = w.group
     if sl.start % g or sl.stop % g:
         raise ModelLoadError(f"a quantized weight's columns {sl.start}-{sl.stop} do not fall on its groups of {g}")
