@@ -20,10 +20,10 @@ pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler: the kerne
 
 def _fill(cache: KVCache, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Natural [blocks, block_size, kv heads, dim] keys and values into a cache the kernels read, in
-    its layout (bfloat16 may be kept in the pairs layout)."""
+    its layout (keys by dim, or bfloat16 in the pairs layout)."""
     layer = cache.keys[0]
-    if cpu_kernels.pairs_layout(kernel, layer.dtype, layer.shape[-1], cache.block_size):
-        keys, values = cpu_kernels.to_pairs_layout(keys, values)
+    keys, values = cpu_kernels.kernel_layout(keys, values, cpu_kernels.kv_layout(kernel, layer.dtype, layer.shape[-1],
+                                                                                 cache.block_size))
     cache.keys[0].copy_(keys)
     cache.values[0].copy_(values)
 
@@ -31,9 +31,8 @@ def _fill(cache: KVCache, keys: torch.Tensor, values: torch.Tensor) -> None:
 def _natural(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
     """What a cache the kernels wrote holds, in the natural layout."""
     layer = cache.keys[0]
-    if cpu_kernels.pairs_layout(kernel, layer.dtype, layer.shape[-1], cache.block_size):
-        return cpu_kernels.natural_layout(cache.keys[0], cache.values[0])
-    return cache.keys[0], cache.values[0]
+    layout = cpu_kernels.kv_layout(kernel, layer.dtype, layer.shape[-1], cache.block_size)
+    return cpu_kernels.natural_layout(cache.keys[0], cache.values[0], layout)
 
 
 def _layout(seed: int, rows: int, block_size: int, num_blocks: int, longest: int) -> tuple[list[list[int]], list[int]]:

@@ -1,8 +1,8 @@
 """The CPU kernels at each instruction-set level a CPU may have (``worker/cpu_isa.py``), on a
 machine that has more: the library built for x86-64 with no AVX at all (the plain loops: no
 packed linear, no whole-stack decoder, no quantized kernel) must pass the kernel tests and the
-transformers parity tests; the AVX2 build's quantized and float32 products, and its silu, must be
-the AVX-512 build's bit for bit; and the parity tests pass with the kernels off altogether
+transformers parity tests; the AVX2 build's quantized and float32 products, its silu and its float32
+attention must be the AVX-512 build's bit for bit; and the parity tests pass with the kernels off altogether
 (torch's operators only). Each runs in a child process, whose environment builds that library.
 (The whole worker suite runs as an AVX2-only CPU in CI: ``.ci/run``.)"""
 
@@ -62,6 +62,15 @@ for rows in (1, 7, 13):
 gate_up = torch.randn(5, 2 * 70, generator=gen) * 8
 for dtype in (torch.float32, torch.bfloat16):
     results[("silu", str(dtype))] = cpu.silu_mul(lib, gate_up.to(dtype), 70)
+# float32 attention: a 37-token chunk after a 20-token prefix, and a decode row over 50 positions
+i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
+for head_dim in (64, 128):
+    keys, values = (torch.randn(8, 16, 3, head_dim, generator=gen) for _ in range(2))
+    keys, values = cpu.kernel_layout(keys, values, cpu.kv_layout(lib, torch.float32, head_dim, 16))
+    q = torch.randn(38, 9, head_dim, generator=gen)
+    results[("attention", head_dim)] = cpu.attention(
+        lib, q, keys.view(-1, 3, head_dim), values.view(-1, 3, head_dim), i32(0, 1, 2, 3, 4, 5, 6, 7).view(2, 4),
+        i32(57, 50), i32(37, 1), i32(0, 37), i32(0, 0), 0, 16, head_dim ** -0.5)
 torch.save(results, sys.argv[1])
 """
 

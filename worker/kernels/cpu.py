@@ -45,8 +45,10 @@ FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fassociative-math", "-fno-sign
          "-fno-trapping-math", "-ffp-contract=off"]
 # Per source, after FLAGS. linear_q.c widens a factor and multiplies it by the activations' scale
 # as two products: reassociated, they would round differently in each row count's copy of the
-# loop, and a row's result would depend on its batch.
-SOURCE_FLAGS = {"linear_q.c": ["-fno-associative-math"]}
+# loop, and a row's result would depend on its batch. paged_attention.c's vector path sums a
+# head's probabilities chunk by chunk over the chunks its tile covers: reassociated, that sum's
+# order would depend on the tile.
+SOURCE_FLAGS = {"linear_q.c": ["-fno-associative-math"], "paged_attention.c": ["-fno-associative-math"]}
 # What the kernel's fixed-size scratch holds (see the #defines in the source).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 128
 
@@ -137,8 +139,8 @@ def load() -> ctypes.CDLL | None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.write_kv.argtypes = [p, p, i64, i64, p, p, p, i32, i32, i32, i32, i32]
     lib.write_kv.restype = None
-    lib.kv_pairs_layout.argtypes = [i32, i32, i32]
-    lib.kv_pairs_layout.restype = i32
+    lib.kv_layout.argtypes = [i32, i32, i32]
+    lib.kv_layout.restype = i32
     lib.paged_decode.argtypes = [p, i64, p, p, p, i32, p, p, p, i32, i32, i32, i32, i32, f32, i32]
     lib.paged_decode.restype = None
     lib.paged_decode_bf16.argtypes = lib.paged_decode.argtypes
@@ -203,30 +205,39 @@ def _ptr(t: torch.Tensor) -> int:
 def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, key_slots: torch.Tensor, value_slots: torch.Tensor,
              slots: torch.Tensor, block_size: int) -> None:
     """k, v [B, KVH, D] (rows may be strided, heads contiguous) into the flat caches at ``slots``
-    (int64), in the cache's layout (``pairs_layout``)."""
+    (int64), in the cache's layout (``kv_layout``)."""
     lib.write_kv(_ptr(k), _ptr(v), k.stride(0), v.stride(0), _ptr(key_slots), _ptr(value_slots), _ptr(slots),
                  k.shape[0], k.shape[1], k.shape[2], block_size, k.element_size())
 
 
-def pairs_layout(lib: ctypes.CDLL, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
-    """Whether the C kernels keep a cache of this dtype and geometry in the "pairs" layout
-    (``csrc/paged_attention.c``: bfloat16 laid out for vdpbf16ps) instead of [slot, head, dim]."""
-    return bool(lib.kv_pairs_layout(torch.empty((), dtype=dtype).element_size(), head_dim, block_size))
+KEYS_BY_DIM, PAIRS = "keys by dim", "pairs"
 
 
-def natural_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's keys and values [blocks, block_size, kv_heads, head_dim] in the pairs layout, as
-    copies in the natural one (for reading a cache the kernels wrote: tests, debugging)."""
+def kv_layout(lib: ctypes.CDLL, dtype: torch.dtype, head_dim: int, block_size: int) -> str:
+    """How the C kernels keep a cache of this dtype and geometry (``csrc/paged_attention.c``):
+    ``KEYS_BY_DIM`` (per block and kv head, keys as [dim, position]; values [slot, head, dim]) or,
+    for bfloat16 with AVX512-BF16, ``PAIRS`` (laid out for vdpbf16ps)."""
+    return PAIRS if lib.kv_layout(torch.empty((), dtype=dtype).element_size(), head_dim, block_size) == 2 else KEYS_BY_DIM
+
+
+def natural_layout(keys: torch.Tensor, values: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's keys and values [blocks, block_size, kv_heads, head_dim] as the kernels keep them
+    in ``layout``, as copies in the natural one (for reading a cache the kernels wrote: tests,
+    debugging)."""
     blocks, bs, kvh, d = keys.shape
+    if layout == KEYS_BY_DIM:
+        return keys.reshape(blocks, kvh, d, bs).permute(0, 3, 1, 2).contiguous(), values.clone()
     k = keys.reshape(blocks, kvh, bs // 16, d // 2, 16, 2).permute(0, 2, 4, 1, 3, 5)
     v = values.reshape(blocks, kvh, bs // 16, 8, d // 16, 16, 2).permute(0, 2, 3, 6, 1, 4, 5)
     return k.reshape(blocks, bs, kvh, d).contiguous(), v.reshape(blocks, bs, kvh, d).contiguous()
 
 
-def to_pairs_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def kernel_layout(keys: torch.Tensor, values: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of ``natural_layout``: natural [blocks, block_size, kv_heads, head_dim] keys and
-    values as the pairs layout holds them (same shape), for filling a cache directly."""
+    values as ``layout`` holds them (same shape), for filling a cache directly."""
     blocks, bs, kvh, d = keys.shape
+    if layout == KEYS_BY_DIM:
+        return keys.permute(0, 2, 3, 1).reshape(blocks, bs, kvh, d).contiguous(), values.clone()
     k = keys.reshape(blocks, bs // 16, 16, kvh, d // 2, 2).permute(0, 3, 1, 4, 2, 5)
     v = values.reshape(blocks, bs // 16, 8, 2, kvh, d // 16, 16).permute(0, 4, 1, 2, 5, 6, 3)
     return k.reshape(blocks, bs, kvh, d).contiguous(), v.reshape(blocks, bs, kvh, d).contiguous()

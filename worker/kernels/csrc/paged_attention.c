@@ -21,8 +21,8 @@
  * 160-165 GMAC/s on two Zen 5 cores (their measured peak: 231) where the float32-FMA loops ran
  * ~53.
  *
- * Built by worker/kernels/cpu.py with the system C compiler (-O3 -march=native -fopenmp,
- * reassociation allowed so the plain loops vectorise; no -ffinite-math: -INFINITY is used).
+ * Built by worker/kernels/cpu.py with the system C compiler (-O3 -march=native -fopenmp, no
+ * reassociation: a sum's order is part of the promise above; no -ffinite-math: -INFINITY is used).
  */
 #include <math.h>
 #include <stdint.h>
@@ -41,35 +41,57 @@
 #define HAVE_BF16_DOT_ATTENTION 0
 #endif
 
-/* The cache's layout. float32 caches, and bfloat16 ones where the bfloat16 dot kernel below does
- * not run, hold each slot's heads as the model gives them: [slot][kv head][dim]. Where it runs
- * (AVX512-BF16, head_dim a multiple of 32, blocks a multiple of 16 tokens), each block holds, per
- * kv head, chunks of 16 positions laid out for vdpbf16ps (the "pairs" layout):
+/* The cache's layouts. Blocks stay whole in either (block b is elements [b * block_size * kv_heads
+ * * head_dim, ...)): swapping, copying and sharing blocks need not know.
+ *
+ * "Keys by dim" (every cache but the one below): per block and kv head, the keys as
+ * [dim][position] (a position's dims block_size elements apart), so that a vector holds one dim
+ * of VL consecutive positions and a query's scores for them are VL lanes of fused multiply-adds
+ * with no reduction; values as the model gives them, [slot][kv head][dim].
+ *
+ * "Pairs" (AVX512-BF16, bfloat16, head_dim a multiple of 32, blocks a multiple of 16 tokens): each
+ * block holds, per kv head, chunks of 16 positions laid out for vdpbf16ps:
  *
  *     keys     [dim pair d][position i][2]   the two dims of pair d of the chunk's 16 positions
  *     values   [position pair j][dims c][16][2]   dim 16 c + l of positions 2j and 2j + 1
  *
  * so a chunk's 16 scores take head_dim / 2 loads and dot instructions with no transposition,
- * for a decode row as for a prefill chunk. Blocks stay whole (block b is still elements
- * [b * block_size * kv_heads * head_dim, ...)): swapping and copying blocks need not know. */
+ * for a decode row as for a prefill chunk. */
+enum { LAYOUT_KEYS_BY_DIM = 1, LAYOUT_PAIRS = 2 };
+
 static inline int pairs_layout(const int bf16, int head_dim, int block_size) {
     return HAVE_BF16_DOT_ATTENTION && bf16 && head_dim % 32 == 0 && head_dim <= MAX_HEAD_DIM && block_size % 16 == 0;
 }
 
-int kv_pairs_layout(int elem_size, int head_dim, int block_size) {
-    return pairs_layout(elem_size == 2, head_dim, block_size);
+int kv_layout(int elem_size, int head_dim, int block_size) {
+    return pairs_layout(elem_size == 2, head_dim, block_size) ? LAYOUT_PAIRS : LAYOUT_KEYS_BY_DIM;
+}
+
+/* Where dim 0 of kv head h's keys at position `at` of a block lies in the keys-by-dim layout
+ * (dim d: d * block_size further). */
+static inline int64_t key_column(int64_t block, int at, int h, int kv_heads, int head_dim, int block_size) {
+    return (block * kv_heads + h) * head_dim * block_size + at;
 }
 
 /* One slot's keys and values [kv_heads][head_dim] into the cache, in its layout. */
 void store_kv(const void *k_row, const void *v_row, void *k_cache, void *v_cache, int64_t slot, int kv_heads,
               int head_dim, int block_size, int elem_size) {
     const int64_t width = (int64_t)kv_heads * head_dim * elem_size;
+    const int64_t block = slot / block_size, p = slot % block_size;
     if (!pairs_layout(elem_size == 2, head_dim, block_size)) {
-        memcpy((char *)k_cache + slot * width, k_row, width);
         memcpy((char *)v_cache + slot * width, v_row, width);
+        for (int h = 0; h < kv_heads; h++) {
+            const int64_t at = key_column(block, (int)p, h, kv_heads, head_dim, block_size);
+            for (int d = 0; d < head_dim; d++) {
+                if (elem_size == 2)
+                    ((uint16_t *)k_cache)[at + (int64_t)d * block_size] = ((const uint16_t *)k_row)[h * head_dim + d];
+                else
+                    ((float *)k_cache)[at + (int64_t)d * block_size] = ((const float *)k_row)[h * head_dim + d];
+            }
+        }
         return;
     }
-    const int64_t block = slot / block_size, p = slot % block_size, i = p % 16, dims = head_dim / 16;
+    const int64_t i = p % 16, dims = head_dim / 16;
     const uint16_t *k = k_row, *v = v_row;
     for (int h = 0; h < kv_heads; h++) {
         const int64_t chunk = ((block * kv_heads + h) * block_size + (p - i)) * head_dim;
@@ -217,13 +239,15 @@ static inline __attribute__((always_inline)) void attend_rows(
                 const int n = run_in_block(&tl, t, start, block_size, block_base, slot_width, (int64_t)h * head_dim,
                                            &kv_base);
                 if (n == 0) continue;
+                const int a = tl.first[t] > start ? tl.first[t] - start : 0;
+                const int64_t keys = key_column(table[start / block_size], a, h, kv_heads, head_dim, block_size);
                 for (int g = 0; g < group; g++) {
                     const int s_ = t * group + g;
                     float block_max = running_max[s_];
                     for (int i = 0; i < n; i++) {
-                        const int64_t k = kv_base + i * slot_width;
                         float s = 0.0f;
-                        for (int d = 0; d < head_dim; d++) s += qs[s_][d] * load(k_cache, k + d, bf16);
+                        for (int d = 0; d < head_dim; d++)
+                            s += qs[s_][d] * load(k_cache, keys + i + (int64_t)d * block_size, bf16);
                         scores[g][i] = s;
                         if (s > block_max) block_max = s;
                     }
@@ -261,91 +285,214 @@ static inline __attribute__((always_inline)) void attend_rows(
 #include "simd.h"
 #ifdef VL
 
-/* The same attention over vf (simd.h: 16 lanes with AVX-512, 8 with AVX2), for head_dim a multiple
- * of VL (every common model): a row of keys or values is head_dim / VL registers, converted from
- * bfloat16 once for all the group's query heads; four keys' dot products are reduced to four
- * scores at once (a reduction per score had been half a long prefill's attention); a run's
- * scores are exponentiated VL at a time (vexp); the accumulators stay float32. About 3x the plain
- * loops' speed (they reduce a dot product and call expf once per position and head). */
+/* The same attention over vf (simd.h: 16 lanes with AVX-512, 8 with AVX2), a kv head's tile of
+ * queries block by block, as small matrix products that keep their accumulators in registers:
+ *
+ *   scores  up to SCORE_SET query heads by a 16-position chunk, one chain of head_dim fused
+ *           multiply-adds per lane (a position), over the keys-by-dim layout: a dim of the chunk's
+ *           positions is one load shared by the set's heads, each head's query value one
+ *           broadcast; no reduction.
+ *   softmax per head over the block: a running max and sum, the accumulator rescaled when the max
+ *           grows, e^(s - max) VL lanes at a time (vexp), positions the head does not see set to 0.
+ *   values  up to 4 heads by a few dim vectors (VALUE_REGISTERS accumulators), one chain per
+ *           lane (a dim) over the block's positions in order: a value vector is one load shared
+ *           by the set's heads, a probability one broadcast.
+ *
+ * Every position the tile sees in the block is taken by every head of the tile; a head's
+ * positions outside its own run get probability 0, which adds exactly nothing (0 times a finite
+ * value, to an accumulator that starts at +0). So a head's arithmetic is that of its own
+ * position alone, whatever the tile, and a lane's is the same on either vector width: float32
+ * attention gives the same bits in a prefill, a chunk or a decode step, and on AVX2 as on
+ * AVX-512. A 4k-token SmolLM2 prefill's attention ran 2.6x faster as AVX2 than the loops this
+ * replaced (dot products reduced four at a time, the accumulators in memory). */
+#define KEY_CHUNK 16                     /* positions a score chain set covers */
+#define CHUNK_VECTORS (KEY_CHUNK / VL)   /* vectors per chunk: 2 on AVX2, 1 on AVX-512 */
+#define SCORE_SET (8 / CHUNK_VECTORS)    /* heads per score pass: 8 accumulators */
+#define VALUE_REGISTERS (VL == 16 ? 16 : 8)
+
+/* The sum of 16 floats in one fixed order, in 256-bit instructions on either set. */
+static inline float sum16(const float *p) {
+    const __m256 t = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+/* n heads' scores (query rows qs[j], scaled) for chunks c_lo .. c_hi - 1 of a block's keys
+ * (keys: dim 0 of the block's position 0, in the keys-by-dim layout) into scores[j]. */
+static inline __attribute__((always_inline)) void score_heads(const float *const *qs, float *const *scores,
+                                                              const void *k_cache, int64_t keys, int head_dim,
+                                                              int block_size, int c_lo, int c_hi, const int n,
+                                                              const int bf16) {
+    for (int c = c_lo; c < c_hi; c++) {
+        vf s[SCORE_SET][CHUNK_VECTORS];
+        for (int j = 0; j < n; j++)
+            for (int v = 0; v < CHUNK_VECTORS; v++) s[j][v] = vzero();
+        for (int d = 0; d < head_dim; d++) {
+            vf k[CHUNK_VECTORS];
+            for (int v = 0; v < CHUNK_VECTORS; v++)
+                k[v] = vload(k_cache, keys + (int64_t)d * block_size + KEY_CHUNK * c + VL * v, bf16);
+            for (int j = 0; j < n; j++) {
+                const vf qd = vset1(qs[j][d]);
+                for (int v = 0; v < CHUNK_VECTORS; v++) s[j][v] = vfma(qd, k[v], s[j][v]);
+            }
+        }
+        for (int j = 0; j < n; j++)
+            for (int v = 0; v < CHUNK_VECTORS; v++) vstore(scores[j], KEY_CHUNK * c + VL * v, s[j][v], 0);
+    }
+}
+
+static inline __attribute__((always_inline)) void score_set(const float *const *qs, float *const *scores,
+                                                            const void *k_cache, int64_t keys, int head_dim,
+                                                            int block_size, int c_lo, int c_hi, int n, const int bf16) {
+    switch (n) {
+#define SCORE_CASE(k) \
+    case k: score_heads(qs, scores, k_cache, keys, head_dim, block_size, c_lo, c_hi, k, bf16); break
+        SCORE_CASE(1); SCORE_CASE(2); SCORE_CASE(3);
+#if SCORE_SET > 4
+        SCORE_CASE(4); SCORE_CASE(5); SCORE_CASE(6); SCORE_CASE(7);
+#endif
+        default: score_heads(qs, scores, k_cache, keys, head_dim, block_size, c_lo, c_hi, SCORE_SET, bf16);
+#undef SCORE_CASE
+    }
+}
+
+/* n heads' accumulators acc[j] (dim vectors c0 .. c0 + dims - 1) += p[j][i] x value i, for
+ * positions i = lo .. hi - 1 in order (values: position 0's row, slot_width apart). */
+static inline __attribute__((always_inline)) void value_heads(float *const *acc, const float *const *p,
+                                                              const void *v_cache, int64_t values, int64_t slot_width,
+                                                              int lo, int hi, int c0, const int n, const int dims,
+                                                              const int bf16) {
+    vf a[4][VALUE_REGISTERS];
+    for (int j = 0; j < n; j++)
+        for (int c = 0; c < dims; c++) a[j][c] = vloadu(acc[j] + VL * (c0 + c));
+    for (int i = lo; i < hi; i++) {
+        vf v[VALUE_REGISTERS];
+        for (int c = 0; c < dims; c++) v[c] = vload(v_cache, values + i * slot_width + VL * (c0 + c), bf16);
+        for (int j = 0; j < n; j++) {
+            const vf pj = vset1(p[j][i]);
+            for (int c = 0; c < dims; c++) a[j][c] = vfma(pj, v[c], a[j][c]);
+        }
+    }
+    for (int j = 0; j < n; j++)
+        for (int c = 0; c < dims; c++) vstore(acc[j], VL * (c0 + c), a[j][c], 0);
+}
+
+/* value_heads over all `chunks` dim vectors, `dims` at a time (a constant dividing chunks), for
+ * n heads (at most VALUE_REGISTERS / dims, and 4). */
+static inline __attribute__((always_inline)) void value_set(float *const *acc, const float *const *p,
+                                                            const void *v_cache, int64_t values, int64_t slot_width,
+                                                            int lo, int hi, int n, const int chunks, const int dims,
+                                                            const int bf16) {
+    for (int c0 = 0; c0 < chunks; c0 += dims) {
+        switch (n) {
+            case 1: value_heads(acc, p, v_cache, values, slot_width, lo, hi, c0, 1, dims, bf16); break;
+            case 2: value_heads(acc, p, v_cache, values, slot_width, lo, hi, c0, 2, dims, bf16); break;
+            case 3: value_heads(acc, p, v_cache, values, slot_width, lo, hi, c0, 3, dims, bf16); break;
+            default: value_heads(acc, p, v_cache, values, slot_width, lo, hi, c0, 4, dims, bf16); break;
+        }
+    }
+}
+
+/* dims (a constant) for value_set: the most dim vectors that divide chunks and leave room for
+ * two heads' accumulators. */
+static inline int value_dims(int chunks) {
+    for (int dims = VALUE_REGISTERS / 2; dims > 1; dims /= 2)
+        if (chunks % dims == 0) return dims;
+    return 1;
+}
+
 static inline __attribute__((always_inline)) void attend_rows_vec(
         const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const Rows *rows, void *out,
         int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale, const int bf16,
-        const int chunks) {
+        const int chunks, const int dims) {
     const int group = num_heads / kv_heads;
     const int per_tile = TILE_HEADS / group > 0 ? TILE_HEADS / group : 1;
     const int64_t slot_width = (int64_t)kv_heads * head_dim;
     const int items = count_items(rows, num_rows, kv_heads, per_tile);
+    const int value_set_size = VALUE_REGISTERS / dims < 4 ? VALUE_REGISTERS / dims : 4;
 #pragma omp for schedule(dynamic, 1)
     for (int item = 0; item < items; item++) {
         int h;
         Tile tl;
         const int32_t *table = tile_at(rows, num_rows, kv_heads, per_tile, item, &h, &tl);
         const int nq = tl.nq;
-        vf qs[TILE_HEADS][MAX_HEAD_DIM / VL], acc[TILE_HEADS][MAX_HEAD_DIM / VL];
+        float qs[TILE_HEADS][MAX_HEAD_DIM] __attribute__((aligned(64)));
+        float acc[TILE_HEADS][MAX_HEAD_DIM] __attribute__((aligned(64)));
+        float scores[TILE_HEADS][MAX_BLOCK] __attribute__((aligned(64)));
         float running_max[TILE_HEADS], running_sum[TILE_HEADS];
-        float scores[MAX_GROUP][MAX_BLOCK] __attribute__((aligned(64)));
         for (int t = 0; t < nq; t++) {
             for (int g = 0; g < group; g++) {
+                const int s_ = t * group + g;
                 const int64_t qg = tl.token[t] * q_stride + (int64_t)(h * group + g) * head_dim;
                 for (int c = 0; c < chunks; c++) {
-                    qs[t * group + g][c] = vmul(vload(q, qg + VL * c, bf16), vset1(scale));
-                    acc[t * group + g][c] = vzero();
+                    vstore(qs[s_], VL * c, vmul(vload(q, qg + VL * c, bf16), vset1(scale)), 0);
+                    vstore(acc[s_], VL * c, vzero(), 0);
                 }
-                running_max[t * group + g] = -INFINITY;
-                running_sum[t * group + g] = 0.0f;
+                running_max[s_] = -INFINITY;
+                running_sum[s_] = 0.0f;
             }
         }
         for (int start = tl.lo - tl.lo % block_size; start < tl.hi; start += block_size) {
-            const int64_t block_base = (int64_t)table[start / block_size] * block_size;
+            const int64_t block = table[start / block_size];
+            /* each query's run [run_lo, run_hi) in the block, and their union [lo, hi) */
+            int run_lo[TILE_HEADS], run_hi[TILE_HEADS], heads[TILE_HEADS], active = 0, lo = block_size, hi = 0;
             for (int t = 0; t < nq; t++) {
-                int64_t kv_base;
-                const int n = run_in_block(&tl, t, start, block_size, block_base, slot_width, (int64_t)h * head_dim,
-                                           &kv_base);
-                if (n == 0) continue;
-                for (int i = 0; i < n; i += 4) { /* four keys' dot products reduced together (vsum4) */
-                    const int m = n - i < 4 ? n - i : 4;
-                    vf key[4][MAX_HEAD_DIM / VL];
-                    for (int j = 0; j < 4; j++)
-                        for (int c = 0; c < chunks; c++)
-                            key[j][c] = j < m ? vload(k_cache, kv_base + (i + j) * slot_width + VL * c, bf16) : vzero();
-                    for (int g = 0; g < group; g++) {
-                        vf s[4];
-                        for (int j = 0; j < 4; j++) {
-                            s[j] = vmul(qs[t * group + g][0], key[j][0]);
-                            for (int c = 1; c < chunks; c++) s[j] = vfma(qs[t * group + g][c], key[j][c], s[j]);
-                        }
-                        float four[4];
-                        vsum4(four, s[0], s[1], s[2], s[3]);
-                        for (int j = 0; j < m; j++) scores[g][i + j] = four[j];
-                    }
-                }
+                const int a = tl.first[t] > start ? tl.first[t] - start : 0;
+                const int b = tl.position[t] + 1 < start + block_size ? tl.position[t] + 1 - start : block_size;
+                if (a >= b) continue;
                 for (int g = 0; g < group; g++) {
-                    const int s_ = t * group + g;
-                    vf top = vset1(running_max[s_]); /* max is exact in any order: VL lanes at once */
-                    for (int i = 0; i < n; i += VL) top = vmax(top, vfill_after(vloadu(&scores[g][i]), n - i, -INFINITY));
-                    const float block_max = vreduce_max(top);
-                    if (block_max > running_max[s_]) {
-                        const vf rescale = vset1(expf(running_max[s_] - block_max));
-                        running_sum[s_] *= expf(running_max[s_] - block_max);
-                        for (int c = 0; c < chunks; c++) acc[s_][c] = vmul(acc[s_][c], rescale);
-                        running_max[s_] = block_max;
-                    }
-                    vf sum = vzero();
-                    for (int i = 0; i < n; i += VL) { /* the lanes past n: garbage in, 0 out (the array is big enough) */
-                        const vf p = vfill_after(vexp(vsub(vloadu(&scores[g][i]), vset1(block_max))), n - i, 0.0f);
-                        vstore(&scores[g][i], 0, p, 0);
-                        sum = vadd(sum, p);
-                    }
-                    running_sum[s_] += vreduce_add(sum);
+                    run_lo[active] = a;
+                    run_hi[active] = b;
+                    heads[active++] = t * group + g;
                 }
-                for (int i = 0; i < n; i++) {
-                    vf value[MAX_HEAD_DIM / VL];
-                    for (int c = 0; c < chunks; c++) value[c] = vload(v_cache, kv_base + i * slot_width + VL * c, bf16);
-                    for (int g = 0; g < group; g++) {
-                        const vf p = vset1(scores[g][i]);
-                        for (int c = 0; c < chunks; c++) acc[t * group + g][c] = vfma(p, value[c], acc[t * group + g][c]);
-                    }
+                lo = a < lo ? a : lo;
+                hi = b > hi ? b : hi;
+            }
+            if (active == 0) continue;
+            const int c_lo = lo / KEY_CHUNK, c_hi = (hi + KEY_CHUNK - 1) / KEY_CHUNK;
+            const int64_t keys = key_column(block, 0, h, kv_heads, head_dim, block_size);
+            for (int j0 = 0; j0 < active; j0 += SCORE_SET) {
+                const int n = active - j0 < SCORE_SET ? active - j0 : SCORE_SET;
+                const float *qp[SCORE_SET];
+                float *sp[SCORE_SET];
+                for (int j = 0; j < n; j++) {
+                    qp[j] = qs[heads[j0 + j]];
+                    sp[j] = scores[heads[j0 + j]];
                 }
+                score_set(qp, sp, k_cache, keys, head_dim, block_size, c_lo, c_hi, n, bf16);
+            }
+            for (int j = 0; j < active; j++) {
+                const int s_ = heads[j], a = run_lo[j], b = run_hi[j];
+                float *sc = scores[s_];
+                vf top = vset1(-INFINITY); /* max is exact in any order */
+                for (int at = a - a % VL; at < b; at += VL) top = vmax(top, vkeep_range(vloadu(sc + at), a - at, b - at, -INFINITY));
+                const float block_max = vreduce_max(top);
+                if (block_max > running_max[s_]) {
+                    const float rescale = expf(running_max[s_] - block_max);
+                    running_sum[s_] *= rescale;
+                    for (int c = 0; c < chunks; c++) vstore(acc[s_], VL * c, vmul(vloadu(acc[s_] + VL * c), vset1(rescale)), 0);
+                    running_max[s_] = block_max;
+                }
+                const vf top_max = vset1(running_max[s_]);
+                for (int c = c_lo; c < c_hi; c++) {
+                    for (int v = 0; v < CHUNK_VECTORS; v++) {
+                        const int at = KEY_CHUNK * c + VL * v;
+                        vstore(sc, at, vkeep_range(vexp(vsub(vloadu(sc + at), top_max)), a - at, b - at, 0.0f), 0);
+                    }
+                    running_sum[s_] += sum16(sc + KEY_CHUNK * c);
+                }
+            }
+            const int64_t values = block * block_size * slot_width + (int64_t)h * head_dim;
+            for (int j0 = 0; j0 < active; j0 += value_set_size) {
+                const int n = active - j0 < value_set_size ? active - j0 : value_set_size;
+                float *ap[4];
+                const float *pp[4];
+                for (int j = 0; j < n; j++) {
+                    ap[j] = acc[heads[j0 + j]];
+                    pp[j] = scores[heads[j0 + j]];
+                }
+                value_set(ap, pp, v_cache, values, slot_width, lo, hi, n, chunks, dims, bf16);
             }
         }
         for (int t = 0; t < nq; t++) {
@@ -353,7 +500,7 @@ static inline __attribute__((always_inline)) void attend_rows_vec(
                 const int s_ = t * group + g;
                 const int64_t o = (tl.token[t] * num_heads + h * group + g) * head_dim;
                 const vf inv = vset1(1.0f / running_sum[s_]);
-                for (int c = 0; c < chunks; c++) vstore(out, o + VL * c, vmul(acc[s_][c], inv), bf16);
+                for (int c = 0; c < chunks; c++) vstore(out, o + VL * c, vmul(vloadu(acc[s_] + VL * c), inv), bf16);
             }
         }
     }
@@ -620,17 +767,20 @@ static inline __attribute__((always_inline)) void attend(
     }
 #endif
 #if HAVE_VEC_ATTENTION
-    if (head_dim % VL == 0) {
+    if (head_dim % VL == 0 && block_size % KEY_CHUNK == 0) {
         const int chunks = head_dim / VL;
         if (chunks == 64 / VL)
             attend_rows_vec(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
-                            block_size, scale, bf16, 64 / VL);
+                            block_size, scale, bf16, 64 / VL, value_dims(64 / VL));
         else if (chunks == 128 / VL)
             attend_rows_vec(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
-                            block_size, scale, bf16, 128 / VL);
+                            block_size, scale, bf16, 128 / VL, value_dims(128 / VL));
+        else if (value_dims(chunks) >= 2)
+            attend_rows_vec(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
+                            block_size, scale, bf16, chunks, 2);
         else
             attend_rows_vec(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
-                            block_size, scale, bf16, chunks);
+                            block_size, scale, bf16, chunks, 1);
         return;
     }
 #endif

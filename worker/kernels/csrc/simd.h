@@ -115,6 +115,13 @@ static inline void vsum4(float four[4], vf a, vf b, vf c, vf d) { _mm_storeu_ps(
 static inline vf vfill_after(vf v, int n, float fill) {
     return n >= 16 ? v : _mm512_mask_blend_ps((__mmask16)((1u << n) - 1), _mm512_set1_ps(fill), v);
 }
+/* v's lanes lo .. hi - 1 (those of them in 0 .. VL - 1), the rest fill. */
+static inline vf vkeep_range(vf v, int lo, int hi, float fill) {
+    if (lo <= 0 && hi >= 16) return v;
+    const unsigned below_hi = hi >= 16 ? 0xFFFFu : hi <= 0 ? 0u : (1u << hi) - 1;
+    const unsigned below_lo = lo >= 16 ? 0xFFFFu : lo <= 0 ? 0u : (1u << lo) - 1;
+    return _mm512_mask_blend_ps((__mmask16)(below_hi & ~below_lo), _mm512_set1_ps(fill), v);
+}
 /* A vector of VL bfloat16 pairs (2 VL values) as float32: each pair's first, and its second. */
 static inline vf vpair_first(vf pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(pairs), 16)); }
 static inline vf vpair_second(vf pairs) {
@@ -174,8 +181,10 @@ static inline vf vscale_pow2(vf p, vf n) {
     return _mm256_mul_ps(_mm256_mul_ps(p, two_low), two_high);
 }
 
-/* Outputs o .. min(o + 8, out) - 1 (0 past the end or without p); an edge of a row, so plain loops. */
+/* Outputs o .. min(o + 8, out) - 1 (0 past the end or without p); at a row's edge, plain loops. */
 static inline vf vload_partial(const void *p, int o, int out, const int bf16) {
+    if (p == 0) return vzero();
+    if (out - o >= 8) return vload(p, o, bf16);
     float lanes[8] = {0};
     for (int k = 0; p != 0 && k < 8 && o + k < out; k++)
         lanes[k] = bf16 ? bf16_to_f32(((const uint16_t *)p)[o + k]) : ((const float *)p)[o + k];
@@ -220,6 +229,14 @@ static inline void vsum4(float four[4], vf a, vf b, vf c, vf d) {
 static inline vf vfill_after(vf v, int n, float fill) {
     if (n >= 8) return v;
     const __m256 keep = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)n), _CMP_LT_OQ);
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), v, keep);
+}
+
+static inline vf vkeep_range(vf v, int lo, int hi, float fill) {
+    if (lo <= 0 && hi >= 8) return v;
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(lane, _mm256_set1_ps((float)lo), _CMP_GE_OQ),
+                                      _mm256_cmp_ps(lane, _mm256_set1_ps((float)hi), _CMP_LT_OQ));
     return _mm256_blendv_ps(_mm256_set1_ps(fill), v, keep);
 }
 
