@@ -354,15 +354,26 @@ static inline __attribute__((always_inline)) void load_factors(const uint8_t *w,
     if (!f.mins) *min = _mm256_mul_ps(*scale, _mm256_set1_ps(f.offset));
 }
 
+/* Outputs o .. o + 7 of a bias (0 without one, and past out), and of a row of y (those below
+ * out): whole vectors but at a row's edge. (Not simd.h's: on AVX-512 without VNNI its vectors
+ * are 16 wide, and this path still runs.) */
 static inline __m256 load_partial8(const void *bias, int o, int out, const int bf16) {
+    if (bias == 0) return _mm256_setzero_ps();
+    if (out - o >= 8 && !bf16) return _mm256_loadu_ps((const float *)bias + o);
+    if (out - o >= 8)
+        return _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)bias + o))), 16));
     float v[8] = {0};
-    if (bias != 0)
-        for (int j = 0; j < 8 && o + j < out; j++)
-            v[j] = bf16 ? bf16_to_f32(((const uint16_t *)bias)[o + j]) : ((const float *)bias)[o + j];
+    for (int j = 0; j < 8 && o + j < out; j++)
+        v[j] = bf16 ? bf16_to_f32(((const uint16_t *)bias)[o + j]) : ((const float *)bias)[o + j];
     return _mm256_loadu_ps(v);
 }
 
 static inline void store_partial8(void *y, int o, int out, __m256 acc, const int bf16) {
+    if (out - o >= 8 && !bf16) {
+        _mm256_storeu_ps((float *)y + o, acc);
+        return;
+    }
     float v[8];
     _mm256_storeu_ps(v, acc);
     for (int j = 0; j < 8 && o + j < out; j++) {
@@ -392,6 +403,7 @@ static inline __attribute__((always_inline)) void qblock(const int8_t *codes, co
             load_factors(w, f, header, 0, half, &scale, &min);
             if (parts == 2) load_factors(w, f, header, 1, half, &scale_hi, &min_hi);
             else scale_hi = scale, min_hi = min;
+#pragma GCC unroll 8
             for (int r = 0; r < rows; r++) {
                 const int64_t row = r0 + r;
                 __m256i lo, hi;
