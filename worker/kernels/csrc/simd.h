@@ -46,19 +46,6 @@ static inline void store16(void *base, int64_t i, __m512 v, const int bf16) {
     }
 }
 
-/* The sums of a, b, c and d's sixteen lanes, as one vector of four: pairwise within each 128-bit
- * lane, then across the four lanes. */
-static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    const __m512d ab_d = _mm512_castps_pd(ab), cd_d = _mm512_castps_pd(cd);
-    const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab_d, cd_d)),
-                                      _mm512_castpd_ps(_mm512_unpackhi_pd(ab_d, cd_d)));
-    const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(abcd),
-                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
-    return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
-}
-
 /* Outputs o .. min(o + 16, out) - 1 of a row: a bias's (0 where absent or past the end), and a
  * store of v's lanes to them (bfloat16 rounded as store16 rounds). */
 static inline __mmask16 lanes_below(int o, int out) {
@@ -110,11 +97,6 @@ static inline void vstore_partial(void *y, int o, int out, vf v, const int bf16)
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline float vreduce_max(vf v) { return _mm512_reduce_max_ps(v); }
 static inline float vreduce_add(vf v) { return _mm512_reduce_add_ps(v); }
-static inline void vsum4(float four[4], vf a, vf b, vf c, vf d) { _mm_storeu_ps(four, sum4(a, b, c, d)); }
-/* v's first n lanes (all where n >= VL), the rest fill. */
-static inline vf vfill_after(vf v, int n, float fill) {
-    return n >= 16 ? v : _mm512_mask_blend_ps((__mmask16)((1u << n) - 1), _mm512_set1_ps(fill), v);
-}
 /* v's lanes lo .. hi - 1 (those of them in 0 .. VL - 1), the rest fill. */
 static inline vf vkeep_range(vf v, int lo, int hi, float fill) {
     if (lo <= 0 && hi >= 16) return v;
@@ -218,18 +200,6 @@ static inline float vreduce_add(vf v) {
     __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_add_ps(m, _mm_movehl_ps(m, m));
     return _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-
-/* The sums of a, b, c and d's eight lanes: pairwise within each 128-bit lane, then across the two. */
-static inline void vsum4(float four[4], vf a, vf b, vf c, vf d) {
-    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    _mm_storeu_ps(four, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
-}
-
-static inline vf vfill_after(vf v, int n, float fill) {
-    if (n >= 8) return v;
-    const __m256 keep = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)n), _CMP_LT_OQ);
-    return _mm256_blendv_ps(_mm256_set1_ps(fill), v, keep);
 }
 
 static inline vf vkeep_range(vf v, int lo, int hi, float fill) {
