@@ -98,6 +98,18 @@ def test_the_mask_is_what_the_matcher_allows(worker: Worker) -> None:
     assert {int(t) for t in torch.nonzero(masked[1] == 0).flatten()} == allowed
 
 
+def test_rows_filled_together_get_the_masks_each_gets_alone(worker: Worker) -> None:
+    """Several healthy rows are filled by llguidance's thread pool in one call (the pointer, row
+    stride and count Sluice passes it), one row by its own matcher: the same bits."""
+    engine = GrammarEngine(worker.info.tokenizer_json, worker.info.vocab_size, worker.info.eos_token_ids)
+    grammars = [("choice", ["yes", "no"]), ("choice", ["maybe"]), ("json", {"type": "integer"})]
+    states = [engine.start(llguidance.grammar_from(kind, json.dumps(spec)), []) for kind, spec in grammars]
+    together = engine.masks(states)
+    alone = torch.cat([engine.masks([state]) for state in states])
+    assert together.shape == alone.shape and torch.equal(together, alone)
+    assert len({bytes(row.numpy()) for row in together}) == 3  # three different masks, not one copied
+
+
 def _masked_by_a_full_boolean_tensor(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
     """What the sampler did before masking in place: every mask expanded to a boolean per token,
     the logits copied, the constrained rows gathered and written back."""
