@@ -21,7 +21,7 @@ from worker.gguf.file import GGUFFile
 from worker.kernels import cpu as cpu_kernels
 from worker.model.layers import Linear
 from worker.model.llama import LlamaForCausalLM, _unfused
-from worker.model.quantized import QuantizedWeight
+from worker.model.quantized import QuantizedWeight, read_now
 from worker.model.sharding import ShardLayout, take_quantized
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 4, 4, 2
@@ -139,9 +139,11 @@ def test_a_tensor_parallel_rank_reads_exactly_its_slice_of_each_tensor(model_fil
     cfg = checkpoint.config
     with torch.device("meta"):
         expected = LlamaForCausalLM(cfg, 1).checkpoint_shapes()
-    whole = checkpoint.weights(expected, torch.float32, torch.device("cpu"), None, keep_quantized)
+    read = checkpoint.weights(expected, torch.float32, torch.device("cpu"), None, keep_quantized)
+    whole = {name: read_now(value) for name, value in read.items()}
     layout = ShardLayout(cfg, rank, 2)
-    part = checkpoint.weights(expected, torch.float32, torch.device("cpu"), layout, keep_quantized)
+    read = checkpoint.weights(expected, torch.float32, torch.device("cpu"), layout, keep_quantized)
+    part = {name: read_now(value) for name, value in read.items()}
     assert set(part) == set(whole)
     for name, value in whole.items():
         sl = layout.slice_for(name, tuple(expected[name]))

@@ -79,8 +79,11 @@ class Worker:
                               "--block-size": str(config.block_size), "--max-model-len": str(self.max_model_len)})
             log.info("tensor parallel: %s", layout.describe())
         reader = functools.partial(gguf.weights, keep_quantized=keep_quantized) if gguf is not None else None
+        # A weight kept quantized is packed for the kernel as it is read: the load never holds
+        # every weight's unpacked codes (a byte a weight) at once.
+        pack = cpu_matmul.pack_layer if keep_quantized and self.device.type == "cpu" else None
         model = load_model(source, cfg, dtype, self.device, max_positions=self.max_model_len, weights=reader,
-                           layout=layout)
+                           layout=layout, pack=pack)
         return_freed_memory()  # the checkpoint's separate parts, now fused
         self.num_params, weight_bytes = model.size()
         quantization = model.quantized_formats()

@@ -27,12 +27,12 @@ from gguf import GGML_QUANT_SIZES
 from tokenizers import Tokenizer
 
 from worker.gguf.file import GGUFFile, GGUFFormatError, GGUFTensor
-from worker.gguf.quants import KEPT_BITS, UnsupportedTensorType, block_codes, dequantize
+from worker.gguf.quants import KEPT_BITS, UnsupportedTensorType, block_codes, dequantize, reads_codes
 from worker.gguf.tokenizer import UnsupportedTokenizer, build_tokenizer
 from worker.model.config import LlamaConfig, ModelLoadError
 from worker.model.families import GGUF_ARCHITECTURES, family_of
 from worker.model.families.base import GGUFView
-from worker.model.quantized import QuantizedWeight
+from worker.model.quantized import CheckpointValue, PendingQuantized, QuantizedWeight
 from worker.model.sharding import ShardLayout, Slice, pad, take_quantized
 
 log = logging.getLogger("sluice.worker")
@@ -181,15 +181,16 @@ class GGUFCheckpoint:
         return sorted(counts, key=lambda name: -counts[name])
 
     def weights(self, expected: dict[str, torch.Size], dtype: torch.dtype, device: torch.device,
-                layout: ShardLayout | None = None, keep_quantized: bool = False) -> dict[str, torch.Tensor | QuantizedWeight]:
+                layout: ShardLayout | None = None, keep_quantized: bool = False) -> dict[str, CheckpointValue]:
         """Every tensor under its model name, dequantized and cast to ``dtype`` on ``device``; with
         ``keep_quantized``, matrices in a type ``block_codes`` reads stay quantized instead
-        (``QuantizedWeight``: the model keeps the linear ones so and dequantizes the rest); the
+        (``PendingQuantized``, read when the model takes it: it keeps the linear ones quantized
+        and dequantizes the rest); the
         matrices of any other type are dequantized, said once in the log per type. With a
         tensor-parallel ``layout``, this rank's part of each tensor, read from its own blocks
         (``_part``)."""
         cfg = self.config
-        state: dict[str, torch.Tensor | QuantizedWeight] = {}
+        state: dict[str, CheckpointValue] = {}
         dequantized: dict[str, int] = {}
         for name, target, t in self._named_tensors():
             want = tuple(expected.get(target, ()))
@@ -207,17 +208,8 @@ class GGUFCheckpoint:
                     cfg.num_kv_heads if name.endswith("attn_k.weight") else None
             if heads is not None:
                 heads = shape[0] // (t.shape[0] // heads)
-            codes = block_codes(data, t.qtype, shape) if keep_quantized else None
-            if codes is not None:
-                if heads is not None:
-                    codes = codes.rows(_unpermute(torch.arange(shape[0]).unsqueeze(1), heads).squeeze(1))
-                if after is not None:
-                    codes = take_quantized(codes, after)
-                elif sl is not None and sl.dim == 0:
-                    codes = codes.pad_rows(sl.size)
-                state[target] = codes
-                self.kept_bytes += data.nbytes
-                self.file.release(t)
+            if keep_quantized and reads_codes(t.qtype, shape):  # read when the model takes it
+                state[target] = PendingQuantized(functools.partial(self._quantized, t, data, shape, heads, after, sl))
                 continue
             if keep_quantized and len(t.shape) == 2 and t.qtype.name not in ("F32", "F16", "BF16"):
                 dequantized[t.qtype.name] = dequantized.get(t.qtype.name, 0) + 1
@@ -239,6 +231,22 @@ class GGUFCheckpoint:
             log.info("%d %s matrices are served dequantized to %s: the quantized kernel reads %s", count, qtype,
                      str(dtype).removeprefix("torch."), ", ".join(t.name for t in KEPT_BITS))
         return state
+
+    def _quantized(self, t: GGUFTensor, data: np.ndarray, shape: tuple[int, ...], heads: int | None,
+                   after: Slice | None, sl: Slice | None) -> QuantizedWeight:
+        """``weights``' quantized tensor, read: its blocks' codes and factors, q/k rows un-permuted
+        within each head, this rank's slice taken or padded."""
+        codes = block_codes(data, t.qtype, shape)
+        assert codes is not None
+        if heads is not None:
+            codes = codes.rows(_unpermute(torch.arange(shape[0]).unsqueeze(1), heads).squeeze(1))
+        if after is not None:
+            codes = take_quantized(codes, after)
+        elif sl is not None and sl.dim == 0:
+            codes = codes.pad_rows(sl.size)
+        self.kept_bytes += data.nbytes
+        self.file.release(t)
+        return codes
 
     # ------------------------------------------------------------------ tokenizer
 

@@ -123,11 +123,11 @@ def quantized_bytes(model: nn.Module) -> int:
 def prepare(model: nn.Module, dtype: torch.dtype) -> str:
     """Put a CPU model's linear layers on their fast path for ``dtype``; returns which."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    # the formats, not the weights: each unpacked weight is freed as soon as it is packed
-    formats = ", ".join(dict.fromkeys(f for m in linears if m.quantized is not None for f in m.quantized.formats))
-    kept = sum(m.quantized is not None for m in linears)
+    # weights kept quantized may be packed already, as the load read them (load_model's pack)
+    formats = ", ".join(dict.fromkeys(f for m in linears for f in m.kept_formats))
+    kept = sum(bool(m.kept_formats) for m in linears)
     for layer in linears:
-        if layer.quantized is not None or dtype in (torch.float32, torch.bfloat16):
+        if layer.packed is None and (layer.quantized is not None or dtype in (torch.float32, torch.bfloat16)):
             pack_layer(layer)
     if kept:
         dense = len(linears) - kept

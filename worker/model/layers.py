@@ -41,6 +41,15 @@ class Linear(nn.Module):
         # kernel (cpu_matmul.pack_layer), then ``quant_format`` says how the records store it.
         self.quantized: QuantizedWeight | None = None
         self.quant_format: PackedFormat | None = None
+        # What a weight kept quantized is, known before and after packing: its GGUF types, and
+        # its parameters and bytes as the kernel stores them.
+        self.kept_formats: tuple[str, ...] = ()
+        self.kept_size = (0, 0)
+
+    def keep_quantized(self, q: QuantizedWeight) -> None:
+        """Hold ``q`` as the weight, until it is packed (``cpu_matmul.pack_layer``)."""
+        self.quantized = q
+        self.kept_formats, self.kept_size = q.formats, (q.codes.numel(), q.nbytes)
 
     def dense_weight(self) -> torch.Tensor:
         """The weight [out, in] as a checkpoint holds it, unpacked if need be (a quantized one

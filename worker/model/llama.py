@@ -24,7 +24,7 @@ from worker.attention.base import AttentionMetadata, DecodeRows
 from worker.kernels import cpu as cpu_kernels
 from worker.model.config import LlamaConfig
 from worker.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, StepRope
-from worker.model.quantized import QuantizedWeight
+from worker.model.quantized import CheckpointValue, PendingQuantized, QuantizedWeight, read_now
 
 if TYPE_CHECKING:
     from worker.parallel import TensorParallelGroup
@@ -286,32 +286,37 @@ class LlamaForCausalLM(nn.Module):
                 shapes |= {part: torch.Size((rows, *p.shape[1:])) for part, rows in parts}
         return shapes
 
-    def load_checkpoint(self, state: dict[str, torch.Tensor | QuantizedWeight], dtype: torch.dtype) -> None:
+    def load_checkpoint(self, state: dict[str, CheckpointValue], dtype: torch.dtype,
+                        pack: Callable[[Linear], None] | None = None) -> None:
         """Take a checkpoint's tensors (``checkpoint_shapes``' names, all present) as parameters.
 
-        A linear weight whose parts are all ``QuantizedWeight``s stays quantized (``Linear.
-        quantized``; its parameter an empty ``dtype`` tensor; its parts are removed from ``state``
-        once stacked, so a model's load never holds both), and an embedding tied to such an
-        output projection looks its rows up there. Any other quantized tensor is dequantized to
-        ``dtype``."""
+        A linear weight whose parts are all quantized stays quantized (``Linear.keep_quantized``;
+        its parameter an empty ``dtype`` tensor; its parts are removed from ``state`` once
+        stacked, so a model's load never holds both), handed to ``pack`` at once if given (with
+        ``PendingQuantized`` parts, the load then holds one weight's codes at a time), and an
+        embedding tied to such an output projection looks its rows up there. Any other quantized
+        tensor is dequantized to ``dtype``."""
         linears = {f"{name}.weight": m for name, m in self.named_modules() if isinstance(m, Linear)}
         fused: dict[str, torch.Tensor] = {}
         kept: dict[str, nn.Module] = {}  # parameters held elsewhere: name -> module
         embed = state.get("model.embed_tokens.weight")
-        if isinstance(embed, QuantizedWeight) and state.get("lm_head.weight") is embed:
+        if isinstance(embed, (QuantizedWeight, PendingQuantized)) and state.get("lm_head.weight") is embed:
             self.model.embed_tokens.tied_rows = self.lm_head.weight_rows
             kept["model.embed_tokens.weight"] = self.model.embed_tokens
         for name, _ in self.named_parameters():
             if name in kept:
                 continue
             parts = _unfused(name, self.config)
-            values = [state[name]] if parts is None else [state[part] for part, _ in parts]
+            values = [read_now(state[name])] if parts is None else [read_now(state[part]) for part, _ in parts]
             if name in linears and all(isinstance(v, QuantizedWeight) for v in values):
-                linears[name].quantized = QuantizedWeight.cat(cast(list[QuantizedWeight], values))
+                linears[name].keep_quantized(QuantizedWeight.cat(cast(list[QuantizedWeight], values)))
+                del values
                 kept[name] = linears[name]
                 if parts is not None:  # the parts are copied into the fused weight: let them go now
                     for part, _ in parts:
                         del state[part]
+                if pack is not None:
+                    pack(linears[name])
                 continue
             dense = [v.dequantize().to(dtype) if isinstance(v, QuantizedWeight) else v for v in values]
             fused[name] = dense[0] if parts is None else torch.cat(dense)
@@ -326,16 +331,14 @@ class LlamaForCausalLM(nn.Module):
         unique = {p.data_ptr(): p for p in self.parameters() if p.numel()}.values()
         params, nbytes = sum(p.numel() for p in unique), sum(p.numel() * p.element_size() for p in unique)
         for m in self.modules():
-            if isinstance(m, Linear) and m.quantized is not None:
-                q = m.quantized
-                params += q.codes.numel()
-                nbytes += q.nbytes
+            if isinstance(m, Linear) and m.kept_formats:
+                params += m.kept_size[0]
+                nbytes += m.kept_size[1]
         return params, nbytes
 
     def quantized_formats(self) -> str:
         """The GGUF types of the weights kept quantized ("Q4_1, Q8_0"), "" if none."""
-        kept = [m.quantized for m in self.modules() if isinstance(m, Linear) and m.quantized is not None]
-        return ", ".join(dict.fromkeys(f for q in kept for f in q.formats))
+        return ", ".join(dict.fromkeys(f for m in self.modules() if isinstance(m, Linear) for f in m.kept_formats))
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """The parameters under a checkpoint's names (views of the fused tensors; packed linear

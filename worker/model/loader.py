@@ -21,8 +21,9 @@ from worker.model import cpu_matmul
 from worker.model.config import LlamaConfig, ModelLoadError
 from worker.model.families import family_of
 from worker.model.families.base import same_name
+from worker.model.layers import Linear
 from worker.model.llama import LlamaForCausalLM
-from worker.model.quantized import QuantizedWeight
+from worker.model.quantized import CheckpointValue
 from worker.model.sharding import ShardLayout, pad
 from worker.model.tiny import materialize_tiny
 
@@ -206,20 +207,21 @@ def _read_weights(files: list[Path], expected: dict[str, torch.Size], dtype: tor
 
 
 WeightReader = Callable[[dict[str, torch.Size], torch.dtype, torch.device, ShardLayout | None],
-                        dict[str, torch.Tensor | QuantizedWeight]]
+                        dict[str, CheckpointValue]]
 
 
 def load_model(model_dir: Path, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device,
                max_positions: int, weights: WeightReader | None = None,
-               layout: ShardLayout | None = None) -> LlamaForCausalLM:
+               layout: ShardLayout | None = None, pack: Callable[[Linear], None] | None = None) -> LlamaForCausalLM:
     """The model of ``model_dir`` with its weights, cast to ``dtype`` on ``device``, in eval mode.
     ``weights`` reads them from another source (a GGUF file) instead of safetensors. With a
-    tensor-parallel ``layout``, this rank's part of the model (``worker.model.sharding``)."""
+    tensor-parallel ``layout``, this rank's part of the model (``worker.model.sharding``). A
+    linear weight kept quantized is handed to ``pack`` as soon as it is read."""
     with torch.device("meta"):
         model = LlamaForCausalLM(layout.local_config() if layout is not None else cfg, max_positions)
         # The whole model's shapes, to check the checkpoint against before slicing it.
         expected = (LlamaForCausalLM(cfg, 1) if layout is not None else model).checkpoint_shapes()
-    state: dict[str, torch.Tensor | QuantizedWeight]
+    state: dict[str, CheckpointValue]
     if weights is None:
         state = dict(_read_weights(weight_files(model_dir), expected, dtype, device, layout,
                                    family_of(cfg.architecture).checkpoint_name))
@@ -231,7 +233,7 @@ def load_model(model_dir: Path, cfg: LlamaConfig, dtype: torch.dtype, device: to
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelLoadError(f"{model_dir}: weights missing: {', '.join(missing[:3])}{more}")
-    model.load_checkpoint(state, dtype)
+    model.load_checkpoint(state, dtype, pack)
     del state  # the fused weights are copies: let the separate ones go before another copy
     model.rotary.to(device)  # computed tables, not weights
     return model.eval()
