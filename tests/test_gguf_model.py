@@ -4,6 +4,7 @@ layer, q/k permuted as llama.cpp's converter permutes them — loads to exactly 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from worker.gguf.file import GGUFFile
 from worker.kernels import cpu as cpu_kernels
 from worker.model.layers import Linear
 from worker.model.llama import LlamaForCausalLM, _unfused
+from worker.model.loader import load_model
 from worker.model.quantized import QuantizedWeight, read_now
 from worker.model.sharding import ShardLayout, take_quantized
 
@@ -126,6 +128,26 @@ def test_quantized_linears_stay_quantized_with_the_files_exact_weights(model_fil
         parts = _unfused(f"{name}.weight", model.config) or [(f"{name}.weight", 0)]
         for part, _ in parts:
             assert torch.equal(ours[part], theirs[part]), part
+
+
+def test_a_quantized_load_holds_one_weights_codes_at_a_time(model_file: Path) -> None:
+    """Each kept weight is read when the model takes it and packed at once: when a weight reaches
+    the packer, no other weight's unpacked codes are alive (before, the reader built every
+    weight's codes, a byte a weight, before the first was packed: 19 alive here)."""
+    import gc
+
+    checkpoint = GGUFCheckpoint(model_file)
+    cfg = checkpoint.config
+    alive: list[int] = []
+
+    def pack(layer: Linear) -> None:
+        gc.collect()
+        alive.append(sum(type(o) is QuantizedWeight for o in gc.get_objects()))
+        layer.quantized = None
+
+    load_model(model_file, cfg, torch.float32, torch.device("cpu"), 64,
+               weights=functools.partial(checkpoint.weights, keep_quantized=True), pack=pack)
+    assert len(alive) >= 3 and max(alive) == 1, alive
 
 
 @pytest.mark.parametrize("rank", [0, 1])
