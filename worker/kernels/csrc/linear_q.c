@@ -403,7 +403,6 @@ static inline __attribute__((always_inline)) void qblock(const int8_t *codes, co
             load_factors(w, f, header, 0, half, &scale, &min);
             if (parts == 2) load_factors(w, f, header, 1, half, &scale_hi, &min_hi);
             else scale_hi = scale, min_hi = min;
-#pragma GCC unroll 8
             for (int r = 0; r < rows; r++) {
                 const int64_t row = r0 + r;
                 __m256i lo, hi;
