@@ -52,7 +52,7 @@ results = {"instructions": (cpu.quantized_instructions(lib), cpu.linear_instruct
 for i, qtype in enumerate(FORMS):
     packed, fmt = quant_records.pack(_weight(qtype, 70, 512, seed=i))
     for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(11, 512, generator=torch.Generator().manual_seed(i)).to(dtype)
+        x = torch.randn(75, 512, generator=torch.Generator().manual_seed(i)).to(dtype)
         bias = torch.linspace(-1, 1, 70).to(dtype)
         results[(str(qtype), str(dtype))] = cpu.linear_q(lib, x, packed, bias, 70, fmt)
 gen = torch.Generator().manual_seed(0)

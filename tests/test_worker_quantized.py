@@ -137,6 +137,20 @@ def test_kernel_matches_both_references_and_is_batch_invariant(qtype: Q | None, 
     assert torch.equal(cpu_kernels.linear_q(LIB, x[5:], packed, bias, out, fmt), y[5:])
 
 
+@needs_kernel
+def test_a_long_prompts_rows_get_their_bits_in_every_chunk() -> None:
+    """The kernel takes a long prompt's rows 64 at a time (a chunk's activations stay in cache):
+    rows on either side of a chunk's edge, and in the last, short chunk, get what they get alone."""
+    assert LIB is not None
+    out, in_features = 40, 256
+    packed, fmt = quant_records.pack(_weight(Q.Q4_1, out, in_features, seed=3))
+    x = torch.randn(150, in_features, generator=torch.Generator().manual_seed(5))
+    y = cpu_kernels.linear_q(LIB, x, packed, None, out, fmt)
+    for r in (0, 63, 64, 127, 128, 149):
+        assert torch.equal(cpu_kernels.linear_q(LIB, x[r : r + 1], packed, None, out, fmt)[0], y[r])
+    assert torch.equal(cpu_kernels.linear_q(LIB, x[61:], packed, None, out, fmt), y[61:])
+
+
 def test_named_dtypes_say_what_they_cost_at_start_up() -> None:
     from worker import cpu_isa
     from worker.engine import dtype_caveats

@@ -284,6 +284,13 @@ static inline __attribute__((always_inline)) void unpack_codes(const uint8_t *w,
     }
 }
 
+/* The row's codes of inputs 4 g .. 4 g + 3 in every 32-bit lane: one broadcast from where they lie. */
+static inline __m256i four_codes(const int8_t *q, int g) {
+    int32_t v;
+    memcpy(&v, q + 4 * g, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
 /* 8 outputs' integer sums over one block for one row: lo over the groups the VNNI kernel sums in
  * its lo chain, hi over the others (the order is immaterial: integer sums are exact). width: 4
  * for codes below 32, 6 below 64, 8 for bytes. Codes below 64 go straight to vpmaddubsw, whose
@@ -293,8 +300,6 @@ static inline __attribute__((always_inline)) void unpack_codes(const uint8_t *w,
 static inline __attribute__((always_inline)) void block_sums(const __m256i *c, const int8_t *q, int32_t first,
                                                              int32_t second, const int width, const int parts,
                                                              __m256i *lo, __m256i *hi) {
-    int32_t group[8];
-    memcpy(group, q, sizeof group);
     const __m256i ones = _mm256_set1_epi16(1);
     if (width < 8) {
         const int per_sum = width == 6 ? 2 : 4; /* groups summed in 16 bits before widening */
@@ -304,7 +309,7 @@ static inline __attribute__((always_inline)) void block_sums(const __m256i *c, c
                 __m256i pairs = _mm256_setzero_si256();
                 for (int n = start; n < start + per_sum; n++) {
                     const int g = parts == 2 ? 4 * ch + n : 2 * n + ch;
-                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(c[g], _mm256_set1_epi32(group[g])));
+                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(c[g], four_codes(q, g)));
                 }
                 chain[ch] = _mm256_add_epi32(chain[ch], _mm256_madd_epi16(pairs, ones));
             }
@@ -315,7 +320,7 @@ static inline __attribute__((always_inline)) void block_sums(const __m256i *c, c
     *lo = _mm256_setzero_si256();
     *hi = _mm256_setzero_si256();
     for (int g = 0; g < 8; g++) {
-        const __m256i acts = _mm256_set1_epi32(group[g]);
+        const __m256i acts = four_codes(q, g);
         const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c[g]), _mm256_sign_epi8(acts, c[g])),
                                               ones);
         const int in_lo = parts == 2 ? g < 4 : g % 2 == 0;
@@ -437,30 +442,42 @@ static inline __attribute__((always_inline)) void qblock(const int8_t *codes, co
 #endif
 
 #if QUANTIZED_ISA
-/* The 16-output blocks split among the threads, each over all rows: PASS_ROWS rows a pass, then
- * the last few, each count compiled with its own constant. */
+#ifndef ROW_CHUNK
+#define ROW_CHUNK 64
+#endif
+
+/* The 16-output blocks split among the threads, ROW_CHUNK rows at a time (so that a chunk's
+ * activations and a thread's share of the weight stay in its L2 cache: all 4,096 rows of a long
+ * prompt at once streamed the activations from memory for every block, at half the speed), each
+ * chunk PASS_ROWS rows a pass, then the last few, each count compiled with its own constant. A
+ * thread takes the same blocks in every chunk (a static schedule of the same loop) and only reads
+ * what the quantization wrote before its barrier: the chunks need none between them. */
 static inline __attribute__((always_inline)) void qblocks_rows(const int8_t *codes, const float *dx, const float *s,
                                                                const int32_t *sums_int, const uint8_t *packed,
                                                                const qformat f, const void *bias, void *y,
                                                                int num_rows, int out, int in, const int parts,
                                                                const int width, int bf16) {
     const int out_blocks = (out + 15) / 16;
-#pragma omp for schedule(static)
-    for (int ob = 0; ob < out_blocks; ob++) {
-        int r0 = 0;
-        for (; r0 + PASS_ROWS <= num_rows; r0 += PASS_ROWS)
-            qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, PASS_ROWS, ob, out, in, parts, width, bf16);
-        switch (num_rows - r0) { /* below PASS_ROWS: 7 at most */
-            case 7: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 7, ob, out, in, parts, width, bf16); break;
-            case 6: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 6, ob, out, in, parts, width, bf16); break;
-            case 5: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 5, ob, out, in, parts, width, bf16); break;
-            case 4: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 4, ob, out, in, parts, width, bf16); break;
-            case 3: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 3, ob, out, in, parts, width, bf16); break;
-            case 2: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 2, ob, out, in, parts, width, bf16); break;
-            case 1: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 1, ob, out, in, parts, width, bf16); break;
-            default: break;
+    for (int chunk = 0; chunk < num_rows; chunk += ROW_CHUNK) {
+        const int chunk_end = num_rows - chunk > ROW_CHUNK ? chunk + ROW_CHUNK : num_rows;
+#pragma omp for schedule(static) nowait
+        for (int ob = 0; ob < out_blocks; ob++) {
+            int r0 = chunk;
+            for (; r0 + PASS_ROWS <= chunk_end; r0 += PASS_ROWS)
+                qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, PASS_ROWS, ob, out, in, parts, width, bf16);
+            switch (chunk_end - r0) { /* below PASS_ROWS: 7 at most */
+                case 7: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 7, ob, out, in, parts, width, bf16); break;
+                case 6: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 6, ob, out, in, parts, width, bf16); break;
+                case 5: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 5, ob, out, in, parts, width, bf16); break;
+                case 4: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 4, ob, out, in, parts, width, bf16); break;
+                case 3: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 3, ob, out, in, parts, width, bf16); break;
+                case 2: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 2, ob, out, in, parts, width, bf16); break;
+                case 1: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 1, ob, out, in, parts, width, bf16); break;
+                default: break;
+            }
         }
     }
+#pragma omp barrier
 }
 #endif
 
