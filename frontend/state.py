@@ -14,6 +14,7 @@ from frontend.responses_store import ResponseStore
 from frontend.structured import GrammarValidator
 from frontend.tokenizer import ModelTokenizer
 from protocol.config import FrontendConfig
+from protocol.heap import return_freed_memory
 from protocol.messages import ModelInfo
 
 
@@ -53,6 +54,7 @@ class AppState:
         model = self.require_model()
         if self._tokenizer is None or self._tokenizer.info is not model:
             self._tokenizer = ModelTokenizer(model)
+            return_freed_memory()  # what parsing the tokenizer's JSON freed
         return self._tokenizer
 
     def splits_reasoning(self, tokenizer: ModelTokenizer) -> bool:

@@ -13,12 +13,12 @@ import msgspec
 import torch
 
 from protocol.config import WorkerConfig
+from protocol.heap import return_freed_memory
 from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
 from worker import cpu_isa
 from worker.attention import SdpaBackend
 from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.gpu_memory import cuda_kv_blocks
-from worker.heap import return_freed_memory
 from worker.kernels import cpu as cpu_kernels
 from worker.kv_cache import KVCache, bytes_per_block, num_blocks_for, sizing_reason
 from worker.model import cpu_matmul
@@ -193,6 +193,7 @@ class Worker:
         # (they were 2% of a one-row decode step's profile).
         gc.collect()
         gc.freeze()
+        return_freed_memory()  # what building the model's description, its tokenizer and the warm-up freed
 
 
 def dtype_caveats(flag: str, dtype: torch.dtype, device: torch.device, quantized_types: list[str]) -> list[str]:

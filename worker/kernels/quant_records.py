@@ -70,6 +70,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+# Output blocks packed at a time: the temporaries (codes regrouped, nibbles, bit planes) are then
+# a slice's, not the whole weight's (for SmolLM2's tied 49,152-row Q8_0 embedding, 28 MiB each,
+# and the worker's load peaked there).
+PACK_SLICE = 256
+
+
 def pack(w: QuantizedWeight) -> tuple[torch.Tensor, PackedFormat]:
     """``w`` as records, one uint8 tensor [output blocks of 16, bytes], the last outputs padded
     with zeros; and the format to read them by."""
@@ -78,6 +84,16 @@ def pack(w: QuantizedWeight) -> tuple[torch.Tensor, PackedFormat]:
     blocks = in_features // BLOCK
     w = w.pad_rows(out + -out % OUTPUTS)
     ob = w.codes.shape[0] // OUTPUTS
+    packed = torch.empty((ob, blocks * fmt.record + blocks // 8 * fmt.header), dtype=torch.uint8)
+    for first in range(0, ob, PACK_SLICE):
+        rows = slice(first * OUTPUTS, (first + PACK_SLICE) * OUTPUTS)
+        packed[first : first + PACK_SLICE] = _records(w._map(lambda _, t: t[rows]), fmt)
+    return packed, fmt
+
+
+def _records(w: QuantizedWeight, fmt: PackedFormat) -> torch.Tensor:
+    """``pack``'s records of ``w``, whose rows fill whole output blocks."""
+    ob, blocks = w.codes.shape[0] // OUTPUTS, w.codes.shape[1] // BLOCK
     groups = w.codes.reshape(ob, OUTPUTS, blocks, 8, 4).permute(0, 2, 3, 1, 4)  # [ob, block, group, output, input]
     if fmt.bits == 8:
         fields = [groups.reshape(ob, blocks, 512)]
@@ -107,7 +123,7 @@ def pack(w: QuantizedWeight) -> tuple[torch.Tensor, PackedFormat]:
         supers = [t for t in (w.super_scales, w.super_mins) if t is not None]
         header = torch.cat([_bytes(t.reshape(ob, OUTPUTS, -1).transpose(1, 2)) for t in supers], dim=2)
         records = torch.cat([header, records.reshape(ob, blocks // 8, -1)], dim=2)
-    return records.reshape(ob, -1).contiguous(), fmt
+    return records.reshape(ob, -1)
 
 
 def unpack(packed: torch.Tensor, fmt: PackedFormat, out_features: int,

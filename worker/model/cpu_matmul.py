@@ -39,8 +39,8 @@ import dataclasses
 import torch
 from torch import nn
 
+from protocol.heap import return_freed_memory
 from worker import cpu_isa
-from worker.heap import return_freed_memory
 from worker.kernels import cpu as cpu_kernels
 from worker.kernels import quant_records
 from worker.model.layers import Linear
