@@ -86,8 +86,7 @@ def pack(w: QuantizedWeight) -> tuple[torch.Tensor, PackedFormat]:
     ob = w.codes.shape[0] // OUTPUTS
     packed = torch.empty((ob, blocks * fmt.record + blocks // 8 * fmt.header), dtype=torch.uint8)
     for first in range(0, ob, PACK_SLICE):
-        rows = slice(first * OUTPUTS, (first + PACK_SLICE) * OUTPUTS)
-        packed[first : first + PACK_SLICE] = _records(w._map(lambda _, t: t[rows]), fmt)
+        packed[first : first + PACK_SLICE] = _records(w.row_range(first * OUTPUTS, (first + PACK_SLICE) * OUTPUTS), fmt)
     return packed, fmt
 
 

@@ -92,6 +92,10 @@ class QuantizedWeight:
         """The rows in ``order`` (a permutation or a selection of output rows)."""
         return self._map(lambda _, t: t[order])
 
+    def row_range(self, start: int, stop: int) -> QuantizedWeight:
+        """Rows ``start`` .. ``stop`` - 1, as views."""
+        return self._map(lambda _, t: t[start:stop])
+
     def pad_rows(self, rows: int) -> QuantizedWeight:
         """Zero rows appended up to ``rows`` (codes and factors all zero: weight 0)."""
         missing = rows - self.codes.shape[0]
