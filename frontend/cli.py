@@ -101,6 +101,10 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
         p.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda and on CPUs with AVX512-BF16 or AMX, "
                        "else float32: from the hardware, never a timing; a quantized GGUF file stays quantized on "
                        "CPUs with AVX-512 VNNI or AVX2), float32, bfloat16, float16 (dequantizing a quantized file)")
+        p.add_argument("--kv-cache-dtype", default="auto",
+                       help="auto (the model's dtype), float32 or bfloat16: a float32 model on a CPU keeps its "
+                            "cache in bfloat16 at half the memory (keys and values rounded to bfloat16 as they "
+                            "are written; attention still computes in float32)")
         p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         p.add_argument("--num-kv-blocks", type=int, default=None,
                        help="KV blocks in the cache (default: sized from --kv-cache-memory)" + SAYS_DEFAULT)

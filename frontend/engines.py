@@ -50,8 +50,8 @@ RATIOS = ("kv_usage", "device_idle_ratio")  # averaged over engines; every other
 
 def same_model(a: ModelInfo, b: ModelInfo) -> bool:
     """Whether two engines serve the same model as far as a client can tell."""
-    return (a.name, a.vocab_size, a.max_model_len, a.tokenizer_json, a.dtype, a.quantization) == \
-        (b.name, b.vocab_size, b.max_model_len, b.tokenizer_json, b.dtype, b.quantization)
+    return (a.name, a.vocab_size, a.max_model_len, a.tokenizer_json, a.dtype, a.quantization, a.kv_cache_dtype) == \
+        (b.name, b.vocab_size, b.max_model_len, b.tokenizer_json, b.dtype, b.quantization, b.kv_cache_dtype)
 
 
 class EngineGroup:

@@ -384,5 +384,6 @@ async def list_models(request: Request) -> Response:
     if model is not None:
         data.append({"id": state.model_name, "object": "model", "created": state.started,
                      "owned_by": "sluice", "max_model_len": model.max_model_len, "dtype": model.dtype,
-                     "quantization": model.quantization or None})
+                     "quantization": model.quantization or None,
+                     "kv_cache_dtype": model.kv_cache_dtype or model.dtype})
     return Response(_json.encode({"object": "list", "data": data}), media_type="application/json")

@@ -121,6 +121,7 @@ class WorkerConfig:
     model: str = "smollm2"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory
     kv_cache_memory: str = "auto"  # bytes, or "2GiB"-style; auto: a share of free memory
@@ -169,6 +170,8 @@ class WorkerConfig:
             raise ConfigError("--generation-config must be auto or none")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError("--dtype must be auto, float32, bfloat16 or float16")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError("--kv-cache-dtype must be auto (the model's dtype), float32 or bfloat16")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("--device must be auto, cpu, cuda or cuda:N")
 

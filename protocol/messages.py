@@ -305,12 +305,15 @@ class ModelInfo(msgspec.Struct, frozen=True):
     sampling_defaults_from: str = ""
     # The named-list form's ``tool_use`` template, which transformers renders when tools are given.
     tool_chat_template: str | None = None
-    # The weights' and KV cache's dtype the worker computes in ("float32", "bfloat16", ...): a
-    # restarted worker must come back in it, or its recomputed streams change precision.
+    # The weights' dtype the worker computes in ("float32", "bfloat16", ...): a restarted worker
+    # must come back in it, or its recomputed streams change precision.
     dtype: str = ""
     # The GGUF types of the weights kept quantized ("Q4_1, Q8_0"), "" where every weight is in
-    # ``dtype``; activations and the KV cache are in ``dtype`` either way.
+    # ``dtype``; activations are in ``dtype`` either way.
     quantization: str = ""
+    # The KV cache's dtype where it is not ``dtype`` (--kv-cache-dtype bfloat16 under a float32
+    # model), else "".
+    kv_cache_dtype: str = ""
     # The worker ranks that hold the model between them (tensor parallelism): the scheduler
     # serves once that many have announced themselves.
     tensor_parallel_size: int = 1

@@ -67,8 +67,9 @@ class WorkerEvents:
             return  # more ranks to come
         core = self.core
         same_engine = self.model is not None and (
-            info.num_kv_blocks, info.block_size, info.dtype, info.quantization) == (
-            self.model.num_kv_blocks, self.model.block_size, self.model.dtype, self.model.quantization)
+            info.num_kv_blocks, info.block_size, info.dtype, info.quantization, info.kv_cache_dtype) == (
+            self.model.num_kv_blocks, self.model.block_size, self.model.dtype, self.model.quantization,
+            self.model.kv_cache_dtype)
         if core is not None and core.requests and same_engine:
             # A worker came back (or announced itself again) with an empty state: every live
             # request is recomputed from its prompt and the tokens it has streamed.

@@ -48,16 +48,19 @@ def test_the_whole_stack_decoder_gives_the_per_operator_forwards_bits(checkpoint
     dtypes = _dtypes()
     if not dtypes:
         pytest.skip("no packed linear kernel on this CPU (AVX-512), or no C compiler")
-    for dtype in dtypes:
-        name = str(dtype).removeprefix("torch.")
-        worker = Worker(WorkerConfig(model=str(checkpoints[arch]), dtype=name, num_kv_blocks=64, block_size=BS,
+    # and a float32 model over a bfloat16 cache (--kv-cache-dtype bfloat16)
+    cases = [(dtype, "auto") for dtype in dtypes] + [(torch.float32, "bfloat16")] * (torch.float32 in dtypes)
+    for dtype, kv_cache_dtype in cases:
+        name = str(dtype).removeprefix("torch.") + ("" if kv_cache_dtype == "auto" else f", {kv_cache_dtype} cache")
+        worker = Worker(WorkerConfig(model=str(checkpoints[arch]), dtype=str(dtype).removeprefix("torch."),
+                                     kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64, block_size=BS,
                                      log_level="warning"))
         runner, model = worker.runner, worker.runner.model
         assert model.cpu_decoder is not None, f"{arch} {name}: the whole-stack decoder does not run"
         cache = runner.cache
         gen = torch.Generator().manual_seed(rows)
         for layer in (*cache.keys, *cache.values):  # an earlier context, finite values in every slot
-            layer.copy_(torch.randn(layer.shape, generator=gen).to(dtype))
+            layer.copy_(torch.randn(layer.shape, generator=gen).to(layer.dtype))
         rng = random.Random(rows)
         blocks = list(range(1, cache.num_blocks))
         rng.shuffle(blocks)
@@ -84,6 +87,7 @@ def test_the_whole_stack_decoder_gives_the_per_operator_forwards_bits(checkpoint
         for got, want in zip(fused_cache, (*cache.keys, *cache.values), strict=True):
             assert torch.equal(got, want), f"{arch} {name}: the cache differs"
         assert not torch.equal(fused_cache[0], before[0])  # the step wrote its keys
+        assert cache.dtype == (torch.bfloat16 if kv_cache_dtype == "bfloat16" else dtype)
 
 
 def test_the_per_operator_rotation_is_torchs(checkpoints: dict[str, Path]) -> None:

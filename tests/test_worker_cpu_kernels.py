@@ -18,20 +18,20 @@ kernel = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler: the kernel cannot be built here")
 
 
-def _fill(cache: KVCache, keys: torch.Tensor, values: torch.Tensor) -> None:
+def _fill(cache: KVCache, keys: torch.Tensor, values: torch.Tensor, query_dtype: torch.dtype | None = None) -> None:
     """Natural [blocks, block_size, kv heads, dim] keys and values into a cache the kernels read, in
-    its layout (keys by dim, or bfloat16 in the pairs layout)."""
+    its layout for queries of ``query_dtype`` (keys by dim, or bfloat16 in the pairs layout)."""
     layer = cache.keys[0]
-    keys, values = cpu_kernels.kernel_layout(keys, values, cpu_kernels.kv_layout(kernel, layer.dtype, layer.shape[-1],
-                                                                                 cache.block_size))
+    layout = cpu_kernels.kv_layout(kernel, layer.dtype, layer.shape[-1], cache.block_size, query_dtype)
+    keys, values = cpu_kernels.kernel_layout(keys, values, layout)
     cache.keys[0].copy_(keys)
     cache.values[0].copy_(values)
 
 
-def _natural(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+def _natural(cache: KVCache, query_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What a cache the kernels wrote holds, in the natural layout."""
     layer = cache.keys[0]
-    layout = cpu_kernels.kv_layout(kernel, layer.dtype, layer.shape[-1], cache.block_size)
+    layout = cpu_kernels.kv_layout(kernel, layer.dtype, layer.shape[-1], cache.block_size, query_dtype)
     return cpu_kernels.natural_layout(cache.keys[0], cache.values[0], layout)
 
 
@@ -141,6 +141,58 @@ def test_mixed_steps_attend_as_the_torch_path(seed: int, window: int | None, dty
     assert torch.equal(caches[0].keys[0], keys) and torch.equal(caches[0].values[0], values)
 
 
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(("bs", "head_dim"), [(4, 24), (16, 64)])  # the plain loops, the vector path
+def test_float32_queries_over_a_bfloat16_cache_attend_as_the_torch_path(seed: int, window: int | None, bs: int,
+                                                                         head_dim: int) -> None:
+    """--kv-cache-dtype bfloat16 under a float32 model: new keys and values are rounded to
+    bfloat16 as they are written (as torch rounds), and attention over the cache is float32
+    attention over those rounded values: the torch path over a float32 cache holding them, to
+    float32's rounding. Decode rows and prefill chunks in one step; and a decode-only step."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    heads, kv_heads, num_blocks = 6, 2, 200
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables, starts, lengths = [], [], []
+    for i in range(9):
+        n = 1 if i % 3 else rng.randrange(2, 14)
+        start = rng.randrange(0, 60)
+        tables.append([free.pop() for _ in range((start + n - 1) // bs + 1)])
+        starts.append(start)
+        lengths.append(n)
+    cpu, rounded = torch.device("cpu"), lambda t: t.bfloat16().float()
+    reference = KVCache(1, num_blocks, bs, kv_heads, head_dim, torch.float32, cpu)
+    half = KVCache(1, num_blocks, bs, kv_heads, head_dim, torch.bfloat16, cpu)
+    fill = rounded(torch.randn_like(reference.keys[0])), rounded(torch.randn_like(reference.values[0]))
+    reference.keys[0].copy_(fill[0])
+    reference.values[0].copy_(fill[1])
+    _fill(half, fill[0].bfloat16(), fill[1].bfloat16(), torch.float32)
+    total = sum(lengths)
+    q = torch.randn(total, heads, head_dim)
+    k, v = torch.randn(total, kv_heads, head_dim), torch.randn(total, kv_heads, head_dim)
+    ref = SdpaBackend(cpu, window).build(reference, tables, starts, lengths, [total - 1])
+    got_meta = CpuPagedBackend(kernel, cpu, window).build(half, tables, starts, lengths, [total - 1])
+    want = ref.attend(0, q, rounded(k), rounded(v), head_dim**-0.5)
+    got = got_meta.attend(0, q, k, v, head_dim**-0.5)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    keys, values = _natural(half, torch.float32)
+    assert torch.equal(keys, reference.keys[0].bfloat16()) and torch.equal(values, reference.values[0].bfloat16())
+    # a decode-only step after it: each row's next token
+    nexts = [s + n for s, n in zip(starts, lengths, strict=True)]
+    rows = [i for i, p in enumerate(nexts) if p < len(tables[i]) * bs]
+    sub = ([tables[i] for i in rows], [nexts[i] for i in rows])
+    q1 = torch.randn(len(rows), heads, head_dim)
+    k1, v1 = torch.randn(len(rows), kv_heads, head_dim), torch.randn(len(rows), kv_heads, head_dim)
+    decode = CpuPagedBackend(kernel, cpu, window).build(half, *sub, [1] * len(rows), list(range(len(rows))))
+    assert decode.decode_only() is not None
+    want = SdpaBackend(cpu, window).build(reference, *sub, [1] * len(rows), list(range(len(rows)))).attend(
+        0, q1, rounded(k1), rounded(v1), head_dim**-0.5)
+    torch.testing.assert_close(decode.attend(0, q1, k1, v1, head_dim**-0.5), want, atol=2e-5, rtol=1e-4)
+
+
 def test_geometries_outside_the_kernels_scratch_are_refused() -> None:
     assert cpu_kernels.unsupported(torch.float32, 9, 3, 64, 16) is None
     assert cpu_kernels.unsupported(torch.bfloat16, 9, 3, 64, 16) is None
@@ -185,17 +237,20 @@ def test_rms_norm_matches_torch(rows: int, dtype: torch.dtype) -> None:
                           # past 64 positions: the bfloat16 kernel's whole spans of 64 (and GQA groups
                           # of 3, 4 and 8 heads in sets of up to 4, 2 at head_dim 128)
                           (9, 3, 64, None, 16, 150), (8, 1, 64, 100, 16, 150), (6, 2, 128, None, 32, 150)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "kv_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.float32, torch.bfloat16)])
 def test_a_tokens_attention_is_the_same_bits_in_a_prefill_a_chunk_and_a_decode(heads: int, kv_heads: int,
                                                                                  head_dim: int, window: int | None,
                                                                                  bs: int, n: int,
-                                                                                 dtype: torch.dtype) -> None:
+                                                                                 dtype: torch.dtype,
+                                                                                 kv_dtype: torch.dtype) -> None:
     """An n-token prompt attended in one prefill, in chunks of 7 among other rows, and token by
     token as decode rows: every query's output is bitwise the same (the recompute after a
-    restart relies on it), and the prefill is causal attention's within bfloat16's rounding."""
+    restart relies on it), and the prefill is causal attention's within bfloat16's rounding.
+    Also float32 queries over a bfloat16 cache (--kv-cache-dtype bfloat16)."""
     torch.manual_seed(1)
     cpu = torch.device("cpu")
-    cache = KVCache(1, 64, bs, kv_heads, head_dim, dtype, cpu)
+    cache = KVCache(1, 64, bs, kv_heads, head_dim, kv_dtype, cpu)
     cache.keys[0].copy_(torch.randn_like(cache.keys[0]))
     cache.values[0].copy_(torch.randn_like(cache.values[0]))
     # shuffled blocks for n positions (45: 48 positions), apart from the neighbour row's 50 and 51
@@ -230,6 +285,6 @@ def test_a_tokens_attention_is_the_same_bits_in_a_prefill_a_chunk_and_a_decode(h
     i, j = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
     visible = (j <= i) & ((i - j < window) if window else True)
     want = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vv)
-    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    tolerance = 2e-2 if torch.bfloat16 in (dtype, kv_dtype) else 1e-5
     assert (whole.double() - want).abs().max().item() <= tolerance * want.abs().max().item()
 

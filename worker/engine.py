@@ -16,13 +16,13 @@ from protocol.config import WorkerConfig
 from protocol.heap import return_freed_memory
 from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
 from worker import cpu_isa
-from worker.attention import SdpaBackend
+from worker.attention import CpuPagedBackend, SdpaBackend
 from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.gpu_memory import cuda_kv_blocks
 from worker.kernels import cpu as cpu_kernels
 from worker.kv_cache import KVCache, bytes_per_block, num_blocks_for, sizing_reason
 from worker.model import cpu_matmul
-from worker.model.config import LlamaConfig
+from worker.model.config import LlamaConfig, ModelLoadError
 from worker.model.cpu_decoder import CpuDecoder
 from worker.model.info import build_gguf_model_info, build_model_info
 from worker.model.loader import (
@@ -30,6 +30,7 @@ from worker.model.loader import (
     load_model,
     resolve_device,
     resolve_dtype,
+    resolve_kv_cache_dtype,
     resolve_max_model_len,
     resolve_model_dir,
     served_name,
@@ -65,6 +66,7 @@ class Worker:
         cfg = gguf.config if gguf is not None else LlamaConfig.from_file(config_file)
         self.max_model_len = resolve_max_model_len(cfg, config.max_model_len, config_file)
         dtype, why = resolve_dtype(config.dtype, self.device, cfg)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, self.device)
         keep_quantized = gguf is not None and self._keeps_quantized(gguf, config.dtype)
         log.info("dtype: %s (%s)%s", str(dtype).removeprefix("torch."), why,
                  "; quantized weights stay quantized" if keep_quantized else "")
@@ -106,9 +108,9 @@ class Worker:
                  str(dtype).removeprefix("torch.") + (f", {quantization} kept quantized" if quantization else ""),
                  time.perf_counter() - began)
         kv_heads = model.config.num_kv_heads  # this rank's, under tensor parallelism
-        per_block = bytes_per_block(cfg.num_layers, config.block_size, kv_heads, cfg.head_dim, dtype)
+        per_block = bytes_per_block(cfg.num_layers, config.block_size, kv_heads, cfg.head_dim, kv_dtype)
         def make_cache(num_blocks: int) -> KVCache:
-            return KVCache(cfg.num_layers, num_blocks, config.block_size, kv_heads, cfg.head_dim, dtype, self.device)
+            return KVCache(cfg.num_layers, num_blocks, config.block_size, kv_heads, cfg.head_dim, kv_dtype, self.device)
 
         if self.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory == "auto":
             def run_plan(trial: KVCache, plan: StepPlan) -> bool:
@@ -131,8 +133,8 @@ class Worker:
                 sizing += f"; {num_blocks} fit here, {fewest} on the group's smallest rank"
             num_blocks = fewest
         cache = make_cache(num_blocks)
-        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", num_blocks, config.block_size,
-                 num_blocks * config.block_size, cache.nbytes / 2**20, sizing)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%s)", num_blocks, config.block_size,
+                 num_blocks * config.block_size, cache.nbytes / 2**20, str(kv_dtype).removeprefix("torch."), sizing)
         name = config.served_model_name or served_name(config.model)
         if gguf is not None:
             self.info: ModelInfo = build_gguf_model_info(gguf, cfg, name=name, max_model_len=self.max_model_len,
@@ -142,6 +144,7 @@ class Worker:
                                          num_kv_blocks=num_blocks, block_size=config.block_size)
         self.info = msgspec.structs.replace(self.info, dtype=str(dtype).removeprefix("torch."),
                                             quantization=quantization,
+                                            kv_cache_dtype="" if kv_dtype == dtype else str(kv_dtype).removeprefix("torch."),
                                             tensor_parallel_size=group.size if group is not None else 1)
         defaults, origin = sampling_defaults(config.model, source, config.generation_config)
         if defaults:
@@ -152,6 +155,10 @@ class Worker:
         grammars = GrammarEngine(self.info.tokenizer_json, self.info.vocab_size, self.info.eos_token_ids)
         self.runner = ModelRunner(model, cache, self.device, self.max_model_len, self.info.eos_token_ids,
                                   config.max_num_seqs, grammars=grammars, jump_forward=config.jump_forward)
+        if kv_dtype != dtype and not isinstance(self.runner.attention, CpuPagedBackend):
+            raise ModelLoadError(f"--kv-cache-dtype {config.kv_cache_dtype}: only Sluice's CPU attention kernels read "
+                                 f"a cache in another dtype than the model's, and this model takes "
+                                 f"{self.runner.attention.name} (the start-up log says why); use --kv-cache-dtype auto")
 
     def _keeps_quantized(self, gguf: GGUFCheckpoint, dtype_flag: str) -> bool:
         """A quantized GGUF file is served quantized, as llama.cpp serves it, under ``--dtype auto``

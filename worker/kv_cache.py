@@ -56,6 +56,7 @@ class KVCache:
         self.values = tensors[num_layers:]
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype = dtype
         # Flat [num_blocks * block_size, kv_heads, head_dim] views sharing the same storage.
         self.key_slots = [k.view(-1, num_kv_heads, head_dim) for k in self.keys]
         self.value_slots = [v.view(-1, num_kv_heads, head_dim) for v in self.values]

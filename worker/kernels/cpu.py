@@ -137,16 +137,16 @@ def load() -> ctypes.CDLL | None:
                     "in torch instead", e)
         return None
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.write_kv.argtypes = [p, p, i64, i64, p, p, p, i32, i32, i32, i32, i32]
+    lib.write_kv.argtypes = [p, p, i64, i64, p, p, p, i32, i32, i32, i32, i32, i32]
     lib.write_kv.restype = None
-    lib.kv_layout.argtypes = [i32, i32, i32]
+    lib.kv_layout.argtypes = [i32, i32, i32, i32]
     lib.kv_layout.restype = i32
-    lib.paged_decode.argtypes = [p, i64, p, p, p, i32, p, p, p, i32, i32, i32, i32, i32, f32, i32]
-    lib.paged_decode.restype = None
-    lib.paged_decode_bf16.argtypes = lib.paged_decode.argtypes
-    lib.paged_decode_bf16.restype = None
-    for entry in (lib.paged_attention, lib.paged_attention_bf16):
-        entry.argtypes = [p, i64, p, p, p, i32, p, p, p, p, i32, p, i32, i32, i32, i32, i32, f32, i32]
+    # The float32 entries take one more int before the threads: 1 where the cache is bfloat16.
+    lib.paged_decode_bf16.argtypes = [p, i64, p, p, p, i32, p, p, p, i32, i32, i32, i32, i32, f32, i32]
+    lib.paged_decode.argtypes = [*lib.paged_decode_bf16.argtypes[:-1], i32, i32]
+    lib.paged_attention_bf16.argtypes = [p, i64, p, p, p, i32, p, p, p, p, i32, p, i32, i32, i32, i32, i32, f32, i32]
+    lib.paged_attention.argtypes = [*lib.paged_attention_bf16.argtypes[:-1], i32, i32]
+    for entry in (lib.paged_decode, lib.paged_decode_bf16, lib.paged_attention, lib.paged_attention_bf16):
         entry.restype = None
     lib.rms_norm.argtypes = [p, i64, p, p, p, i32, i32, f32, i32]
     lib.rms_norm.restype = None
@@ -161,9 +161,10 @@ def load() -> ctypes.CDLL | None:
     for entry in (lib.silu_mul_f32, lib.silu_mul_bf16):
         entry.argtypes = [p, p, i32, i32, i32]
         entry.restype = None
+    lib.decode_layers_bf16.argtypes = [p, p, p, p, p, p, p, p, p, i32, p, p, p, p, p, i32, p, p, i32, i32, i32, i32, i32,
+                                       i32, i32, f32, f32, i32]
+    lib.decode_layers_f32.argtypes = [*lib.decode_layers_bf16.argtypes, i32]  # and kv16
     for entry in (lib.decode_layers_f32, lib.decode_layers_bf16):
-        entry.argtypes = [p, p, p, p, p, p, p, p, p, i32, p, p, p, p, p, i32, p, p, i32, i32, i32, i32, i32, i32, i32, f32,
-                          f32, i32]
         entry.restype = None
     lib.linear_q.argtypes = [p, i64, p, p, p, i32, i32, i32, i32, p, i32, i32]
     lib.linear_q.restype = None
@@ -205,19 +206,25 @@ def _ptr(t: torch.Tensor) -> int:
 def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, key_slots: torch.Tensor, value_slots: torch.Tensor,
              slots: torch.Tensor, block_size: int) -> None:
     """k, v [B, KVH, D] (rows may be strided, heads contiguous) into the flat caches at ``slots``
-    (int64), in the cache's layout (``kv_layout``)."""
+    (int64), in the cache's layout (``kv_layout``): float32 rows into a float32 or a bfloat16
+    cache (rounded to nearest even), bfloat16 rows into a bfloat16 one."""
+    assert key_slots.element_size() <= k.element_size(), "a bfloat16 row goes only into a bfloat16 cache"
     lib.write_kv(_ptr(k), _ptr(v), k.stride(0), v.stride(0), _ptr(key_slots), _ptr(value_slots), _ptr(slots),
-                 k.shape[0], k.shape[1], k.shape[2], block_size, k.element_size())
+                 k.shape[0], k.shape[1], k.shape[2], block_size, k.element_size(), key_slots.element_size())
 
 
 KEYS_BY_DIM, PAIRS = "keys by dim", "pairs"
 
 
-def kv_layout(lib: ctypes.CDLL, dtype: torch.dtype, head_dim: int, block_size: int) -> str:
-    """How the C kernels keep a cache of this dtype and geometry (``csrc/paged_attention.c``):
-    ``KEYS_BY_DIM`` (per block and kv head, keys as [dim, position]; values [slot, head, dim]) or,
-    for bfloat16 with AVX512-BF16, ``PAIRS`` (laid out for vdpbf16ps)."""
-    return PAIRS if lib.kv_layout(torch.empty((), dtype=dtype).element_size(), head_dim, block_size) == 2 else KEYS_BY_DIM
+def kv_layout(lib: ctypes.CDLL, dtype: torch.dtype, head_dim: int, block_size: int,
+              query_dtype: torch.dtype | None = None) -> str:
+    """How the C kernels keep a cache of this dtype and geometry (``csrc/paged_attention.c``),
+    read by queries of ``query_dtype`` (the cache's own by default): ``KEYS_BY_DIM`` (per block
+    and kv head, keys as [dim, position]; values [slot, head, dim]) or, for bfloat16 queries and
+    cache with AVX512-BF16, ``PAIRS`` (laid out for vdpbf16ps)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    query_size = size if query_dtype is None else torch.empty((), dtype=query_dtype).element_size()
+    return PAIRS if lib.kv_layout(size, query_size, head_dim, block_size) == 2 else KEYS_BY_DIM
 
 
 def natural_layout(keys: torch.Tensor, values: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,17 +253,22 @@ def kernel_layout(keys: torch.Tensor, values: torch.Tensor, layout: str) -> tupl
 def decode(lib: ctypes.CDLL, q: torch.Tensor, key_slots: torch.Tensor, value_slots: torch.Tensor,
            block_table: torch.Tensor, context_lens: torch.Tensor, first_positions: torch.Tensor, block_size: int,
            scale: float) -> torch.Tensor:
-    """q [B, H, D] (rows may be strided) against each row's context -> [B, H, D], all float32
-    or all bfloat16 (q, the caches, the result; the arithmetic is float32).
+    """q [B, H, D] (rows may be strided) against each row's context -> [B, H, D] in q's dtype:
+    float32 (over a float32 or a bfloat16 cache) or bfloat16 (over a bfloat16 cache); the
+    arithmetic is float32.
 
     ``block_table`` [B, max blocks] int32 contiguous; ``context_lens`` / ``first_positions`` [B]
     int32: row b attends positions first_positions[b] .. context_lens[b] - 1."""
     rows, heads, head_dim = q.shape
     out = torch.empty((rows, heads, head_dim), dtype=q.dtype)
-    entry = lib.paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode
-    entry(_ptr(q), q.stride(0), _ptr(key_slots), _ptr(value_slots), _ptr(block_table), block_table.shape[1],
-          _ptr(context_lens), _ptr(first_positions), _ptr(out), rows, heads, key_slots.shape[1], head_dim, block_size,
-          scale, torch.get_num_threads())
+    args = [_ptr(q), q.stride(0), _ptr(key_slots), _ptr(value_slots), _ptr(block_table), block_table.shape[1],
+            _ptr(context_lens), _ptr(first_positions), _ptr(out), rows, heads, key_slots.shape[1], head_dim, block_size,
+            scale]
+    if q.dtype == torch.bfloat16:
+        assert key_slots.dtype == torch.bfloat16, "bfloat16 queries read a bfloat16 cache"
+        lib.paged_decode_bf16(*args, torch.get_num_threads())
+    else:
+        lib.paged_decode(*args, int(key_slots.dtype == torch.bfloat16), torch.get_num_threads())
     return out
 
 
@@ -352,13 +364,18 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, key_slots: torch.Tensor, value_
     """q [T, H, D] (rows may be strided) of rows of any length against their contexts -> [T, H, D].
     Row r's ``lengths[r]`` queries end at position ``ends[r] - 1`` and are tokens
     ``first_tokens[r]`` onwards; ``block_table`` [B, max blocks] and the per-row tensors int32;
-    ``window`` > 0: a sliding window (Mistral's rule), besides ``first_positions``."""
+    ``window`` > 0: a sliding window (Mistral's rule), besides ``first_positions``. Dtypes as
+    ``decode``'s."""
     tokens, heads, head_dim = q.shape
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
-    entry = lib.paged_attention_bf16 if q.dtype == torch.bfloat16 else lib.paged_attention
-    entry(_ptr(q), q.stride(0), _ptr(key_slots), _ptr(value_slots), _ptr(block_table), block_table.shape[1],
-          _ptr(ends), _ptr(lengths), _ptr(first_tokens), _ptr(first_positions), window, _ptr(out), len(ends), heads,
-          key_slots.shape[1], head_dim, block_size, scale, torch.get_num_threads())
+    args = [_ptr(q), q.stride(0), _ptr(key_slots), _ptr(value_slots), _ptr(block_table), block_table.shape[1],
+            _ptr(ends), _ptr(lengths), _ptr(first_tokens), _ptr(first_positions), window, _ptr(out), len(ends), heads,
+            key_slots.shape[1], head_dim, block_size, scale]
+    if q.dtype == torch.bfloat16:
+        assert key_slots.dtype == torch.bfloat16, "bfloat16 queries read a bfloat16 cache"
+        lib.paged_attention_bf16(*args, torch.get_num_threads())
+    else:
+        lib.paged_attention(*args, int(key_slots.dtype == torch.bfloat16), torch.get_num_threads())
     return out
 
 

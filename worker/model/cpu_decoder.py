@@ -77,8 +77,16 @@ class CpuDecoder:
                    ptr(self._quantized_scratch(num_rows)), ptr(self._layer_table(meta.cache)), len(self.model.model.layers), ptr(meta.slot_mapping),
                    ptr(rope_positions), ptr(self.cos), ptr(self.sin), ptr(rows.block_table), rows.block_table.shape[1],
                    ptr(rows.context_lens), ptr(rows.first_positions), num_rows, self.hidden, self.heads, self.kv_heads,
-                   self.head_dim, self.inter, meta.cache.block_size, self.eps, self.scale, torch.get_num_threads())
+                   self.head_dim, self.inter, meta.cache.block_size, self.eps, self.scale, torch.get_num_threads(),
+                   *self._cache_flag(meta.cache))
         return x, residual
+
+    def _cache_flag(self, cache: KVCache) -> tuple[int, ...]:
+        """The float32 stack's last argument: 1 where its cache is bfloat16 (``--kv-cache-dtype``)."""
+        if self.dtype == torch.bfloat16:
+            assert cache.dtype == torch.bfloat16, "a bfloat16 model keeps a bfloat16 cache"
+            return ()
+        return (int(cache.dtype == torch.bfloat16),)
 
     def _buffers(self, num_rows: int) -> list[torch.Tensor]:
         """Scratch rows for every stage, kept across steps (a fresh large buffer pays its page

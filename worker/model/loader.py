@@ -137,6 +137,19 @@ def resolve_dtype(name: str, device: torch.device, cfg: LlamaConfig) -> tuple[to
     return choice.dtype, f"auto: {choice.reason}"
 
 
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype for ``--kv-cache-dtype``: auto is the model's; a float32 model on a
+    CPU may keep a bfloat16 cache (Sluice's attention kernels widen it in registers). Any other
+    mix is refused here, in one line."""
+    if name == "auto" or DTYPES[name] == dtype:
+        return dtype
+    model = str(dtype).removeprefix("torch.")
+    if name == "bfloat16" and dtype == torch.float32 and device.type == "cpu":
+        return torch.bfloat16
+    raise ModelLoadError(f"--kv-cache-dtype {name} with a {model} model on {device.type}: only a float32 model on a "
+                         f"CPU keeps its cache in another dtype (bfloat16); use --kv-cache-dtype auto")
+
+
 def resolve_max_model_len(cfg: LlamaConfig, requested: int | None, config_file: Path) -> int:
     """``--max-model-len`` if given, else the longest context the model reaches
     (``max_position_embeddings``, stretched by a rope scaling that says so: ``context_limit``);

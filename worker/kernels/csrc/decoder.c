@@ -196,8 +196,8 @@ static inline __attribute__((always_inline)) void decode_layers(
         int num_layers, const int64_t *slots, const int64_t *positions, const float *cos, const float *sin,
         const int32_t *block_table, int max_blocks, const int32_t *context_lens, const int32_t *first_positions,
         int rows, int hidden, int num_heads, int kv_heads, int head_dim, int inter, int block_size, float eps,
-        float scale, int num_threads, const int bf16) {
-    const int esize = bf16 ? 2 : 4;
+        float scale, int num_threads, const int bf16, int kv16) {
+    const int esize = bf16 ? 2 : 4, cache_size = kv16 ? 2 : 4;
     const int q_size = num_heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
 #pragma omp parallel num_threads(num_threads)
     for (int l = 0; l < num_layers; l++) {
@@ -216,7 +216,7 @@ static inline __attribute__((always_inline)) void decode_layers(
         for (int r = 0; r < rows; r++) { /* the new key and value into the row's cache slot, in the cache's layout */
             const char *row = (const char *)qkv + (int64_t)r * qkv_size * esize;
             store_kv(row + (int64_t)q_size * esize, row + (int64_t)(q_size + kv_size) * esize, (void *)P(l, KEY_CACHE),
-                     (void *)P(l, VALUE_CACHE), slots[r], kv_heads, head_dim, block_size, esize);
+                     (void *)P(l, VALUE_CACHE), slots[r], kv_heads, head_dim, block_size, esize, cache_size);
         }
         if (bf16)
             paged_decode_rows_bf16(qkv, qkv_size, P(l, KEY_CACHE), P(l, VALUE_CACHE), block_table, max_blocks,
@@ -225,7 +225,7 @@ static inline __attribute__((always_inline)) void decode_layers(
         else
             paged_decode_rows_f32(qkv, qkv_size, P(l, KEY_CACHE), P(l, VALUE_CACHE), block_table, max_blocks,
                                   context_lens, first_positions, attn, rows, num_heads, kv_heads, head_dim,
-                                  block_size, scale);
+                                  block_size, scale, kv16);
         linear_any(attn, P(l, O), P(l, O_BIAS), FORMAT(l, O_FORMAT), scratch, x, rows, hidden, q_size, bf16);
         norm_any(x, residual, P(l, POST_NORM), h, rows, hidden, eps, bf16);
         linear_any(h, P(l, GATE_UP), P(l, GATE_UP_BIAS), FORMAT(l, GATE_UP_FORMAT), scratch, gate_up, rows, 2 * inter, hidden, bf16);
@@ -238,16 +238,17 @@ static inline __attribute__((always_inline)) void decode_layers(
  * stream, which is left in residual [rows, hidden]); h, qkv, attn, gate_up, act: scratch rows of
  * hidden, q + 2 kv, q, 2 inter and inter values; scratch: the quantized linears' int8 activations
  * (linear_q_rows' size for the widest input; unused without them). slots, positions [rows]; the attention metadata
- * as paged_decode takes it. All float32, or all bfloat16 (the tables stay float32). */
+ * as paged_decode takes it. All float32, or all bfloat16 (the tables stay float32); the float32
+ * stack's KV cache is bfloat16 where kv16 is 1 (--kv-cache-dtype bfloat16). */
 void decode_layers_f32(float *x, float *residual, float *h, float *qkv, float *attn, float *gate_up, float *act,
                        void *scratch, const int64_t *layers, int num_layers, const int64_t *slots, const int64_t *positions,
                        const float *cos, const float *sin, const int32_t *block_table, int max_blocks,
                        const int32_t *context_lens, const int32_t *first_positions, int rows, int hidden,
                        int num_heads, int kv_heads, int head_dim, int inter, int block_size, float eps, float scale,
-                       int num_threads) {
+                       int num_threads, int kv16) {
     decode_layers(x, residual, h, qkv, attn, gate_up, act, scratch, layers, num_layers, slots, positions, cos, sin,
                   block_table, max_blocks, context_lens, first_positions, rows, hidden, num_heads, kv_heads,
-                  head_dim, inter, block_size, eps, scale, num_threads, 0);
+                  head_dim, inter, block_size, eps, scale, num_threads, 0, kv16);
 }
 
 void decode_layers_bf16(uint16_t *x, uint16_t *residual, uint16_t *h, uint16_t *qkv, uint16_t *attn,
@@ -258,5 +259,5 @@ void decode_layers_bf16(uint16_t *x, uint16_t *residual, uint16_t *h, uint16_t *
                         float scale, int num_threads) {
     decode_layers(x, residual, h, qkv, attn, gate_up, act, scratch, layers, num_layers, slots, positions, cos, sin,
                   block_table, max_blocks, context_lens, first_positions, rows, hidden, num_heads, kv_heads,
-                  head_dim, inter, block_size, eps, scale, num_threads, 1);
+                  head_dim, inter, block_size, eps, scale, num_threads, 1, 1);
 }

@@ -63,8 +63,10 @@ static inline int pairs_layout(const int bf16, int head_dim, int block_size) {
     return HAVE_BF16_DOT_ATTENTION && bf16 && head_dim % 32 == 0 && head_dim <= MAX_HEAD_DIM && block_size % 16 == 0;
 }
 
-int kv_layout(int elem_size, int head_dim, int block_size) {
-    return pairs_layout(elem_size == 2, head_dim, block_size) ? LAYOUT_PAIRS : LAYOUT_KEYS_BY_DIM;
+/* A cache of cache_size-byte elements (4 float32, 2 bfloat16) read by queries of query_size bytes:
+ * the pairs layout only where both are bfloat16 (vdpbf16ps multiplies bfloat16 by bfloat16). */
+int kv_layout(int cache_size, int query_size, int head_dim, int block_size) {
+    return pairs_layout(cache_size == 2 && query_size == 2, head_dim, block_size) ? LAYOUT_PAIRS : LAYOUT_KEYS_BY_DIM;
 }
 
 /* Where dim 0 of kv head h's keys at position `at` of a block lies in the keys-by-dim layout
@@ -73,21 +75,33 @@ static inline int64_t key_column(int64_t block, int at, int h, int kv_heads, int
     return (block * kv_heads + h) * head_dim * block_size + at;
 }
 
-/* One slot's keys and values [kv_heads][head_dim] into the cache, in its layout. */
+/* Element i of a row of row_size-byte values, as a cache of cache_size-byte values holds it
+ * (a float32 row into a bfloat16 cache: rounded to nearest even, as torch rounds). */
+static inline void put(void *cache, int64_t at, const void *row, int64_t i, int row_size, int cache_size) {
+    if (cache_size == 4)
+        ((float *)cache)[at] = ((const float *)row)[i];
+    else if (row_size == 2)
+        ((uint16_t *)cache)[at] = ((const uint16_t *)row)[i];
+    else
+        ((uint16_t *)cache)[at] = f32_to_bf16(((const float *)row)[i]);
+}
+
+/* One slot's keys and values [kv_heads][head_dim] (row_size-byte values) into a cache of
+ * cache_size-byte values, in its layout. A float32 row goes into either cache; a bfloat16 row
+ * only into a bfloat16 one. */
 void store_kv(const void *k_row, const void *v_row, void *k_cache, void *v_cache, int64_t slot, int kv_heads,
-              int head_dim, int block_size, int elem_size) {
-    const int64_t width = (int64_t)kv_heads * head_dim * elem_size;
+              int head_dim, int block_size, int row_size, int cache_size) {
+    const int64_t width = (int64_t)kv_heads * head_dim;
     const int64_t block = slot / block_size, p = slot % block_size;
-    if (!pairs_layout(elem_size == 2, head_dim, block_size)) {
-        memcpy((char *)v_cache + slot * width, v_row, width);
+    if (kv_layout(cache_size, row_size, head_dim, block_size) == LAYOUT_KEYS_BY_DIM) {
+        if (row_size == cache_size)
+            memcpy((char *)v_cache + slot * width * cache_size, v_row, width * cache_size);
+        else
+            for (int64_t i = 0; i < width; i++) put(v_cache, slot * width + i, v_row, i, row_size, cache_size);
         for (int h = 0; h < kv_heads; h++) {
             const int64_t at = key_column(block, (int)p, h, kv_heads, head_dim, block_size);
-            for (int d = 0; d < head_dim; d++) {
-                if (elem_size == 2)
-                    ((uint16_t *)k_cache)[at + (int64_t)d * block_size] = ((const uint16_t *)k_row)[h * head_dim + d];
-                else
-                    ((float *)k_cache)[at + (int64_t)d * block_size] = ((const float *)k_row)[h * head_dim + d];
-            }
+            for (int d = 0; d < head_dim; d++)
+                put(k_cache, at + (int64_t)d * block_size, k_row, h * head_dim + d, row_size, cache_size);
         }
         return;
     }
@@ -103,15 +117,15 @@ void store_kv(const void *k_row, const void *v_row, void *k_cache, void *v_cache
     }
 }
 
-/* Strides are in elements of elem_size bytes (4: float32, 2: bfloat16). A negative slot is
+/* Strides are in elements of row_size bytes (4: float32, 2: bfloat16). A negative slot is
  * skipped (a padding row). */
 void write_kv(const char *k_new, const char *v_new, int64_t k_stride, int64_t v_stride, char *k_cache,
               char *v_cache, const int64_t *slots, int num_rows, int kv_heads, int head_dim, int block_size,
-              int elem_size) {
+              int row_size, int cache_size) {
     for (int b = 0; b < num_rows; b++) {
         if (slots[b] < 0) continue;
-        store_kv(k_new + b * k_stride * elem_size, v_new + b * v_stride * elem_size, k_cache, v_cache, slots[b],
-                 kv_heads, head_dim, block_size, elem_size);
+        store_kv(k_new + b * k_stride * row_size, v_new + b * v_stride * row_size, k_cache, v_cache, slots[b],
+                 kv_heads, head_dim, block_size, row_size, cache_size);
     }
 }
 
@@ -204,11 +218,13 @@ static inline int run_in_block(const Tile *t, int i, int start, int block_size, 
 
 /* ------------------------------------------------------------------ plain loops */
 
-/* q, the caches and out are all float32 or all bfloat16; scores, softmax and the accumulators
- * are float32 either way. Inlined with bf16 a constant: each type compiles to its own loops. */
+/* q and out are float32 or bfloat16 (bf16), and so are the caches (kv16); scores, softmax and the
+ * accumulators are float32 either way. Inlined with bf16 and kv16 constants: each combination
+ * compiles to its own loops. */
 static inline __attribute__((always_inline)) void attend_rows(
         const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const Rows *rows, void *out,
-        int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale, const int bf16) {
+        int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale, const int bf16,
+        const int kv16) {
     const int group = num_heads / kv_heads;
     const int per_tile = TILE_HEADS / group > 0 ? TILE_HEADS / group : 1;
     const int64_t slot_width = (int64_t)kv_heads * head_dim;
@@ -247,7 +263,7 @@ static inline __attribute__((always_inline)) void attend_rows(
                     for (int i = 0; i < n; i++) {
                         float s = 0.0f;
                         for (int d = 0; d < head_dim; d++)
-                            s += qs[s_][d] * load(k_cache, keys + i + (int64_t)d * block_size, bf16);
+                            s += qs[s_][d] * load(k_cache, keys + i + (int64_t)d * block_size, kv16);
                         scores[g][i] = s;
                         if (s > block_max) block_max = s;
                     }
@@ -259,7 +275,7 @@ static inline __attribute__((always_inline)) void attend_rows(
                         const float p = expf(scores[g][i] - block_max);
                         running_sum[s_] += p;
                         const int64_t v = kv_base + i * slot_width;
-                        for (int d = 0; d < head_dim; d++) acc[s_][d] += p * load(v_cache, v + d, bf16);
+                        for (int d = 0; d < head_dim; d++) acc[s_][d] += p * load(v_cache, v + d, kv16);
                     }
                 }
             }
@@ -406,7 +422,7 @@ static inline int value_dims(int chunks) {
 static inline __attribute__((always_inline)) void attend_rows_vec(
         const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const Rows *rows, void *out,
         int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale, const int bf16,
-        const int chunks, const int dims) {
+        const int kv16, const int chunks, const int dims) {
     const int group = num_heads / kv_heads;
     const int per_tile = TILE_HEADS / group > 0 ? TILE_HEADS / group : 1;
     const int64_t slot_width = (int64_t)kv_heads * head_dim;
@@ -461,7 +477,7 @@ static inline __attribute__((always_inline)) void attend_rows_vec(
                     qp[j] = qs[heads[j0 + j]];
                     sp[j] = scores[heads[j0 + j]];
                 }
-                score_set(qp, sp, k_cache, keys, head_dim, block_size, c_lo, c_hi, n, bf16);
+                score_set(qp, sp, k_cache, keys, head_dim, block_size, c_lo, c_hi, n, kv16);
             }
             for (int j = 0; j < active; j++) {
                 const int s_ = heads[j], a = run_lo[j], b = run_hi[j];
@@ -493,7 +509,7 @@ static inline __attribute__((always_inline)) void attend_rows_vec(
                     ap[j] = acc[heads[j0 + j]];
                     pp[j] = scores[heads[j0 + j]];
                 }
-                value_set(ap, pp, v_cache, values, slot_width, lo, hi, n, chunks, dims, bf16);
+                value_set(ap, pp, v_cache, values, slot_width, lo, hi, n, chunks, dims, kv16);
             }
         }
         for (int t = 0; t < nq; t++) {
@@ -749,12 +765,13 @@ static inline __attribute__((always_inline)) void attend_rows_bf16_dot(
 #endif
 
 /* The vector path where it applies (common head sizes with constant trip counts), else the plain
- * loops; inlined into the entry points with bf16 a constant. */
+ * loops; inlined into the entry points with bf16 (queries, out) and kv16 (the caches) constants. */
 static inline __attribute__((always_inline)) void attend(
         const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const Rows *rows, void *out,
-        int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale, const int bf16) {
+        int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale, const int bf16,
+        const int kv16) {
 #if HAVE_BF16_DOT_ATTENTION
-    if (pairs_layout(bf16, head_dim, block_size)) { /* the cache is in the pairs layout: only this kernel reads it */
+    if (pairs_layout(bf16 && kv16, head_dim, block_size)) { /* the cache is in the pairs layout: only this kernel reads it */
         if (head_dim == 64)
             attend_rows_bf16_dot(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
                                  block_size, scale, 4);
@@ -772,21 +789,21 @@ static inline __attribute__((always_inline)) void attend(
         const int chunks = head_dim / VL;
         if (chunks == 64 / VL)
             attend_rows_vec(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
-                            block_size, scale, bf16, 64 / VL, value_dims(64 / VL));
+                            block_size, scale, bf16, kv16, 64 / VL, value_dims(64 / VL));
         else if (chunks == 128 / VL)
             attend_rows_vec(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
-                            block_size, scale, bf16, 128 / VL, value_dims(128 / VL));
+                            block_size, scale, bf16, kv16, 128 / VL, value_dims(128 / VL));
         else if (value_dims(chunks) >= 2)
             attend_rows_vec(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
-                            block_size, scale, bf16, chunks, 2);
+                            block_size, scale, bf16, kv16, chunks, 2);
         else
             attend_rows_vec(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim,
-                            block_size, scale, bf16, chunks, 1);
+                            block_size, scale, bf16, kv16, chunks, 1);
         return;
     }
 #endif
     attend_rows(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale,
-                bf16);
+                bf16, kv16);
 }
 
 /* Each dtype's attention compiled once (not inlined into each entry point: the variants above
@@ -795,27 +812,40 @@ static __attribute__((noinline)) void attend_f32(const void *q, int64_t q_stride
                                                  const void *v_cache, const Rows *rows, void *out, int num_rows,
                                                  int num_heads, int kv_heads, int head_dim, int block_size,
                                                  float scale) {
-    attend(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, 0);
+    attend(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, 0, 0);
+}
+
+static __attribute__((noinline)) void attend_f32_kv16(const void *q, int64_t q_stride, const void *k_cache,
+                                                      const void *v_cache, const Rows *rows, void *out, int num_rows,
+                                                      int num_heads, int kv_heads, int head_dim, int block_size,
+                                                      float scale) {
+    attend(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, 0, 1);
 }
 
 static __attribute__((noinline)) void attend_bf16(const void *q, int64_t q_stride, const void *k_cache,
                                                   const void *v_cache, const Rows *rows, void *out, int num_rows,
                                                   int num_heads, int kv_heads, int head_dim, int block_size,
                                                   float scale) {
-    attend(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, 1);
+    attend(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale, 1, 1);
 }
 
 /* ------------------------------------------------------------------ entry points */
 
 /* Decode rows, one query each: row b's query is at position context_lens[b] - 1 (token b: q row
  * b, out row b) and sees from first_positions[b]. The work-sharing bodies share the threads of an
- * enclosing parallel region (decoder.c's layer loop); called outside one, one thread does all. */
-void paged_decode_rows_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+ * enclosing parallel region (decoder.c's layer loop); called outside one, one thread does all.
+ * The float32 entries read a float32 cache, or a bfloat16 one where kv16 is 1. */
+void paged_decode_rows_f32(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int32_t *block_table, int max_blocks, const int32_t *context_lens,
                            const int32_t *first_positions, float *out, int num_rows, int num_heads, int kv_heads,
-                           int head_dim, int block_size, float scale) {
+                           int head_dim, int block_size, float scale, int kv16) {
     const Rows rows = {block_table, max_blocks, context_lens, 0, 0, first_positions, 0};
-    attend_f32(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale);
+    if (kv16)
+        attend_f32_kv16(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size,
+                        scale);
+    else
+        attend_f32(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size,
+                   scale);
 }
 
 void paged_decode_rows_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -826,13 +856,13 @@ void paged_decode_rows_bf16(const uint16_t *q, int64_t q_stride, const uint16_t 
     attend_bf16(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale);
 }
 
-void paged_decode(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+void paged_decode(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                   const int32_t *block_table, int max_blocks, const int32_t *context_lens,
                   const int32_t *first_positions, float *out, int num_rows, int num_heads,
-                  int kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+                  int kv_heads, int head_dim, int block_size, float scale, int kv16, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
     paged_decode_rows_f32(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out,
-                          num_rows, num_heads, kv_heads, head_dim, block_size, scale);
+                          num_rows, num_heads, kv_heads, head_dim, block_size, scale, kv16);
 }
 
 void paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -848,14 +878,21 @@ void paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
  * ending at position ends[r] - 1, at flat tokens first_tokens[r] onwards (q rows q_stride elements
  * apart; out [tokens, heads, head_dim] contiguous); with a sliding window (window > 0) a query at
  * p sees from max(first_positions[r], p - window + 1). */
-void paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+void paged_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                      const int32_t *block_table, int max_blocks, const int32_t *ends, const int32_t *lengths,
                      const int32_t *first_tokens, const int32_t *first_positions, int window, float *out,
-                     int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale,
+                     int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale, int kv16,
                      int num_threads) {
     const Rows rows = {block_table, max_blocks, ends, lengths, first_tokens, first_positions, window};
 #pragma omp parallel num_threads(num_threads)
-    attend_f32(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale);
+    {
+        if (kv16)
+            attend_f32_kv16(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim,
+                            block_size, scale);
+        else
+            attend_f32(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size,
+                       scale);
+    }
 }
 
 void paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
