@@ -2,6 +2,7 @@
 
     python scripts/profile_step.py                              # SmolLM2, float32, 1 16 64 rows
     python scripts/profile_step.py --dtype float32 bfloat16     # both dtypes, interleaved
+    python scripts/profile_step.py --dtype auto auto:bfloat16   # the model's dtype, with its KV cache in bfloat16 too
     python scripts/profile_step.py --rows 64 --profile          # + torch.profiler's table
     python scripts/profile_step.py --dtype bfloat16 --paths fused per-operator   # the decoder stack's two paths
     python scripts/profile_step.py --count-ops                 # Python-level calls per decode step
@@ -46,8 +47,9 @@ class StepTimer:
         self.bs, self.context, self.steps = 16, context, steps
         self.per_seq = -(-(context + steps + 64) // self.bs)
         blocks = max(biggest * self.per_seq, -(-longest_prefill // self.bs)) + 1
-        self.worker = Worker(WorkerConfig(model=model, dtype=dtype, num_kv_blocks=blocks, block_size=self.bs,
-                                          log_level="warning"))
+        dtype, _, kv_cache_dtype = dtype.partition(":")  # "float32:bfloat16": --kv-cache-dtype bfloat16
+        self.worker = Worker(WorkerConfig(model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype or "auto",
+                                          num_kv_blocks=blocks, block_size=self.bs, log_level="warning"))
         self.worker.runner.threads = configure_cpu_threads(self.worker.device, threads, self.worker.num_params)
         self.worker.warm_up()
         self.decoder = self.worker.runner.model.cpu_decoder
@@ -135,7 +137,8 @@ class StepTimer:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", nargs="+", default=["float32"])
+    p.add_argument("--dtype", nargs="+", default=["float32"],
+                   help="dtypes to compare; DTYPE:KV also sets --kv-cache-dtype KV (e.g. float32:bfloat16)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--context", type=int, default=128, help="prompt tokens per row")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per cell")

@@ -1,4 +1,5 @@
-"""The CPU backend (``cpu-paged``), float32 or bfloat16: a C kernel (``worker/kernels/csrc/
+"""The CPU backend (``cpu-paged``), float32 or bfloat16 (and float32 over a bfloat16 cache,
+``--kv-cache-dtype bfloat16``): a C kernel (``worker/kernels/csrc/
 paged_attention.c``) writes each step's new keys and values into their slots and attends reading
 the paged cache in place, for decode rows and prefill chunks alike: no gathered copy of the
 context, no mask, and no scores for positions a query cannot see.
