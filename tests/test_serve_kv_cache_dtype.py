@@ -14,12 +14,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import torch
+from near_ties import chat_prompt, greedy_ids, tipped_near_ties
 from sluice_server import SluiceServer, started_server
-from tokenizers import Tokenizer
 
 from protocol.config import WorkerConfig, to_json
-from worker.attention import SdpaBackend
 from worker.engine import Worker
 from worker.kernels import cpu as cpu_kernels
 
@@ -56,19 +54,6 @@ def server(starting: SluiceServer, reference: Worker) -> SluiceServer:
     return starting
 
 
-def _prompt(worker: Worker, question: str) -> list[int]:
-    text = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
-    return Tokenizer.from_str(worker.info.tokenizer_json).encode(text).ids
-
-
-async def _complete(client: httpx.AsyncClient, url: str, prompt: list[int]) -> list[int]:
-    r = await client.post(f"{url}/v1/completions", json={
-        "prompt": prompt, "temperature": 0, "max_tokens": NEW_TOKENS, "min_tokens": NEW_TOKENS,
-        "return_token_ids": True})
-    assert r.status_code == 200, r.text
-    return list(r.json()["choices"][0]["token_ids"])
-
-
 def test_models_says_the_caches_dtype(server: SluiceServer) -> None:
     model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
     assert model["dtype"] == "float32" and model["kv_cache_dtype"] == "bfloat16"
@@ -77,29 +62,18 @@ def test_models_says_the_caches_dtype(server: SluiceServer) -> None:
 
 def test_greedy_answers_agree_with_a_float32_cache_but_at_near_ties_in_any_batch(server: SluiceServer,
                                                                                  reference: Worker) -> None:
-    prompts = [_prompt(reference, q) for q in QUESTIONS]
+    prompts = [chat_prompt(reference, q) for q in QUESTIONS]
 
     async def run() -> tuple[list[list[int]], list[list[int]]]:
         async with httpx.AsyncClient(timeout=300) as client:
-            alone = [await _complete(client, server.url, p) for p in prompts]
-            together = list(await asyncio.gather(*(_complete(client, server.url, p) for p in prompts)))
+            alone = [await greedy_ids(client, server.url, p, NEW_TOKENS) for p in prompts]
+            together = list(await asyncio.gather(*(greedy_ids(client, server.url, p, NEW_TOKENS) for p in prompts)))
             return alone, together
 
     alone, together = asyncio.run(run())
     assert together == alone  # a row's result does not depend on its batch
-    tipped = 0
-    for question, prompt, answer in zip(QUESTIONS, prompts, alone, strict=True):
-        ids = prompt + answer
-        meta = SdpaBackend(reference.device).build(reference.runner.cache, [list(range(40))], [0], [len(ids)],
-                                                   list(range(len(ids))))
-        with torch.inference_mode():
-            logits = reference.runner.model(torch.tensor(ids), meta)[len(prompt) - 1 : -1]
-            logits[:, reference.info.eos_token_ids] = -torch.inf  # min_tokens held EOS back on the server
-        best = logits.argmax(-1).tolist()
-        for i in (i for i in range(NEW_TOKENS) if best[i] != answer[i]):
-            gap = (logits[i, best[i]] - logits[i, answer[i]]).item()
-            assert gap < NEAR_TIE, f"{question!r}: token {i} is {answer[i]}, float32's {best[i]} leads by {gap:.3f}"
-            tipped += 1
+    tipped = sum(tipped_near_ties(reference, prompt, answer, NEAR_TIE, repr(question))
+                 for question, prompt, answer in zip(QUESTIONS, prompts, alone, strict=True))
     assert tipped <= len(QUESTIONS) * NEW_TOKENS // MAX_TIPPED, f"{tipped} near-ties tipped"
 
 
