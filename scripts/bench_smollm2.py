@@ -270,7 +270,8 @@ def main() -> None:
                             server.stop()
                     salt += 1
                     cells.setdefault((name, c), []).append(cell)
-                    print(f"round {r + 1}, {name}, {c} streams: {cell.tok_s:,.1f} tok/s", file=sys.stderr)
+                    print(f"round {r + 1}, {name}, {c} streams: {cell.tok_s:,.1f} tok/s, "
+                          f"TTFT p50 {_pct(cell.ttft, 0.5) * 1e3:,.0f} ms", file=sys.stderr)
         memory["sluice"] = _rss_mib(sluice.memory_pid())
         memory["sluice, all processes"] = sum(_rss_mib(pid) for pid in sluice.process_tree())
     finally:
