@@ -23,6 +23,7 @@ from protocol.config import (
     PREEMPTION_MODES,
     REASONING_PARSERS,
     SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
     ConfigError,
     FrontendConfig,
     SchedulerConfig,
@@ -124,6 +125,10 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
         _bool_flag(p, "--jump-forward", True,
                    "structured output: append the tokens a grammar allows only one way (JSON keys and "
                    "punctuation) without a forward pass each")
+        p.add_argument("--ngram-min", type=int, default=2,
+                       help="--speculative ngram: the shortest run of last tokens looked up in the prompt and output")
+        p.add_argument("--ngram-max", type=int, default=4,
+                       help="--speculative ngram: the longest (the longest that occurred before is used)")
         p.add_argument("--worker-threads", type=int, default=0,
                        help="CPU threads of the worker's forward pass (default 0: every core for models of "
                             "50M+ parameters, one core fewer for smaller ones; OMP_NUM_THREADS, when set, wins)")
@@ -133,6 +138,12 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
         p.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="worker ranks sharing one model (its heads, MLP and vocabulary split between them; "
                             "torch.distributed: gloo on CPUs, NCCL on GPUs)")
+        p.add_argument("--speculative", default="none", choices=SPECULATIVE_METHODS,
+                       help="speculative decoding: ngram proposes the tokens that followed the last few tokens "
+                            "where they occurred before in the prompt or output (prompt lookup), and one forward "
+                            "pass verifies them; the output is the same as without it")
+        p.add_argument("--num-speculative-tokens", type=int, default=4,
+                       help="--speculative: most proposed tokens a request verifies per step")
     if sc:
         p.add_argument("--long-prefill-threshold", type=int, default=0,
                        help="most tokens of one prompt prefilled in one step (0 = off)")
@@ -140,6 +151,9 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        help="spread the prefill budget over at least this many waiting prompts")
         p.add_argument("--num-scheduler-steps", type=int, default=8,
                        help="decode steps a worker runs per scheduler call")
+        p.add_argument("--speculative-max-batch", type=int, default=8,
+                       help="--speculative: steps of more requests than this verify no proposals (a large batch "
+                            "computes enough per weight read already)")
         _bool_flag(p, "--async-scheduling", True,
                    "plan the next decode window while the worker runs the current one")
         p.add_argument("--scheduling-policy", default="priority", choices=SCHEDULING_POLICIES,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,6 +42,10 @@ SCHEDULER_METRICS = {
     "preemptions": ("sluice_num_preemptions", "Requests preempted (recompute or swap)", "counter"),
     "jump_forward_tokens": ("sluice_jump_forward_tokens", "Output tokens a grammar forced, appended without a "
                             "forward pass of their own (structured output's jump-forward)", "counter"),
+    "spec_draft_tokens": ("sluice_spec_decode_num_draft_tokens", "Proposed tokens verified (speculative "
+                          "decoding)", "counter"),
+    "spec_accepted_tokens": ("sluice_spec_decode_num_accepted_tokens", "Proposed tokens accepted (speculative "
+                             "decoding): output tokens without a forward pass of their own", "counter"),
     "worker_busy_s_total": ("sluice_worker_busy_seconds", "Worker compute time", "counter"),
     "internal_errors": ("sluice_internal_errors", "Scheduler bugs caught (a handler or the core raised; "
                         "the request it concerned was ended with an error)", "counter"),
@@ -81,6 +86,19 @@ class _SchedulerCollector(Collector):
                 if isinstance(value, (int, float)):
                     family.add_metric(values, float(value))
             yield family
+        # Speculative decoding's acceptance by draft position (0: a step's first proposed token).
+        for key, name, doc in (("spec_drafted_by_position", "sluice_spec_decode_num_draft_tokens_per_pos",
+                                "Proposed tokens verified, by position in a step's proposal"),
+                               ("spec_accepted_by_position", "sluice_spec_decode_num_accepted_tokens_per_pos",
+                                "Proposed tokens accepted, by position in a step's proposal")):
+            counts = CounterMetricFamily(name, doc, labels=[*labels, "position"])
+            for values, stats in samples:  # (as ``key:0``, ``key:1``, ...: a snapshot holds numbers only)
+                for position in itertools.count():
+                    count = stats.get(f"{key}:{position}")
+                    if count is None:
+                        break
+                    counts.add_metric([*values, str(position)], float(count))
+            yield counts
 
 
 class _GapHistogram(Collector):

@@ -34,6 +34,15 @@ def _positive(name: str, value: int | None, *, allow_none: bool = False) -> None
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
+SPECULATIVE_METHODS = ("none", "ngram")
+
+
+def check_speculative(method: str, num_tokens: int) -> None:
+    if method not in SPECULATIVE_METHODS:
+        raise ConfigError(f"--speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+    _positive("--num-speculative-tokens", num_tokens)
+
+
 def check_link_security(address: str, curve_keys: str | None, insecure_zmq: bool, *, binds: bool) -> None:
     """ZeroMQ off this machine needs CurveZMQ keys, or an explicit --insecure-zmq: a scheduler
     bound to a network address without them would take orders from anyone who can reach it."""
@@ -70,6 +79,9 @@ class SchedulerConfig:
     curve_keys: str | None = None  # a `sluice keys` directory: CurveZMQ on the links
     insecure_zmq: bool = False  # allow plain ZeroMQ on a non-loopback address
     log_level: str = "info"
+    speculative: str = "none"  # none | ngram: speculative decoding (the worker proposes and verifies)
+    num_speculative_tokens: int = 4  # most proposed tokens a row verifies per step: blocks reserved for them
+    speculative_max_batch: int = 8  # plans of more rows than this do not draft (verifying costs compute)
 
     def __post_init__(self) -> None:
         check_link_security(self.address, self.curve_keys, self.insecure_zmq, binds=True)
@@ -87,6 +99,9 @@ class SchedulerConfig:
         if self.max_worker_restarts < 0:
             raise ConfigError("--max-worker-restarts must be >= 0")
         _positive("--num-scheduler-steps", self.num_scheduler_steps)
+        check_speculative(self.speculative, self.num_speculative_tokens)
+        if self.speculative_max_batch < 0:
+            raise ConfigError("--speculative-max-batch must be >= 0 (0: no plan drafts)")
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
         if self.long_prefill_threshold < 0:
             raise ConfigError("--long-prefill-threshold must be >= 0 (0 turns it off)")
@@ -142,6 +157,10 @@ class WorkerConfig:
     curve_keys: str | None = None
     insecure_zmq: bool = False
     log_level: str = "info"
+    speculative: str = "none"  # none | ngram: speculative decoding (see ``worker/ngram.py``)
+    num_speculative_tokens: int = 4  # most proposed tokens a row verifies per step
+    ngram_min: int = 2  # shortest suffix an n-gram proposal matches
+    ngram_max: int = 4  # longest
 
     def __post_init__(self) -> None:
         check_link_security(self.address, self.curve_keys, self.insecure_zmq, binds=False)
@@ -174,6 +193,10 @@ class WorkerConfig:
             raise ConfigError("--kv-cache-dtype must be auto (the model's dtype), float32 or bfloat16")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("--device must be auto, cpu, cuda or cuda:N")
+        check_speculative(self.speculative, self.num_speculative_tokens)
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"--ngram-min and --ngram-max must satisfy 1 <= min <= max, got {self.ngram_min} "
+                              f"and {self.ngram_max}")
 
 
 @dataclasses.dataclass

@@ -398,8 +398,13 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True):
     copy_blocks: list[tuple[int, int]] = []  # (src, dst) device blocks: copy-on-write
     # Planned while the previous plan still ran (async scheduling): each row continues from
     # wherever that plan left it, and a row whose request stopped or was aborted meanwhile is
-    # skipped rather than an error.
+    # skipped rather than an error. (Not speculative decoding: that is ``num_draft_tokens``.)
     speculative: bool = False
+    # Speculative decoding: each decoding row may verify up to this many proposed tokens per
+    # step (0: none in this plan), within the blocks it holds; a step then reports every token
+    # it accepted and the one sampled after them, and counts the row's drafts as computed only
+    # once the row's next step reports (as it counts any step's tokens).
+    num_draft_tokens: int = 0
 
 
 class CancelRows(msgspec.Struct, tag=True, array_like=True):
@@ -452,6 +457,10 @@ class StepTokens(msgspec.Struct, tag=True, array_like=True):
     logprobs: msgspec.Raw = NO_LOGPROBS  # ``pack_logprobs`` of the rows that asked
     prompt_logprobs: msgspec.Raw = NO_LOGPROBS  # ``pack_prompt_logprobs``: rows whose first output this is
     embeddings: msgspec.Raw = NO_LOGPROBS  # ``pack_embeddings``: embedding rows, with their one output
+    # Speculative decoding, per draft position (0: a step's first proposed token): how many
+    # proposals the step verified there, and how many of them were accepted.
+    drafted: list[int] = []
+    accepted: list[int] = []
 
 
 class WorkerReady(msgspec.Struct, tag=True, array_like=True):

@@ -33,6 +33,7 @@ class PlanInFlight:
     rids: list[int]
     num_steps: int
     speculative: bool
+    drafts: int = 0  # ``StepPlan.num_draft_tokens``
     steps_seen: int = 0  # steps whose tokens have arrived
     rows: frozenset[int] = frozenset()  # ``rids``, for membership
 
@@ -51,6 +52,9 @@ class Plans:
                  prompt_computed: Callable[[Request], None], finish: Callable[[Request, str], Finish],
                  first_plan_id: int = 0) -> None:
         self.num_scheduler_steps = config.num_scheduler_steps
+        # Speculative decoding: drafts a row may verify per step, in plans of few enough rows.
+        self.num_draft_tokens = config.num_speculative_tokens if config.speculative != "none" else 0
+        self.draft_max_rows = config.speculative_max_batch
         self.max_num_seqs = config.max_num_seqs
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -65,6 +69,9 @@ class Plans:
         self.next_plan_id = first_plan_id  # a core replacing another goes on from its plan ids
         self.num_steps_run = 0  # forward passes the worker reported (a window's rows may all stop early)
         self.num_jumped = 0  # tokens the worker appended by jump-forward (a row's second and later in a step)
+        # Speculative decoding, per draft position: proposals verified, and accepted.
+        self.num_drafted: list[int] = []
+        self.num_accepted: list[int] = []
         self._forget: list[int] = []  # rids whose worker state must go in the next plan
 
     # ------------------------------------------------------------------ the worker's state
@@ -89,8 +96,9 @@ class Plans:
 
     def emit(self, step: Step, cut_in_waiting: bool) -> StepPlan:
         steps = self._num_steps(step, cut_in_waiting)
-        if steps > 1:
-            steps = self._reserve_lookahead(step, steps)
+        drafts = self._drafts(len(step.rows))
+        if steps > 1 or drafts:
+            steps, drafts = self._reserve_lookahead(step, steps, drafts)
         rows = step.rows
         rids = [req.rid for req in rows]
         new_requests = [req.send_whole() for req in rows if not req.on_worker]
@@ -110,9 +118,15 @@ class Plans:
                 queue.charge(req.user, n)
         self.pool.free(step.copy_sources)  # the copies are in the plan: later plans run after them
         self.next_plan_id += 1
-        self.in_flight[self.next_plan_id] = PlanInFlight(rids, steps, speculative=False)
+        self.in_flight[self.next_plan_id] = PlanInFlight(rids, steps, speculative=False, drafts=drafts)
         return StepPlan(self.next_plan_id, new_requests, rids, list(rows.values()), new_blocks, steps, forget,
-                        step.swap_out, step.swap_in, step.copies)
+                        step.swap_out, step.swap_in, step.copies, num_draft_tokens=drafts)
+
+    def _drafts(self, num_rows: int) -> int:
+        """Drafts a row may verify per step in a plan of ``num_rows`` rows: speculative decoding
+        pays where a step reads the weights for few tokens; a large batch computes enough
+        already, and verifying proposals would only add to it."""
+        return self.num_draft_tokens if num_rows <= self.draft_max_rows else 0
 
     def _num_steps(self, step: Step, cut_in_waiting: bool) -> int:
         """Multi-step unless prefill work would wait for the window: a prompt still mid-prefill,
@@ -128,21 +142,26 @@ class Plans:
             return 1  # more prompts fit next step
         return steps
 
-    def _reserve_lookahead(self, step: Step, steps: int) -> int:
+    def _reserve_lookahead(self, step: Step, steps: int, drafts: int) -> tuple[int, int]:
         """Blocks for the tokens steps 2..n will compute; fall back to one step if they don't fit.
-        A constrained row gets room for as many again: the tokens jump-forward may append (the
-        worker appends no more than its blocks hold)."""
-        wants = []
-        for req, n in step.rows.items():
-            room = steps - 1 + (steps if req.sampling.grammar is not None else 0)
-            cover = min(req.num_computed + n + room, req.max_total_tokens(self.max_model_len))
-            wants.append(max(0, self._blocks_for(cover) - len(req.blocks)))
-        if not self.pool.can_allocate(sum(wants)):
-            return 1
+        A constrained row gets room for as many again: the tokens jump-forward may append; with
+        speculative decoding, every row gets room for ``drafts`` more per step (the worker
+        appends and drafts no more than a row's blocks hold). Returns the window's steps and
+        drafts: no drafts if their room does not fit, and one step if the window's does not."""
+        for window, per_step in dict.fromkeys(((steps, drafts), (steps, 0), (1, 0))):
+            wants = []
+            for req, n in step.rows.items():
+                room = window - 1 + (window if req.sampling.grammar is not None else 0) + window * per_step
+                cover = min(req.num_computed + n + room, req.max_total_tokens(self.max_model_len))
+                wants.append(max(0, self._blocks_for(cover) - len(req.blocks)))
+            if self.pool.can_allocate(sum(wants)):
+                break
+        else:
+            return 1, 0
         for req, want in zip(step.rows, wants, strict=True):
             if want:
                 req.grow(self.pool.allocate(want))
-        return steps
+        return window, per_step
 
     def _register_full_blocks(self, req: Request, n: int) -> None:
         """Blocks that ``req``'s next ``n`` tokens fill completely become findable by later
@@ -179,6 +198,7 @@ class Plans:
         if steps <= 1:
             return None
         ahead = steps - current.steps_seen  # tokens each row still gets from the current plan
+        drafts = self._drafts(len(current.rids))
         rows: list[Request] = []
         wants: list[int] = []
         for rid in current.rids:
@@ -188,11 +208,13 @@ class Plans:
             known = len(req.token_ids) + ahead
             if length_reached(req.num_outputs + ahead, known, req.sampling, self.max_model_len):
                 continue  # the current window's last token surely ends it
+            if req.sampling.grammar is not None or current.drafts:
+                # Jump-forward or accepted drafts may fill the row's blocks in the current window:
+                # it may end with as many tokens as they hold, plus the one sampled last.
+                known = max(known, len(req.blocks) * self.block_size + 1)
             if req.sampling.grammar is not None:
-                # Jump-forward may fill the row's blocks in the current window: it may end with as
-                # many tokens as they hold, plus the one sampled last; and room for as many again.
-                known = max(known, len(req.blocks) * self.block_size + 1) + steps
-            cover = min(known - 1 + steps, req.max_total_tokens(self.max_model_len))
+                known += steps  # room for as many forced tokens again
+            cover = min(known - 1 + steps + steps * drafts, req.max_total_tokens(self.max_model_len))
             rows.append(req)
             wants.append(max(0, self._blocks_for(cover) - len(req.blocks)))
         if not rows or not self.pool.can_allocate(sum(wants)):
@@ -203,8 +225,9 @@ class Plans:
             new_blocks.append(req.unsent_blocks())
         self.next_plan_id += 1
         rids = [r.rid for r in rows]
-        self.in_flight[self.next_plan_id] = PlanInFlight(rids, steps, speculative=True)
-        return StepPlan(self.next_plan_id, [], rids, [1] * len(rows), new_blocks, steps, speculative=True)
+        self.in_flight[self.next_plan_id] = PlanInFlight(rids, steps, speculative=True, drafts=drafts)
+        return StepPlan(self.next_plan_id, [], rids, [1] * len(rows), new_blocks, steps, speculative=True,
+                        num_draft_tokens=drafts)
 
     # ------------------------------------------------------------------ results
 
@@ -245,7 +268,7 @@ class Plans:
                 if counts_service:
                     queue.charge(req.user, n)
             elif rid == previous:
-                self.num_jumped += 1
+                self.num_jumped += 1  # (less the step's accepted drafts, below)
             previous = rid
             known = req.token_ids
             if len(known) + 1 < req.quiet_until and token not in req.may_stop:
@@ -262,11 +285,24 @@ class Plans:
             if reason is not None:
                 finished.append(self._finish(req, reason))
         self.num_steps_run += 1
+        if out.drafted:
+            self._count_drafts(out)
         if plan is not None:
             plan.steps_seen = out.step + 1
             if out.last:
                 del self.in_flight[out.plan_id]
         return batch
+
+    def _count_drafts(self, out: StepTokens) -> None:
+        """A step's speculative decoding figures. Its accepted drafts were counted as extra tokens
+        of their rows, like jump-forward's: they are not."""
+        while len(self.num_drafted) < len(out.drafted):
+            self.num_drafted.append(0)
+            self.num_accepted.append(0)
+        for j, (drafted, accepted) in enumerate(zip(out.drafted, out.accepted, strict=True)):
+            self.num_drafted[j] += drafted
+            self.num_accepted[j] += accepted
+        self.num_jumped = max(0, self.num_jumped - sum(out.accepted))  # (0: a voided request's drafts)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

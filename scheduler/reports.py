@@ -49,7 +49,12 @@ def ping_stats(core: Scheduler | None, counters: dict[str, float | int], busy: B
     if core is None:
         return None
     idle = busy.idle_ratio()
-    stats: PingStats = {k: v for k, v in core.stats().items() if isinstance(v, (int, float, bool))}
+    stats: PingStats = {}
+    for key, value in core.stats().items():
+        if isinstance(value, (int, float, bool)):
+            stats[key] = value
+        elif isinstance(value, list):  # per position (speculative decoding's): one number each
+            stats.update((f"{key}:{i}", v) for i, v in enumerate(value))
     return stats | counters | {"device_idle_ratio": idle}
 
 

@@ -440,4 +440,8 @@ class Scheduler:
             "prefix_cache_hit_rate": self.pool.hits / self.pool.queries if self.pool.queries else 0.0,
             "steps": self.plans.num_steps_run,
             "jump_forward_tokens": self.plans.num_jumped,
+            "spec_draft_tokens": sum(self.plans.num_drafted),
+            "spec_accepted_tokens": sum(self.plans.num_accepted),
+            "spec_drafted_by_position": list(self.plans.num_drafted),
+            "spec_accepted_by_position": list(self.plans.num_accepted),
         } | ({"seats_by_priority": {str(p): n for p, n in self.running.held.items()}} if self.running.held else {})

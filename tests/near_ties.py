@@ -18,7 +18,7 @@ def chat_prompt(worker: Worker, question: str) -> list[int]:
     return Tokenizer.from_str(worker.info.tokenizer_json).encode(text).ids
 
 
-async def greedy_ids(client: httpx.AsyncClient, url: str, prompt: list[int], new_tokens: int) -> list[int]:
+async def greedy_ids(client: httpx.AsyncClient, url: str, prompt: list[int] | str, new_tokens: int) -> list[int]:
     """Exactly ``new_tokens`` greedy tokens (EOS held back) from ``/v1/completions``."""
     r = await client.post(f"{url}/v1/completions", json={
         "prompt": prompt, "temperature": 0, "max_tokens": new_tokens, "min_tokens": new_tokens,

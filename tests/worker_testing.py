@@ -44,8 +44,13 @@ class Driver:
     """Plays the scheduler's part by hand: hands out fresh block ids from a counter (never
     reusing one), reserves blocks for multi-step look-ahead, and records every message."""
 
-    def __init__(self, runner: ModelRunner, first_block: int = 0) -> None:
+    def __init__(self, runner: ModelRunner, first_block: int = 0, drafts: int = 0, reserve: int | None = None) -> None:
+        """``drafts``: plans let each row verify this many proposed tokens per step (the
+        runner's ``ngram`` proposes them), with blocks reserved for ``reserve`` of them (default:
+        all)."""
         self.runner = runner
+        self.drafts = drafts
+        self.reserve = drafts if reserve is None else reserve
         self.bs = runner.cache.block_size
         self.free = itertools.count(first_block)
         self.plan_ids = itertools.count(1)
@@ -64,12 +69,12 @@ class Driver:
         blocks = []
         for rid, n in rows:
             computed = news[rid].num_computed if rid in news else self.runner.seqs[rid].num_computed
-            need = -(-(computed + n + steps - 1) // self.bs) - len(self.tables[rid])
+            need = -(-(computed + n + steps - 1 + steps * self.reserve) // self.bs) - len(self.tables[rid])
             fresh = [next(self.free) for _ in range(max(0, need))]
             self.tables[rid] += fresh
             blocks.append(fresh)
         plan = StepPlan(next(self.plan_ids), list(new), [r for r, _ in rows], [n for _, n in rows], blocks, steps,
-                        list(forget))
+                        list(forget), num_draft_tokens=self.drafts)
         out = list(self.runner.execute(plan))
         # Every request the runner holds has one slot in its input batch, and no other does.
         assert sorted(self.runner.batch.slot_of) == sorted(self.runner.seqs)
@@ -90,5 +95,7 @@ class Driver:
     def decode_to_end(self, steps: int) -> None:
         """Decode plans of ``steps`` steps until every request of this driver has stopped."""
         while live := self.live():
-            rows = [(rid, len(self.runner.seqs[rid].token_ids) - self.runner.seqs[rid].num_computed) for rid in live]
+            # (As the scheduler counts: drafts a row's last step accepted are not computed yet.)
+            rows = [(rid, len(seq.token_ids) - seq.num_computed + seq.num_ahead)
+                    for rid in live if (seq := self.runner.seqs[rid])]
             self.plan(rows, steps=steps)

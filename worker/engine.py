@@ -36,6 +36,7 @@ from worker.model.loader import (
     served_name,
 )
 from worker.model.sharding import ShardLayout
+from worker.ngram import NgramConfig
 from worker.parallel import TensorParallelGroup
 from worker.runner import ModelRunner
 from worker.sampling_defaults import sampling_defaults
@@ -153,8 +154,10 @@ class Worker:
                      "OpenAI's)", origin, ", ".join(f"{k} {v:g}" for k, v in defaults.items()))
         # The host-copy buffer is sized for the most rows a step can have.
         grammars = GrammarEngine(self.info.tokenizer_json, self.info.vocab_size, self.info.eos_token_ids)
+        ngram = NgramConfig(config.num_speculative_tokens, config.ngram_min, config.ngram_max) \
+            if config.speculative == "ngram" else None
         self.runner = ModelRunner(model, cache, self.device, self.max_model_len, self.info.eos_token_ids,
-                                  config.max_num_seqs, grammars=grammars, jump_forward=config.jump_forward)
+                                  config.max_num_seqs, grammars=grammars, jump_forward=config.jump_forward, ngram=ngram)
         if kv_dtype != dtype and not isinstance(self.runner.attention, CpuPagedBackend):
             raise ModelLoadError(f"--kv-cache-dtype {config.kv_cache_dtype}: only Sluice's CPU attention kernels read "
                                  f"a cache in another dtype than the model's, and this model takes "

@@ -32,7 +32,9 @@ of forced tokens beyond its steps), and leaves the window when they are full.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -53,6 +55,7 @@ from worker.host_copy import HostCopier, PendingCopy
 from worker.input_batch import InputBatch
 from worker.kv_cache import KVCache, SwapSpace
 from worker.model.llama import LlamaForCausalLM
+from worker.ngram import NgramConfig, NgramIndex
 from worker.pooling import PoolPositions, embedding_bytes
 from worker.sampler import Sampler, SamplerOutput, SamplingRow, TopLogprobs
 from worker.sequence import PlanError, SequenceState
@@ -78,6 +81,12 @@ class StepBatch:
     keep: torch.Tensor | None = None
     prompt: PromptPositions | None = None  # positions whose logits score the next prompt token
     pool: PoolPositions | None = None  # positions whose hidden states embedding rows pool
+    # Speculative decoding: a row with drafts samples at each of its last 1 + d positions
+    # (``samplers`` lists it that often). ``offsets[i]``: how many outputs sampler i's position
+    # lies past the row's next; ``expected[i]``: the draft its sample must equal for the row's
+    # next sample to count, -1 at a row's last position. None: no row drafts this step.
+    offsets: list[int] | None = None
+    expected: list[int] | None = None
 
 
 @dataclasses.dataclass
@@ -111,13 +120,14 @@ class LaunchedStep:
     token_ids: torch.Tensor  # on the device: the next step's input
     copy: PendingCopy
     logprobs: TopLogprobs | None
+    expected: list[int] | None = None  # ``StepBatch.expected``
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device, max_model_len: int,
                  eos_token_ids: list[int], max_num_seqs: int = 256, seed: int | None = None,
                  finalize_lag: int | None = None, grammars: GrammarEngine | None = None,
-                 jump_forward: bool = True) -> None:
+                 jump_forward: bool = True, ngram: NgramConfig | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = device
@@ -144,6 +154,11 @@ class ModelRunner:
         self.cancelled: set[int] = set()  # its rows that stop at the next step
         self.cancels_ahead: dict[int, set[int]] = {}  # for plans received but not started
         self.threads: ThreadPlan | None = None  # CPU threads per step size (worker.cpu_threads)
+        self.ngram = ngram  # speculative decoding's proposer (None: off)
+        self.drafting = False  # the plan in progress verifies proposals (``StepPlan.num_draft_tokens``)
+        # Per draft position: proposals verified and accepted, since the last ``StepTokens``.
+        self.num_drafted: list[int] = []
+        self.num_accepted: list[int] = []
 
     def reset(self) -> int:
         """Forget every request (a new scheduler knows none of them); returns how many."""
@@ -186,14 +201,17 @@ class ModelRunner:
         for stale in [p for p in self.cancels_ahead if p < plan.plan_id]:
             del self.cancels_ahead[stale]
         self._apply_deltas(plan)
+        self.drafting = self.ngram is not None and plan.num_draft_tokens > 0
         batch = self._first_batch(plan)
         num_steps = max(1, plan.num_steps)
         in_flight: deque[LaunchedStep] = deque()
         step, ended = 0, False
         while batch is not None:
             final_step = step == num_steps - 1
-            # A row held to a grammar needs its token on the host before the next step's mask.
-            lag = 0 if final_step or any(seq.grammar is not None for seq in batch.samplers) else self.finalize_lag
+            # A row held to a grammar needs its token on the host before the next step's mask; a
+            # row that drafts, before its proposals.
+            lag = 0 if final_step or self.drafting or any(seq.grammar is not None for seq in batch.samplers) \
+                else self.finalize_lag
             launched = self._launch(step, batch)
             if launched is None:  # only prefill chunks that sample nothing
                 break
@@ -238,7 +256,8 @@ class ModelRunner:
         for seq in batch.samplers:
             seq.num_in_flight += 1
         extras = out.logprobs.tensors() if out.logprobs is not None else None
-        return LaunchedStep(step, batch.samplers, out.token_ids, self.copier.start(out.token_ids, extras), out.logprobs)
+        return LaunchedStep(step, batch.samplers, out.token_ids, self.copier.start(out.token_ids, extras), out.logprobs,
+                            batch.expected)
 
     def _finalize(self, plan_id: int, launched: LaunchedStep, jump: bool = False) -> StepTokens:
         """Read a step's ids on the host and apply them: each row's token, unless the row had
@@ -251,9 +270,28 @@ class ModelRunner:
         logprobs = []
         prompt_logprobs = []
         embeddings = []
+        expected = launched.expected
+        if expected is not None:  # drafts verified, by row; how many were accepted; rows done
+            verified = collections.Counter(seq.rid for seq, draft in zip(launched.samplers, expected, strict=True)
+                                           if draft >= 0)
+            accepted = dict.fromkeys(verified, 0)
+            settled: set[int] = set()
         for i, (seq, token) in enumerate(zip(launched.samplers, tokens, strict=True)):
             if seq.stopped:
                 continue
+            if expected is not None:
+                # A row's sample at each of its positions is what it would have sampled there
+                # without drafts (the same logits, the same uniform): it goes out while the draft
+                # before it was sampled too. The first that differs replaces its draft and ends
+                # the row's step. For a random row this is the standard rejection rule for a
+                # proposal that is one token for sure: accepted with its probability, else a
+                # sample from the rest of the distribution.
+                if seq.rid in settled:
+                    continue
+                if expected[i] == token:
+                    accepted[seq.rid] += 1
+                else:
+                    settled.add(seq.rid)
             rids.append(seq.rid)
             kept.append(token)
             if asked is not None and i in asked:
@@ -276,8 +314,29 @@ class ModelRunner:
                     if seq.append(forced, self.eos_token_ids, self.max_model_len):
                         self.forget(seq.rid)
                         break
+        if expected is not None:
+            for rid, num_drafts in verified.items():
+                num_accepted = accepted[rid]
+                self._count_drafts(num_drafts, num_accepted)
+                drafted = self.seqs.get(rid)
+                if drafted is not None and not drafted.stopped:
+                    drafted.settle_drafts(num_drafts, num_accepted)
         return StepTokens(plan_id, launched.step, rids, kept, False, 0.0, pack_logprobs(logprobs),
-                          pack_prompt_logprobs(prompt_logprobs), pack_embeddings(embeddings))
+                          pack_prompt_logprobs(prompt_logprobs), pack_embeddings(embeddings),
+                          *self._take_draft_counts())
+
+    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        while len(self.num_drafted) < num_drafts:
+            self.num_drafted.append(0)
+            self.num_accepted.append(0)
+        for j in range(num_drafts):
+            self.num_drafted[j] += 1
+            self.num_accepted[j] += j < num_accepted
+
+    def _take_draft_counts(self) -> tuple[list[int], list[int]]:
+        counts = self.num_drafted, self.num_accepted
+        self.num_drafted, self.num_accepted = [], []
+        return counts
 
     def _jumps(self, seq: SequenceState) -> bool:
         """Whether a constrained row may jump forward: not when it asked for logprobs (a forced
@@ -307,10 +366,7 @@ class ModelRunner:
             raise PlanError(f"plan {plan.plan_id}: rids, num_tokens and new_block_ids differ in length")
         if len(set(plan.rids)) != len(plan.rids):
             raise PlanError(f"plan {plan.plan_id}: a request appears twice")
-        ids: list[int] = []
-        seqs, starts, lengths, samplers, logits_indices = [], [], [], [], []
-        prompt: PromptPositions | None = None
-        pool: PoolPositions | None = None
+        rows = _Rows()
         for rid, n, new_blocks in zip(plan.rids, plan.num_tokens, plan.new_block_ids, strict=True):
             seq = self.seqs.get(rid)
             if seq is None:
@@ -320,31 +376,64 @@ class ModelRunner:
             self.batch.append_blocks(rid, new_blocks)  # the scheduler counts them as sent, run or not
             if plan.speculative and rid in self.cancelled:
                 continue  # paused after this plan was made
+            if seq.num_ahead and not plan.speculative:
+                # Drafts accepted in the row's last step of an earlier plan: the scheduler, which
+                # counts a step's tokens computed when the next step reports, asks for them again.
+                skip = min(n, seq.num_ahead)
+                seq.num_ahead -= skip
+                n -= skip
+                if not n:
+                    continue
             start = seq.schedule(n, self.cache.block_size, self.batch.blocks_of(rid))
             if seq.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-                prompt = prompt or PromptPositions()
-                prompt.add(seq, len(ids), start, n)
+                rows.prompt = rows.prompt or PromptPositions()
+                rows.prompt.add(seq, len(rows.ids), start, n)
             if seq.sampling.pooling is not None and start < seq.num_prompt_tokens:
-                pool = pool or PoolPositions()
-                pool.add(seq, len(ids), start, n)
-            ids.extend(seq.token_ids[start : start + n])
-            seqs.append(seq)
-            starts.append(start)
-            lengths.append(n)
+                rows.pool = rows.pool or PoolPositions()
+                rows.pool.add(seq, len(rows.ids), start, n)
+            rows.add(seq, start, n)
             if seq.fully_computed:
-                samplers.append(seq)
-                logits_indices.append(len(ids) - 1)
                 seq.window_end = self.batch.blocks_of(rid) * self.cache.block_size
-        if not seqs:
-            return None
-        return StepBatch(seqs, starts, lengths, samplers, logits_indices, host_ids=torch.tensor(ids, dtype=torch.long),
-                         prompt=prompt, pool=pool)
+                self._sample(rows, seq, n)
+        return rows.build() if rows.seqs else None
+
+    def _sample(self, rows: _Rows, seq: SequenceState, n: int) -> None:
+        """``seq``, just added with its last ``n`` known tokens, samples at its last position;
+        in a drafting plan, a row that decodes one token also verifies what is proposed after it."""
+        proposed = self._propose(seq) if self.drafting and n == 1 else []
+        if proposed:
+            seq.claim_drafts(len(proposed), self.cache.block_size, self.batch.blocks_of(seq.rid))
+        rows.sample(seq, proposed)
+
+    def _propose(self, seq: SequenceState) -> list[int]:
+        """Speculative decoding: tokens proposed after ``seq``'s last known one, which it
+        computes this step (scheduled already), as many as its blocks and its length allow.
+
+        Rows that sample from their own history (the penalties: their counts would have to follow
+        each draft), are held to a grammar (each draft would need its mask) or ask for logprobs
+        (a step carries one entry per row) do not draft."""
+        assert self.ngram is not None
+        sampling = seq.sampling
+        if seq.grammar is not None or sampling.reads_history or sampling.logprobs is not None or seq.num_outputs < 1:
+            return []
+        limit = min(seq.window_end - seq.num_computed,  # the blocks the row holds in this plan
+                    sampling.max_tokens - seq.num_sampled - 1,  # (the step's own sample counts too)
+                    self.max_model_len - seq.num_known - 1)
+        if limit <= 0:
+            return []
+        if seq.ngrams is None:
+            seq.ngrams = NgramIndex(self.ngram)
+        return seq.ngrams.propose(seq.token_ids, limit)
 
     def _decode_batch(self, prev: LaunchedStep, keep: list[int]) -> StepBatch:
         """The next multi-step step: rows ``keep`` of the previous step each compute the token
         they just sampled, taken from the device without a host round trip — or, when a row
-        jumped forward, every row its tokens from the host (which has them all: lag 0)."""
+        jumped forward or the plan drafts, every row its tokens from the host (which has them
+        all: lag 0)."""
         seqs = [prev.samplers[i] for i in keep]
+        if self.drafting:
+            # (A drafting step lists a row once per position it sampled at.)
+            return self._catch_up_batch(list({seq.rid: seq for seq in seqs}.values()))
         if any(seq.num_known - seq.num_computed > 1 for seq in seqs):
             return self._catch_up_batch(seqs)
         starts = [seq.schedule(1, self.cache.block_size, self.batch.blocks_of(seq.rid)) for seq in seqs]
@@ -355,18 +444,14 @@ class ModelRunner:
     def _catch_up_batch(self, seqs: list[SequenceState]) -> StepBatch:
         """A step in which each row computes all its tokens not yet computed (its sampled token,
         and those jump-forward appended after it) and samples at the last."""
-        ids: list[int] = []
-        starts, lengths, logits_indices = [], [], []
+        rows = _Rows()
         for seq in seqs:
             if seq.num_in_flight:
                 raise PlanError(f"rid {seq.rid}: jumped forward with a token still in flight")
             n = seq.num_known - seq.num_computed
-            start = seq.schedule(n, self.cache.block_size, self.batch.blocks_of(seq.rid))
-            ids.extend(seq.token_ids[start : start + n])
-            starts.append(start)
-            lengths.append(n)
-            logits_indices.append(len(ids) - 1)
-        return StepBatch(seqs, starts, lengths, seqs, logits_indices, host_ids=torch.tensor(ids, dtype=torch.long))
+            rows.add(seq, seq.schedule(n, self.cache.block_size, self.batch.blocks_of(seq.rid)), n)
+            self._sample(rows, seq, n)
+        return rows.build()
 
     # ------------------------------------------------------------------ one step
 
@@ -379,10 +464,11 @@ class ModelRunner:
         # Under tensor parallelism rank 0 alone samples: the others prepare nothing of it (no
         # grammar masks, no penalty histories) and take its ids.
         samples_here = group is None or group.rank == 0
+        offsets = batch.offsets or itertools.repeat(0)
         sampling = self.sampler.prepare([
             SamplingRow(s.sampling, s.num_sampled, s.token_ids, s.num_prompt_tokens, s.rid, s.grammar)
-            if s.sampling.reads_history else SamplingRow(s.sampling, s.num_sampled, grammar=s.grammar)
-            for s in batch.samplers], params) if batch.samplers and samples_here else None
+            if s.sampling.reads_history else SamplingRow(s.sampling, s.num_sampled + offset, grammar=s.grammar)
+            for s, offset in zip(batch.samplers, offsets, strict=False)], params) if batch.samplers and samples_here else None
         ids = batch.host_ids if batch.host_ids is not None else batch.keep
         host = ([ids] if ids is not None else []) + (sampling.tensors() if sampling is not None else [])
         prompt = batch.prompt
@@ -429,6 +515,64 @@ class ModelRunner:
             out = SamplerOutput(torch.empty(len(batch.samplers), dtype=torch.long, device=self.device), None)
         group.broadcast_tokens(out.token_ids)
         return out
+
+
+@dataclasses.dataclass
+class _Rows:
+    """A ``StepBatch`` from the host's tokens, row by row.
+
+    A row's proposed tokens (speculative decoding) join the step as rows of one token each, at
+    the positions after the row's own: with every row one token long, the step is a decode
+    step, which the decode paths run (the CPU's whole-stack decoder among them) at the cost of
+    a batch of rows that read the weights once, where a chunk of several tokens would go the
+    slower prefill way. A decode step writes every row's key and value before any row attends
+    (in each layer), so each draft's row sees the ones before it, as a chunk's causal mask
+    would let it; and each row computes what it would alone (batching never changes a row's
+    result), so its logits are those the row would have had decoding one token at a time."""
+
+    ids: list[int] = dataclasses.field(default_factory=list)
+    seqs: list[SequenceState] = dataclasses.field(default_factory=list)
+    starts: list[int] = dataclasses.field(default_factory=list)
+    lengths: list[int] = dataclasses.field(default_factory=list)
+    samplers: list[SequenceState] = dataclasses.field(default_factory=list)
+    logits_indices: list[int] = dataclasses.field(default_factory=list)
+    prompt: PromptPositions | None = None
+    pool: PoolPositions | None = None
+    offsets: list[int] = dataclasses.field(default_factory=list)
+    expected: list[int] = dataclasses.field(default_factory=list)
+    drafted: bool = False
+
+    def add(self, seq: SequenceState, start: int, n: int) -> None:
+        """``seq`` computes its ``n`` known tokens from position ``start``."""
+        self.ids.extend(seq.token_ids[start : start + n])
+        self.seqs.append(seq)
+        self.starts.append(start)
+        self.lengths.append(n)
+
+    def sample(self, seq: SequenceState, proposed: list[int]) -> None:
+        """``seq``, the row just added, samples at its last position, then verifies ``proposed``
+        (their positions already claimed): each a row of its own that samples too."""
+        start = self.starts[-1] + self.lengths[-1]
+        for j, token in enumerate(proposed):
+            self.ids.append(token)
+            self.seqs.append(seq)
+            self.starts.append(start + j)
+            self.lengths.append(1)
+        first = len(self.ids) - 1 - len(proposed)
+        for j in range(len(proposed) + 1):
+            self.samplers.append(seq)
+            self.logits_indices.append(first + j)
+        self.offsets.extend(range(len(proposed) + 1))
+        self.expected.extend(proposed)
+        self.expected.append(-1)
+        self.drafted = self.drafted or bool(proposed)
+
+    def build(self) -> StepBatch:
+        batch = StepBatch(self.seqs, self.starts, self.lengths, self.samplers, self.logits_indices,
+                          host_ids=torch.tensor(self.ids, dtype=torch.long), prompt=self.prompt, pool=self.pool)
+        if self.drafted:
+            batch.offsets, batch.expected = self.offsets, self.expected
+        return batch
 
 
 SCORE_ROWS = 256  # prompt positions scored at once: a slice of log-softmax, not one per position of the chunk

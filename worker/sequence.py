@@ -17,6 +17,7 @@ from protocol.stop import length_reached, stop_reason
 if TYPE_CHECKING:
     import torch
 
+    from worker.ngram import NgramIndex
     from worker.structured import GrammarState
 
 
@@ -48,6 +49,12 @@ class SequenceState:
     # sum over ``num_pooled`` positions (mean), or the last position's (last).
     pooled: torch.Tensor | None = None
     num_pooled: int = 0
+    # Speculative decoding: the n-gram index its proposals come from (made at its first), and
+    # how many of its computed tokens the scheduler does not count as computed yet: drafts its
+    # latest step verified and accepted, which the scheduler learns were computed only from the
+    # row's next step (so a plan of its own asks for them again, ``ModelRunner._first_batch``).
+    ngrams: NgramIndex | None = None
+    num_ahead: int = 0
 
     @classmethod
     def from_new(cls, new: NewRequest) -> SequenceState:
@@ -88,7 +95,26 @@ class SequenceState:
         if end > num_blocks * block_size:
             raise PlanError(f"rid {self.rid}: position {end - 1} lies beyond its {num_blocks} blocks")
         self.num_computed = end
+        self.num_ahead = 0  # the step reports: the scheduler then counts what came before as computed
         return start
+
+    def claim_drafts(self, num_drafts: int, block_size: int, num_blocks: int) -> None:
+        """Claim the positions of ``num_drafts`` proposed tokens after the last known one, which
+        the step computes with them (its KV written, its logits verifying them); ``settle_drafts``
+        gives back the positions of those rejected once the step's tokens are known."""
+        end = self.num_computed + num_drafts
+        if self.num_computed != self.num_known:
+            raise PlanError(f"rid {self.rid}: drafts after position {self.num_computed}, of {self.num_known} known")
+        if end > num_blocks * block_size:
+            raise PlanError(f"rid {self.rid}: draft position {end - 1} lies beyond its {num_blocks} blocks")
+        self.num_computed = end
+
+    def settle_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        """After a step verified ``num_drafts`` drafts of which the first ``num_accepted`` were
+        sampled too (and appended): only those, and the token before them, hold their KV."""
+        self.num_computed -= num_drafts - num_accepted
+        self.num_in_flight = 0
+        self.num_ahead = num_accepted
 
     def append(self, token: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> bool:
         """Add a sampled token that reached the host; True when the request stops with it (the

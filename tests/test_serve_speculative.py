@@ -1,0 +1,90 @@
+"""``--speculative ngram``, served: SmolLM2 answering prompts that quote their input gives, token
+for token, the greedy answer of the same server without speculation, alone and in a batch; a
+stream carries the same text; the metrics count proposals and acceptances per position; and
+every KV block comes back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from near_ties import greedy_ids
+from sluice_server import SluiceServer, settled_stats, started_server
+
+from worker.kernels import cpu as cpu_kernels
+
+pytestmark = [pytest.mark.timeout(900),
+              pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the kernels cannot be built here")]
+
+ADMIN = {"Authorization": "Bearer spec-test"}
+PARAGRAPH = ("The river runs past the old mill, under the stone bridge, and on to the sea. In spring the "
+             "water is high and brown; in autumn it is low and clear, and the children of the village "
+             "catch small fish under the bridge.")
+QUESTIONS = [
+    f"Repeat this text word for word:\n\n{PARAGRAPH}",
+    f"Quote the first sentence of this text exactly:\n\n{PARAGRAPH}",
+    f'Fill this JSON record from the text, {{"river_goes_to": "", "spring_water": ""}}:\n\n{PARAGRAPH}',
+]
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SluiceServer, SluiceServer]]:
+    """One server with speculation, one without, started side by side."""
+    flags = ("--model", "smollm2", "--num-kv-blocks", "128", "--admin-token", "spec-test")
+    with started_server(*flags, "--speculative", "ngram", "--num-speculative-tokens", "4",
+                        log_dir=tmp_path_factory.mktemp("logs")) as drafting, \
+            started_server(*flags, log_dir=tmp_path_factory.mktemp("logs")) as plain:
+        drafting.wait_ready()
+        plain.wait_ready()
+        yield drafting, plain
+
+
+@pytest.fixture(scope="module")
+def server(servers: tuple[SluiceServer, SluiceServer]) -> SluiceServer:
+    return servers[0]
+
+
+def spec_metrics(server: SluiceServer) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+            if line.startswith("sluice_spec_decode")}
+
+
+def test_greedy_answers_are_the_answers_without_speculation(servers: tuple[SluiceServer, SluiceServer]) -> None:
+    server, plain = servers
+    prompts = [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in QUESTIONS]  # SmolLM2's template
+
+    async def run(url: str) -> tuple[list[list[int]], list[list[int]]]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            alone = [await greedy_ids(client, url, p, NEW_TOKENS) for p in prompts]
+            together = list(await asyncio.gather(*(greedy_ids(client, url, p, NEW_TOKENS) for p in prompts)))
+            return alone, together
+
+    expected, _ = asyncio.run(run(plain.url))
+    alone, together = asyncio.run(run(server.url))
+    assert alone == expected
+    assert together == expected
+    counts = spec_metrics(server)
+    drafted = counts['sluice_spec_decode_num_draft_tokens_total{model_name="smollm2"}']
+    accepted = counts['sluice_spec_decode_num_accepted_tokens_total{model_name="smollm2"}']
+    assert 0 < accepted <= drafted  # the quotes were proposed, and some accepted
+    first = counts['sluice_spec_decode_num_accepted_tokens_per_pos_total{model_name="smollm2",position="0"}']
+    assert 0 < first <= counts['sluice_spec_decode_num_draft_tokens_per_pos_total{model_name="smollm2",position="0"}']
+    stats = settled_stats(server, ADMIN)
+    assert stats["kv_blocks_used"] == 0 and stats["running"] == 0  # every block came back
+    assert stats["spec_accepted_tokens"] >= accepted  # (the metrics show the scheduler's figures of its last ping)
+
+
+def test_a_stream_carries_the_same_text(server: SluiceServer) -> None:
+    body = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "temperature": 0, "max_tokens": NEW_TOKENS}
+    whole = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300).json()
+    parts = []
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body | {"stream": True}, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = httpx.Response(200, content=line[6:]).json()
+                parts += [c["delta"].get("content") or "" for c in chunk["choices"]]
+    assert "".join(parts) == whole["choices"][0]["message"]["content"]

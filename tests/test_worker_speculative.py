@@ -1,0 +1,119 @@
+"""Speculative decoding in the runner, on the tiny model: n-gram proposals verified inside
+multi-step windows give exactly the tokens decoding one at a time gives, greedy or seeded, in
+windows of any size, with prompts prefilled beside, stops inside the accepted drafts, and a
+recompute preemption mid-stream; rows whose sampling reads what drafts would change do not draft."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from worker_testing import Driver, greedy, one_cpu_thread, tiny_worker
+
+from protocol.messages import NewRequest, SamplingParams
+from worker.engine import Worker
+from worker.ngram import NgramConfig
+from worker.runner import ModelRunner
+
+BS = 4
+# Repeats, so that proposals find matches from the start (the tiny model also repeats itself).
+PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100] * 3
+OTHER = [1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 84, 104, 101, 32]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    with one_cpu_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Worker:
+    return tiny_worker(tmp_path_factory.mktemp("cache"), BS)
+
+
+def runner_for(worker: Worker, drafts: int, n_min: int = 1, n_max: int = 3) -> ModelRunner:
+    r = worker.runner
+    return ModelRunner(r.model, r.cache, r.device, 8192, list(r.eos_token_ids),
+                       ngram=NgramConfig(drafts, n_min, n_max) if drafts else None)
+
+
+def generate(worker: Worker, prompts: dict[int, list[int]], params: SamplingParams, steps: int,
+             drafts: int = 0) -> Driver:
+    d = Driver(runner_for(worker, drafts), drafts=drafts)
+    d.prefill(prompts, params, steps)
+    d.decode_to_end(steps)
+    assert d.runner.seqs == {}
+    return d
+
+
+def accepted(d: Driver) -> int:
+    return sum(sum(m.accepted) for m in d.messages)
+
+
+@pytest.mark.parametrize(("steps", "drafts"), [(1, 3), (4, 2), (8, 5)])
+def test_greedy_tokens_are_the_same_with_drafts(worker: Worker, steps: int, drafts: int) -> None:
+    prompts = {0: PROMPT, 1: OTHER, 2: PROMPT[:20]}
+    plain = generate(worker, prompts, greedy(40), steps)
+    drafted = generate(worker, prompts, greedy(40), steps, drafts)
+    assert dict(drafted.outputs) == dict(plain.outputs)
+    assert accepted(drafted) > 0  # proposals were verified and accepted, not only made
+    assert len(drafted.messages) < len(plain.messages)  # and they saved forward passes
+
+
+def test_seeded_samples_are_the_same_with_drafts(worker: Worker) -> None:
+    """A seeded row samples each output from its own uniform draw: with drafts, each position's
+    sample is the one decoding alone would take there, accepted while the drafts before it were.
+    (For a proposal of one sure token this is the standard rejection rule: the draft is kept with
+    its probability, and a rejection samples from the rest of the distribution.)"""
+    for seed in range(6):
+        params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True)
+        prompts = {0: PROMPT, 1: OTHER}
+        assert dict(generate(worker, prompts, params, 4, drafts=3).outputs) == \
+            dict(generate(worker, prompts, params, 4).outputs), seed
+
+
+def test_a_stop_inside_the_accepted_drafts_ends_the_row_there(worker: Worker) -> None:
+    reference = generate(worker, {0: PROMPT}, greedy(40), 1).outputs[0]
+    drafted = generate(worker, {0: PROMPT}, greedy(40), 8, drafts=5)
+    # A token the drafted run accepted as a draft (a step's second or later token of the row).
+    step_tokens = [m.token_ids for m in drafted.messages if len(m.token_ids) > 2]
+    assert step_tokens, "no step accepted two drafts"
+    stop = step_tokens[0][1]
+    cut = reference.index(stop) + 1
+    for drafts in (0, 5):
+        out = generate(worker, {0: PROMPT}, greedy(40, stop_token_ids=[stop]), 8, drafts).outputs[0]
+        assert out == reference[:cut]  # the stop token, and nothing after it
+    # max_tokens is exact whatever a proposal holds.
+    for max_tokens in (1, 2, 7):
+        assert generate(worker, {0: PROMPT}, greedy(max_tokens), 8, drafts=5).outputs[0] == reference[:max_tokens]
+
+
+def test_a_recompute_preemption_mid_stream_continues_the_same(worker: Worker) -> None:
+    reference = generate(worker, {0: PROMPT}, greedy(40), 1).outputs[0]
+    d = Driver(runner_for(worker, 4), drafts=4)
+    d.prefill({0: PROMPT}, greedy(40), 4)
+    d.plan([(0, 1)], steps=4)
+    # Preempted: the worker forgets it and gets it back whole, everything so far its prompt's.
+    so_far = PROMPT + d.outputs[0]
+    d.plan([(0, len(so_far))], [NewRequest(0, so_far, len(PROMPT), greedy(40))], steps=4, forget=[0])
+    d.decode_to_end(4)
+    assert d.outputs[0] == reference
+
+
+def test_rows_that_read_their_history_or_want_logprobs_do_not_draft(worker: Worker) -> None:
+    for params in (greedy(24, repetition_penalty=1.3), greedy(24, logprobs=2)):
+        drafted = generate(worker, {0: PROMPT}, params, 4, drafts=4)
+        assert not any(m.drafted for m in drafted.messages)
+        assert dict(drafted.outputs) == dict(generate(worker, {0: PROMPT}, params, 4).outputs)
+
+
+def test_drafts_stay_inside_the_blocks_a_row_holds(worker: Worker) -> None:
+    """Plans that reserve no room for drafts: the runner drafts only as far as the row's blocks
+    reach (a draft past them would be written to a block the row does not hold)."""
+    reference = generate(worker, {0: PROMPT}, greedy(40), 1).outputs[0]
+    d = Driver(runner_for(worker, 6), drafts=6, reserve=0)
+    d.prefill({0: PROMPT}, greedy(40), 4)
+    d.decode_to_end(4)
+    assert d.outputs[0] == reference
+    assert accepted(d) > 0  # it still drafted, in what its last block had left
