@@ -6,6 +6,12 @@ A constrained request (its ``SamplingParams.grammar`` set, whatever it says) jum
 the runner does: after a sampled token, ``jump_for(rid, output_index)`` more tokens (each
 ``token_for``'s), as far as its blocks reach, when another step of the window follows; the next
 step computes them all.
+In a plan with ``num_draft_tokens`` (speculative decoding), an unconstrained row that decodes
+one token verifies as many drafts as its blocks hold, writing each draft's KV, and accepts
+``accept_for(rid, output_index)`` of them (at most all) before its sampled token, as the runner
+does: the rejected drafts' slots are left holding garbage (-1), which the content checks catch
+if anything reads them; accepted drafts count as computed from then on, which the scheduler
+learns from the row's next step (``ahead``).
 Its "KV cache" stores, per slot, the token id written there, and swaps and copies move those:
 every computation first checks that the context it would attend to holds exactly the request's
 tokens, so prefix sharing, copy-on-write, swap and preemption bookkeeping are verified by
@@ -32,17 +38,20 @@ class _Seq:
     sampling: SamplingParams
     computed: int = 0
     blocks: list[int] = dataclasses.field(default_factory=list)
+    ahead: int = 0  # accepted drafts of its last step, which the scheduler does not count yet
 
 
 class FakeWorker:
     def __init__(self, block_size: int, eos: int = 2, max_model_len: int = 10**9,
                  token_for: Callable[[int, int], int] | None = None,
-                 jump_for: Callable[[int, int], int] | None = None) -> None:
+                 jump_for: Callable[[int, int], int] | None = None,
+                 accept_for: Callable[[int, int], int] | None = None) -> None:
         self.block_size = block_size
         self.eos = eos
         self.max_model_len = max_model_len
         self.token_for = token_for or (lambda rid, i: 100 + (rid * 7 + i) % 50)
         self.jump_for = jump_for or (lambda rid, i: (rid + i) % 4)
+        self.accept_for = accept_for or (lambda rid, i: (rid * 3 + i) % 5)
         self.seqs: dict[int, _Seq] = {}
         self.device: dict[int, int] = {}  # slot -> token id whose KV is there
         self.host: dict[int, int] = {}
@@ -95,6 +104,13 @@ class FakeWorker:
             s.blocks += blocks
             if plan.speculative and cancel_after.get(rid, 0) < 0:
                 continue  # paused after the plan was made
+            if s.ahead and not plan.speculative:  # the scheduler asks again for drafts computed
+                skip = min(n, s.ahead)
+                s.ahead -= skip
+                n -= skip
+                if not n:
+                    continue
+            s.ahead = 0
             self._compute(rid, s, s.computed, n)
             s.computed += n
             if s.computed > len(s.tokens):
@@ -109,9 +125,13 @@ class FakeWorker:
                     n = len(s.tokens) - s.computed
                     self._compute(rid, s, s.computed, n)
                     s.computed += n
+                    s.ahead = 0
             rids, tokens = [], []
             for rid in active:
                 s = self.seqs[rid]
+                if plan.num_draft_tokens and s.sampling.grammar is None and len(s.tokens) > s.num_prompt:
+                    self._draft(rid, s, plan.num_draft_tokens, rids, tokens)
+                    continue
                 jump = self.jump_for(rid, len(s.tokens) - s.num_prompt) if s.sampling.grammar is not None else 0
                 room = len(s.blocks) * self.block_size - s.computed - 1
                 for _ in range(1 + (min(jump, room) if step < plan.num_steps - 1 else 0)):
@@ -136,6 +156,26 @@ class FakeWorker:
         for rid in forget:
             self.seqs.pop(rid, None)
         return out
+
+
+    def _draft(self, rid: int, s: _Seq, most: int, rids: list[int], tokens: list[int]) -> None:
+        """A drafting row's step: drafts written after its last token (computed just now),
+        ``accept_for`` of them kept, then its sampled token."""
+        drafts = min(most, len(s.blocks) * self.block_size - s.computed)
+        keep = min(drafts, self.accept_for(rid, len(s.tokens) - s.num_prompt))
+        for j in range(drafts):  # accepted drafts are the tokens that follow; rejected, garbage
+            token = self.token_for(rid, len(s.tokens) - s.num_prompt + j) if j < keep else -1
+            self.device[self._slot(s, s.computed + j)] = token
+        accepted = 0
+        for j in range(keep + 1):
+            rids.append(rid)
+            tokens.append(self.token_for(rid, len(s.tokens) - s.num_prompt))
+            s.tokens.append(tokens[-1])
+            if self._stopped(s):
+                return
+            accepted += j < keep
+        s.computed += accepted
+        s.ahead = accepted
 
 
 def run_window(sched: Scheduler, worker: FakeWorker, plan: StepPlan, ahead: StepPlan | None,

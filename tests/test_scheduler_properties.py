@@ -72,7 +72,7 @@ ops = st.lists(
 @example(ops=[("shared", 8, 16, 1, 1), ("add", 15, 16, 0, True), ("add", 13, 16, 1, True), ("add", 24, 2, 2, False),
               ("add", 21, 6, 0, False), ("shared", 16, 18, 4, 0), ("add", 15, 2, 2, False), ("choices", 25, 1, 2, 2, False, False)],
          policy="fair", num_blocks=27, budget=20, max_seqs=5, steps=1, k=1, mode="swap", priority_preemption=False,
-         host_blocks=4, caps={})
+         host_blocks=4, caps={}, drafts=0)
 @given(
     ops=ops,
     policy=st.sampled_from(["fcfs", "priority", "fair"]),
@@ -85,14 +85,18 @@ ops = st.lists(
     priority_preemption=st.booleans(),
     host_blocks=st.sampled_from([0, 4]),
     caps=st.sampled_from([{}, {}, {1: 1}, {0: 2}]),
+    # Speculative decoding: rows verify this many drafts a step (the fake worker accepts some),
+    # in plans of at most 4 rows.
+    drafts=st.sampled_from([0, 0, 2, 5]),
 )
 def test_scheduler_invariants(ops: list[tuple], policy: str, num_blocks: int, budget: int, max_seqs: int,
                               steps: int, k: int, mode: str, priority_preemption: bool, host_blocks: int,
-                              caps: dict[int, int]) -> None:
+                              caps: dict[int, int], drafts: int) -> None:
     config = SchedulerConfig(scheduling_policy=policy, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                              num_scheduler_steps=steps, min_concurrent_prefills=k, preemption_mode=mode,
                              priority_preemption=priority_preemption, num_host_blocks=host_blocks,
-                             max_num_seqs_per_priority=caps)
+                             max_num_seqs_per_priority=caps, speculative="ngram" if drafts else "none",
+                             num_speculative_tokens=max(drafts, 1), speculative_max_batch=4)
     sched = Scheduler(config, num_blocks, BS, 64, [2])
     worker = FakeWorker(BS, eos=2, max_model_len=64, token_for=lambda rid, i: 2 if (rid + i) % 9 == 0 else 50)
     accepted: set[int] = set()
