@@ -125,7 +125,7 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
         _bool_flag(p, "--jump-forward", True,
                    "structured output: append the tokens a grammar allows only one way (JSON keys and "
                    "punctuation) without a forward pass each")
-        p.add_argument("--ngram-min", type=int, default=2,
+        p.add_argument("--ngram-min", type=int, default=1,
                        help="--speculative ngram: the shortest run of last tokens looked up in the prompt and output")
         p.add_argument("--ngram-max", type=int, default=4,
                        help="--speculative ngram: the longest (the longest that occurred before is used)")
@@ -142,7 +142,7 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        help="speculative decoding: ngram proposes the tokens that followed the last few tokens "
                             "where they occurred before in the prompt or output (prompt lookup), and one forward "
                             "pass verifies them; the output is the same as without it")
-        p.add_argument("--num-speculative-tokens", type=int, default=4,
+        p.add_argument("--num-speculative-tokens", type=int, default=6,
                        help="--speculative: most proposed tokens a request verifies per step")
     if sc:
         p.add_argument("--long-prefill-threshold", type=int, default=0,

@@ -80,7 +80,7 @@ class SchedulerConfig:
     insecure_zmq: bool = False  # allow plain ZeroMQ on a non-loopback address
     log_level: str = "info"
     speculative: str = "none"  # none | ngram: speculative decoding (the worker proposes and verifies)
-    num_speculative_tokens: int = 4  # most proposed tokens a row verifies per step: blocks reserved for them
+    num_speculative_tokens: int = 6  # most proposed tokens a row verifies per step: blocks reserved for them
     speculative_max_batch: int = 8  # plans of more rows than this do not draft (verifying costs compute)
 
     def __post_init__(self) -> None:
@@ -158,8 +158,8 @@ class WorkerConfig:
     insecure_zmq: bool = False
     log_level: str = "info"
     speculative: str = "none"  # none | ngram: speculative decoding (see ``worker/ngram.py``)
-    num_speculative_tokens: int = 4  # most proposed tokens a row verifies per step
-    ngram_min: int = 2  # shortest suffix an n-gram proposal matches
+    num_speculative_tokens: int = 6  # most proposed tokens a row verifies per step
+    ngram_min: int = 1  # shortest suffix an n-gram proposal matches
     ngram_max: int = 4  # longest
 
     def __post_init__(self) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 @dataclasses.dataclass(frozen=True)
 class NgramConfig:
     num_tokens: int  # most tokens proposed per step
-    n_min: int = 2
+    n_min: int = 1
     n_max: int = 4
 
 

@@ -416,7 +416,8 @@ class ModelRunner:
         sampling = seq.sampling
         if seq.grammar is not None or sampling.reads_history or sampling.logprobs is not None or seq.num_outputs < 1:
             return []
-        limit = min(seq.window_end - seq.num_computed,  # the blocks the row holds in this plan
+        limit = min(seq.draft_budget or self.ngram.num_tokens,
+                    seq.window_end - seq.num_computed,  # the blocks the row holds in this plan
                     sampling.max_tokens - seq.num_sampled - 1,  # (the step's own sample counts too)
                     self.max_model_len - seq.num_known - 1)
         if limit <= 0:

@@ -55,6 +55,11 @@ class SequenceState:
     # row's next step (so a plan of its own asks for them again, ``ModelRunner._first_batch``).
     ngrams: NgramIndex | None = None
     num_ahead: int = 0
+    # How many tokens its next proposal may hold (None: as many as the proposer's most): one
+    # more than its last step accepted, or twice as many as it proposed when all were accepted.
+    # A draft's verification costs a row's compute; text that stops following its input should
+    # not pay for long proposals, nor text that quotes it be held to short ones.
+    draft_budget: int | None = None
 
     @classmethod
     def from_new(cls, new: NewRequest) -> SequenceState:
@@ -115,6 +120,7 @@ class SequenceState:
         self.num_computed -= num_drafts - num_accepted
         self.num_in_flight = 0
         self.num_ahead = num_accepted
+        self.draft_budget = 2 * num_drafts if num_accepted == num_drafts else num_accepted + 1
 
     def append(self, token: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> bool:
         """Add a sampled token that reached the host; True when the request stops with it (the
