@@ -52,7 +52,8 @@ from client.workload import DEFAULT_TOKEN_IDS, Length, RequestSpec, build_reques
 COMMON_ROWS = (Metric("successful requests", ("summary", "completed")),
                Metric("failed requests", ("summary", "failed")),
                Metric("duration (s)", ("summary", "duration_s")))
-SERVER_COUNTERS = ("preemptions", "swaps", "steps", "jump_forward_tokens")  # /admin/stats' changes over the run
+SERVER_COUNTERS = ("preemptions", "swaps", "steps", "jump_forward_tokens", "spec_draft_tokens",
+                   "spec_accepted_tokens")  # /admin/stats' changes over the run
 
 
 @dataclasses.dataclass

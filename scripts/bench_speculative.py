@@ -18,8 +18,9 @@ in turn), ``--rounds`` times, every server started fresh for its cell; a figure 
 over rounds. Sluice runs with its defaults plus ``--speculative ngram``, or without it.
 llama.cpp runs as its users run it for the load: all cores, one slot per stream, 512 tokens
 of context per slot (more where a request needs it), and, for its speculation, ``--spec-type
-ngram-simple`` with ``--llama-spec`` (default: lookups of 3 tokens, up to 16 drafted; its own
-default looks up 12 tokens, which these short answers rarely repeat).
+ngram-simple`` with its own defaults (lookups of 12 tokens, up to 3 drafted) and ``--llama-spec``
+(none by default). On the machine of docs/benchmarks.md, those defaults did best: lookups of 2 or
+3 tokens with up to 8 or 16 drafted were no faster, or slower.
 
 Also printed: each workload's acceptance (Sluice's proposals accepted / verified, from
 ``/admin/stats``), and whether Sluice's answers with and without speculation are the same text
@@ -134,8 +135,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
-    p.add_argument("--llama-spec", default="--spec-ngram-simple-size-n 3 --spec-draft-n-max 16",
-                   help="llama-server's flags for its speculation, beside --spec-type ngram-simple")
+    p.add_argument("--llama-spec", default="",
+                   help="more llama-server flags for its speculation, beside --spec-type ngram-simple")
     p.add_argument("--sluice-args", default="", help="extra flags for both Sluice servers")
     args = p.parse_args()
 
