@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import httpx
 
@@ -102,7 +103,7 @@ async def _cell(url: str, c: int, max_tokens: int, model: str) -> tuple[float, l
     return sum(n for _, n in done) / elapsed, [text for text, _ in done]
 
 
-def _stats(url: str) -> dict[str, float]:
+def _stats(url: str) -> dict[str, Any]:
     return httpx.get(f"{url}/admin/stats", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30).json()
 
 

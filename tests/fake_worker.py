@@ -126,7 +126,8 @@ class FakeWorker:
                     self._compute(rid, s, s.computed, n)
                     s.computed += n
                     s.ahead = 0
-            rids, tokens = [], []
+            rids: list[int] = []
+            tokens: list[int] = []
             for rid in active:
                 s = self.seqs[rid]
                 if plan.num_draft_tokens and s.sampling.grammar is None and len(s.tokens) > s.num_prompt:

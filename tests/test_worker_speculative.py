@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from worker_testing import Driver, greedy, one_cpu_thread, tiny_worker
 
-from protocol.messages import NewRequest, SamplingParams
+from protocol.messages import NewRequest, SamplingParams, StepPlan
 from worker.engine import Worker
 from worker.ngram import NgramConfig
 from worker.runner import ModelRunner
@@ -117,3 +117,32 @@ def test_drafts_stay_inside_the_blocks_a_row_holds(worker: Worker) -> None:
     d.decode_to_end(4)
     assert d.outputs[0] == reference
     assert accepted(d) > 0  # it still drafted, in what its last block had left
+
+
+def test_a_swap_preemption_mid_stream_continues_the_same(worker: Worker) -> None:
+    """Swapped out after windows that drafted, with the scheduler's count of computed tokens
+    (short of the worker's by the last step's accepted drafts), swapped back into other blocks
+    after another request wrote over the old ones: the answer goes on as decoding alone."""
+    reference = generate(worker, {0: PROMPT}, greedy(40), 1).outputs[0]
+    runner = runner_for(worker, 4)
+    d = Driver(runner, first_block=100, drafts=4)
+    d.prefill({0: PROMPT}, greedy(40), 4)
+    seq = runner.seqs[0]
+    d.plan([(0, len(seq.token_ids) - seq.num_computed + seq.num_ahead)], steps=4)
+    seq = runner.seqs[0]
+    known, computed = list(seq.token_ids), seq.num_computed - seq.num_ahead  # as the scheduler counts
+    device_blocks = d.tables[0]
+    host_blocks = list(range(len(device_blocks)))
+    list(runner.execute(StepPlan(90, [], [], [], [], forget=[0],
+                                 swap_out=list(zip(device_blocks, host_blocks, strict=True)))))
+    other = Driver(runner_for(worker, 0), first_block=device_blocks[0])  # writes over the freed blocks
+    other.prefill({1: OTHER * 3}, greedy(2))
+    new_blocks = [300 + i for i in range(len(device_blocks))]
+    d.tables[0] = [*new_blocks, *range(400, 410)]
+    resume = StepPlan(91, [NewRequest(0, known, len(PROMPT), greedy(40), num_computed=computed)], [0],
+                      [len(known) - computed], [d.tables[0]], num_steps=4, num_draft_tokens=4,
+                      swap_in=list(zip(host_blocks, new_blocks, strict=True)))
+    for msg in runner.execute(resume):
+        d.outputs[0] += msg.token_ids
+    d.decode_to_end(4)
+    assert d.outputs[0] == reference

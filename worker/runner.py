@@ -21,6 +21,13 @@ the host either: the sampler keeps each penalised request's token counts on the 
 Between steps, the caller may ``cancel`` rows (an abort or a pause that arrived mid-plan): they
 leave the batch at the next step.
 
+Speculative decoding (a plan's ``num_draft_tokens``): at each step, a row that decodes one token
+may also verify tokens proposed after it (``worker/ngram.py``), as rows of one token each
+(``_Rows``). Each of its positions samples; it keeps the proposals that match what was sampled
+before them, then the first sample that differs, and gives back the positions of the rest
+(``SequenceState.settle_drafts``). Drafting rows read their ids with lag 0 (the host proposes
+from them), and propose only as far as their blocks reach (``window_end``).
+
 Jump-forward: where a constrained row's grammar allows only one continuation after its sampled
 token (a JSON key, its quotes and colon), those tokens are appended with it and reported in the
 same step, and the row's next step computes them all in one pass (as a short prefill chunk),
@@ -156,9 +163,6 @@ class ModelRunner:
         self.threads: ThreadPlan | None = None  # CPU threads per step size (worker.cpu_threads)
         self.ngram = ngram  # speculative decoding's proposer (None: off)
         self.drafting = False  # the plan in progress verifies proposals (``StepPlan.num_draft_tokens``)
-        # Per draft position: proposals verified and accepted, since the last ``StepTokens``.
-        self.num_drafted: list[int] = []
-        self.num_accepted: list[int] = []
 
     def reset(self) -> int:
         """Forget every request (a new scheduler knows none of them); returns how many."""
@@ -271,6 +275,8 @@ class ModelRunner:
         prompt_logprobs = []
         embeddings = []
         expected = launched.expected
+        drafted_at: list[int] = []  # per draft position: proposals verified, and accepted
+        accepted_at: list[int] = []
         if expected is not None:  # drafts verified, by row; how many were accepted; rows done
             verified = collections.Counter(seq.rid for seq, draft in zip(launched.samplers, expected, strict=True)
                                            if draft >= 0)
@@ -317,26 +323,12 @@ class ModelRunner:
         if expected is not None:
             for rid, num_drafts in verified.items():
                 num_accepted = accepted[rid]
-                self._count_drafts(num_drafts, num_accepted)
+                _count_by_position(drafted_at, accepted_at, num_drafts, num_accepted)
                 drafted = self.seqs.get(rid)
                 if drafted is not None and not drafted.stopped:
                     drafted.settle_drafts(num_drafts, num_accepted)
         return StepTokens(plan_id, launched.step, rids, kept, False, 0.0, pack_logprobs(logprobs),
-                          pack_prompt_logprobs(prompt_logprobs), pack_embeddings(embeddings),
-                          *self._take_draft_counts())
-
-    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
-        while len(self.num_drafted) < num_drafts:
-            self.num_drafted.append(0)
-            self.num_accepted.append(0)
-        for j in range(num_drafts):
-            self.num_drafted[j] += 1
-            self.num_accepted[j] += j < num_accepted
-
-    def _take_draft_counts(self) -> tuple[list[int], list[int]]:
-        counts = self.num_drafted, self.num_accepted
-        self.num_drafted, self.num_accepted = [], []
-        return counts
+                          pack_prompt_logprobs(prompt_logprobs), pack_embeddings(embeddings), drafted_at, accepted_at)
 
     def _jumps(self, seq: SequenceState) -> bool:
         """Whether a constrained row may jump forward: not when it asked for logprobs (a forced
@@ -516,6 +508,17 @@ class ModelRunner:
             out = SamplerOutput(torch.empty(len(batch.samplers), dtype=torch.long, device=self.device), None)
         group.broadcast_tokens(out.token_ids)
         return out
+
+
+def _count_by_position(drafted_at: list[int], accepted_at: list[int], num_drafts: int, num_accepted: int) -> None:
+    """A row's verified drafts, and the first ``num_accepted`` of them accepted, into the
+    step's counts per draft position."""
+    if len(drafted_at) < num_drafts:
+        drafted_at.extend([0] * (num_drafts - len(drafted_at)))
+        accepted_at.extend([0] * (num_drafts - len(accepted_at)))
+    for j in range(num_drafts):
+        drafted_at[j] += 1
+        accepted_at[j] += j < num_accepted
 
 
 @dataclasses.dataclass
