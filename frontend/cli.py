@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import difflib
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -144,6 +145,9 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                             "pass verifies them; the output is the same as without it")
         p.add_argument("--num-speculative-tokens", type=int, default=6,
                        help="--speculative: most proposed tokens a request verifies per step")
+        p.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="vLLM's form of the same: '{\"method\": \"ngram\", \"num_speculative_tokens\": 6, "
+                            "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (its keys set the flags above)")
     if sc:
         p.add_argument("--long-prefill-threshold", type=int, default=0,
                        help="most tokens of one prompt prefilled in one step (0 = off)")
@@ -319,6 +323,36 @@ def parse(parser: SluiceParser, given: list[str]) -> argparse.Namespace:
     return args
 
 
+# vLLM's --speculative-config keys -> Sluice's flags (dests).
+SPECULATIVE_CONFIG_KEYS = {"method": "speculative", "num_speculative_tokens": "num_speculative_tokens",
+                           "prompt_lookup_max": "ngram_max", "prompt_lookup_min": "ngram_min"}
+
+
+def apply_speculative_config(args: argparse.Namespace) -> None:
+    """``--speculative-config`` (vLLM's JSON) into the flags it stands for, for users who bring
+    vLLM's command line: only prompt lookup (``"method": "ngram"``) is served."""
+    text = getattr(args, "speculative_config", None)
+    if not text:
+        return
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--speculative-config is not JSON ({e})") from None
+    if not isinstance(given, dict):
+        raise ConfigError("--speculative-config must be a JSON object, such as '{\"method\": \"ngram\"}'")
+    unknown = sorted(set(given) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(f"--speculative-config: Sluice does not take {', '.join(map(repr, unknown))} (it takes "
+                          f"{', '.join(SPECULATIVE_CONFIG_KEYS)}; a draft model is not served yet)")
+    if given.get("method", "ngram") != "ngram":
+        raise ConfigError(f"--speculative-config: method {given['method']!r} is not served; only \"ngram\" "
+                          "(prompt lookup) is")
+    given.setdefault("method", "ngram")
+    for key, value in given.items():
+        if hasattr(args, SPECULATIVE_CONFIG_KEYS[key]):  # (each component takes the flags it uses)
+            setattr(args, SPECULATIVE_CONFIG_KEYS[key], value)
+
+
 def _check_model(model: str) -> None:
     """``sluice serve`` loads ``--model`` on this machine: a name that cannot load is said in one
     line now (with the closest name), rather than after three processes start to fail in the
@@ -341,6 +375,7 @@ def main(argv: list[str] | None = None) -> None:
                                   "--dtype", args.dtype])
     setup_logging(args.log_level)
     try:
+        apply_speculative_config(args)
         if args.command == "serve":
             _check_model(args.model)
             _check_default_model(args.model)

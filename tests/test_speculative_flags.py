@@ -1,0 +1,64 @@
+"""Speculative decoding's flags: ``--speculative ngram`` and its numbers reach the scheduler's and
+the worker's configs; vLLM's ``--speculative-config`` JSON sets the same; anything Sluice does
+not serve (another method, an unknown key, bad numbers) is a one-line error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from frontend.cli import apply_speculative_config, build_config, build_parser, parse
+from protocol.config import ConfigError, SchedulerConfig, WorkerConfig
+
+
+def configs(*flags: str) -> tuple[SchedulerConfig, WorkerConfig]:
+    args = parse(build_parser(), ["serve", *flags])
+    apply_speculative_config(args)
+    return build_config(SchedulerConfig, args), build_config(WorkerConfig, args)
+
+
+def test_the_flags_reach_both_components() -> None:
+    scheduler, worker = configs("--speculative", "ngram", "--num-speculative-tokens", "3", "--ngram-min", "2",
+                                "--ngram-max", "5", "--speculative-max-batch", "4")
+    assert (scheduler.speculative, scheduler.num_speculative_tokens, scheduler.speculative_max_batch) == \
+        ("ngram", 3, 4)
+    assert (worker.speculative, worker.num_speculative_tokens, worker.ngram_min, worker.ngram_max) == \
+        ("ngram", 3, 2, 5)
+    scheduler, worker = configs()
+    assert scheduler.speculative == worker.speculative == "none"  # off unless asked for
+
+
+def test_vllms_speculative_config_sets_the_same() -> None:
+    scheduler, worker = configs("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5, '
+                                '"prompt_lookup_max": 3, "prompt_lookup_min": 2}')
+    assert (scheduler.speculative, scheduler.num_speculative_tokens) == ("ngram", 5)
+    assert (worker.speculative, worker.num_speculative_tokens, worker.ngram_min, worker.ngram_max) == \
+        ("ngram", 5, 2, 3)
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ('{"method": "eagle", "model": "x"}', "'model'"),
+    ('{"method": "draft_model"}', "method 'draft_model' is not served"),
+    ("[1, 2]", "must be a JSON object"),
+    ("{method: ngram}", "is not JSON"),
+])
+def test_what_is_not_served_is_refused(text: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        configs("--speculative-config", text)
+
+
+@pytest.mark.parametrize("flags", [("--num-speculative-tokens", "0"), ("--ngram-min", "3", "--ngram-max", "2"),
+                                   ("--speculative-max-batch", "-1")])
+def test_bad_numbers_are_refused(flags: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError):
+        configs("--speculative", "ngram", *flags)
+
+
+def test_sluice_serve_says_it_in_one_line() -> None:
+    done = subprocess.run([sys.executable, "-m", "frontend", "serve", "--model", "tiny", "--speculative-config",
+                           '{"method": "medusa"}'], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "sluice: error: --speculative-config: method 'medusa' is not served; only \"ngram\" (prompt lookup) is"]
