@@ -23,7 +23,7 @@ leave the batch at the next step.
 
 Speculative decoding (a plan's ``num_draft_tokens``): at each step, a row that decodes one token
 may also verify tokens proposed after it (``worker/ngram.py``), as rows of one token each
-(``_Rows``). Each of its positions samples; it keeps the proposals that match what was sampled
+(``StepRows``). Each of its positions samples; it keeps the proposals that match what was sampled
 before them, then the first sample that differs, and gives back the positions of the rest
 (``SequenceState.settle_drafts``). Drafting rows read their ids with lag 0 (the host proposes
 from them), and propose only as far as their blocks reach (``window_end``).
@@ -66,56 +66,8 @@ from worker.ngram import NgramConfig, NgramIndex
 from worker.pooling import PoolPositions, embedding_bytes
 from worker.sampler import Sampler, SamplerOutput, SamplingRow, TopLogprobs
 from worker.sequence import PlanError, SequenceState
+from worker.step_batch import PromptPositions, StepBatch, StepRows
 from worker.structured import GrammarEngine
-
-
-@dataclasses.dataclass
-class StepBatch:
-    """One forward pass: who computes which positions, and which rows then sample.
-
-    The input ids are ``host_ids`` (a plan's first step: its tokens, from the requests' lists),
-    or ``device_ids`` (a later step of a window: the ids the previous step sampled, never seen
-    by the host), of which rows ``keep`` (a host index; None: all) compute. Host tensors reach
-    the device in the step's one staged copy."""
-
-    seqs: list[SequenceState]
-    starts: list[int]
-    lengths: list[int]
-    samplers: list[SequenceState]  # rows that sample, in logits order
-    logits_indices: list[int]  # flat index of each sampler's last token
-    host_ids: torch.Tensor | None = None  # [T] flattened tokens of every row
-    device_ids: torch.Tensor | None = None
-    keep: torch.Tensor | None = None
-    prompt: PromptPositions | None = None  # positions whose logits score the next prompt token
-    pool: PoolPositions | None = None  # positions whose hidden states embedding rows pool
-    # Speculative decoding: a row with drafts samples at each of its last 1 + d positions
-    # (``samplers`` lists it that often). ``offsets[i]``: how many outputs sampler i's position
-    # lies past the row's next; ``expected[i]``: the draft its sample must equal for the row's
-    # next sample to count, -1 at a row's last position. None: no row drafts this step.
-    offsets: list[int] | None = None
-    expected: list[int] | None = None
-
-
-@dataclasses.dataclass
-class PromptPositions:
-    """The positions of a step's prefill chunks whose rows asked for prompt logprobs: each
-    position's logits score the prompt token after it (``targets``); ``counts[i]`` of them are
-    ``seqs[i]``'s, in order."""
-
-    indices: list[int] = dataclasses.field(default_factory=list)  # flat token indices
-    targets: list[int] = dataclasses.field(default_factory=list)
-    seqs: list[SequenceState] = dataclasses.field(default_factory=list)
-    counts: list[int] = dataclasses.field(default_factory=list)
-
-    def add(self, seq: SequenceState, first_index: int, start: int, length: int) -> None:
-        """``seq``'s chunk of ``length`` tokens from position ``start`` (before the prompt's
-        last), at flat ``first_index``: every position before the prompt's last scores a prompt
-        token (the last one's logits sample the first output instead)."""
-        count = min(start + length, seq.num_prompt_tokens - 1) - start
-        self.indices.extend(range(first_index, first_index + count))
-        self.targets.extend(seq.token_ids[start + 1 : start + 1 + count])
-        self.seqs.append(seq)
-        self.counts.append(count)
 
 
 @dataclasses.dataclass
@@ -358,7 +310,7 @@ class ModelRunner:
             raise PlanError(f"plan {plan.plan_id}: rids, num_tokens and new_block_ids differ in length")
         if len(set(plan.rids)) != len(plan.rids):
             raise PlanError(f"plan {plan.plan_id}: a request appears twice")
-        rows = _Rows()
+        rows = StepRows()
         for rid, n, new_blocks in zip(plan.rids, plan.num_tokens, plan.new_block_ids, strict=True):
             seq = self.seqs.get(rid)
             if seq is None:
@@ -389,7 +341,7 @@ class ModelRunner:
                 self._sample(rows, seq, n)
         return rows.build() if rows.seqs else None
 
-    def _sample(self, rows: _Rows, seq: SequenceState, n: int) -> None:
+    def _sample(self, rows: StepRows, seq: SequenceState, n: int) -> None:
         """``seq``, just added with its last ``n`` known tokens, samples at its last position;
         in a drafting plan, a row that decodes one token also verifies what is proposed after it."""
         proposed = self._propose(seq) if self.drafting and n == 1 else []
@@ -437,7 +389,7 @@ class ModelRunner:
     def _catch_up_batch(self, seqs: list[SequenceState]) -> StepBatch:
         """A step in which each row computes all its tokens not yet computed (its sampled token,
         and those jump-forward appended after it) and samples at the last."""
-        rows = _Rows()
+        rows = StepRows()
         for seq in seqs:
             if seq.num_in_flight:
                 raise PlanError(f"rid {seq.rid}: jumped forward with a token still in flight")
@@ -519,64 +471,6 @@ def _count_by_position(drafted_at: list[int], accepted_at: list[int], num_drafts
     for j in range(num_drafts):
         drafted_at[j] += 1
         accepted_at[j] += j < num_accepted
-
-
-@dataclasses.dataclass
-class _Rows:
-    """A ``StepBatch`` from the host's tokens, row by row.
-
-    A row's proposed tokens (speculative decoding) join the step as rows of one token each, at
-    the positions after the row's own: with every row one token long, the step is a decode
-    step, which the decode paths run (the CPU's whole-stack decoder among them) at the cost of
-    a batch of rows that read the weights once, where a chunk of several tokens would go the
-    slower prefill way. A decode step writes every row's key and value before any row attends
-    (in each layer), so each draft's row sees the ones before it, as a chunk's causal mask
-    would let it; and each row computes what it would alone (batching never changes a row's
-    result), so its logits are those the row would have had decoding one token at a time."""
-
-    ids: list[int] = dataclasses.field(default_factory=list)
-    seqs: list[SequenceState] = dataclasses.field(default_factory=list)
-    starts: list[int] = dataclasses.field(default_factory=list)
-    lengths: list[int] = dataclasses.field(default_factory=list)
-    samplers: list[SequenceState] = dataclasses.field(default_factory=list)
-    logits_indices: list[int] = dataclasses.field(default_factory=list)
-    prompt: PromptPositions | None = None
-    pool: PoolPositions | None = None
-    offsets: list[int] = dataclasses.field(default_factory=list)
-    expected: list[int] = dataclasses.field(default_factory=list)
-    drafted: bool = False
-
-    def add(self, seq: SequenceState, start: int, n: int) -> None:
-        """``seq`` computes its ``n`` known tokens from position ``start``."""
-        self.ids.extend(seq.token_ids[start : start + n])
-        self.seqs.append(seq)
-        self.starts.append(start)
-        self.lengths.append(n)
-
-    def sample(self, seq: SequenceState, proposed: list[int]) -> None:
-        """``seq``, the row just added, samples at its last position, then verifies ``proposed``
-        (their positions already claimed): each a row of its own that samples too."""
-        start = self.starts[-1] + self.lengths[-1]
-        for j, token in enumerate(proposed):
-            self.ids.append(token)
-            self.seqs.append(seq)
-            self.starts.append(start + j)
-            self.lengths.append(1)
-        first = len(self.ids) - 1 - len(proposed)
-        for j in range(len(proposed) + 1):
-            self.samplers.append(seq)
-            self.logits_indices.append(first + j)
-        self.offsets.extend(range(len(proposed) + 1))
-        self.expected.extend(proposed)
-        self.expected.append(-1)
-        self.drafted = self.drafted or bool(proposed)
-
-    def build(self) -> StepBatch:
-        batch = StepBatch(self.seqs, self.starts, self.lengths, self.samplers, self.logits_indices,
-                          host_ids=torch.tensor(self.ids, dtype=torch.long), prompt=self.prompt, pool=self.pool)
-        if self.drafted:
-            batch.offsets, batch.expected = self.offsets, self.expected
-        return batch
 
 
 SCORE_ROWS = 256  # prompt positions scored at once: a slice of log-softmax, not one per position of the chunk
