@@ -446,7 +446,8 @@ class OutputProcessor:
             c.completion_tokens += 1
             c.generated.append(token)
             finish = finishes.pop(rid) if finishes is not None and last is not None and last.get(rid) == i else None
-            lp = logprobs.get(rid) if logprobs else None
+            entries = logprobs.get(rid) if logprobs else None
+            lp = entries.pop(0) if entries else None  # (a row's entries come in its tokens' order)
             # The fault boundary: whatever one choice's text does to its detokenizer, stop
             # strings, tool parser or renderer ends that response alone (``_fault``); the rest of
             # the batch goes on. (A ``try`` costs nothing until something raises.)

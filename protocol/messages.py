@@ -113,9 +113,13 @@ def pack_logprobs(pairs: list[tuple[int, tuple[float, list[int], list[float]]]])
     return msgspec.Raw(msgspec.msgpack.encode(pairs)) if pairs else NO_LOGPROBS
 
 
-def unpack_logprobs(raw: msgspec.Raw) -> dict[int, tuple[float, list[int], list[float]]]:
-    """The entries ``pack_logprobs`` packed, by rid; empty for ``NO_LOGPROBS``."""
-    return dict(_logprob_pairs.decode(raw)) if len(raw) > 1 else {}
+def unpack_logprobs(raw: msgspec.Raw) -> dict[int, list[tuple[float, list[int], list[float]]]]:
+    """The entries ``pack_logprobs`` packed, by rid, each rid's in the order of its tokens (a
+    step of speculative decoding gives a row several); empty for ``NO_LOGPROBS``."""
+    by_rid: dict[int, list[tuple[float, list[int], list[float]]]] = {}
+    for rid, entry in _logprob_pairs.decode(raw) if len(raw) > 1 else ():
+        by_rid.setdefault(rid, []).append(entry)
+    return by_rid
 
 
 # A request's prompt logprobs travel the same way, whole, with its first output token: a list of

@@ -88,3 +88,20 @@ def test_a_stream_carries_the_same_text(server: SluiceServer) -> None:
                 chunk = httpx.Response(200, content=line[6:]).json()
                 parts += [c["delta"].get("content") or "" for c in chunk["choices"]]
     assert "".join(parts) == whole["choices"][0]["message"]["content"]
+
+
+def test_logprobs_come_with_every_token(servers: tuple[SluiceServer, SluiceServer]) -> None:
+    """A request with logprobs drafts too: each token, accepted draft or not, has its own entry,
+    those of the same answer without speculation."""
+    body = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "temperature": 0, "max_tokens": NEW_TOKENS,
+            "logprobs": True, "top_logprobs": 2}
+    before = settled_stats(servers[0], ADMIN)["spec_accepted_tokens"]
+    answers = [httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=300).json()["choices"][0]
+               for s in servers]
+    assert settled_stats(servers[0], ADMIN)["spec_accepted_tokens"] > before  # it did draft
+    drafted, plain = ([(e["token"], e["logprob"], [t["token"] for t in e["top_logprobs"]])
+                       for e in a["logprobs"]["content"]] for a in answers)
+    assert answers[0]["message"]["content"] == answers[1]["message"]["content"]
+    assert len(drafted) == len(plain) == len(answers[0]["logprobs"]["content"]) > 0
+    for (token, lp, top), (token0, lp0, top0) in zip(drafted, plain, strict=True):
+        assert (token, top) == (token0, top0) and lp == pytest.approx(lp0, abs=1e-4)

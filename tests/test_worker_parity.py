@@ -165,7 +165,7 @@ def test_logprobs_equal_transformers_log_softmax(worker: Worker, checkpoint: Pat
                        SamplingParams(max_tokens=8, seed=7, ignore_eos=True, logprobs=5))], steps=4)
     d.decode_to_end(4)
     for rid in (1, 2):
-        entries = [unpack_logprobs(m.logprobs)[rid] for m in d.messages if rid in m.rids]
+        entries = [unpack_logprobs(m.logprobs)[rid][0] for m in d.messages if rid in m.rids]
         outputs = d.outputs[rid]
         assert len(entries) == len(outputs) == 8
         with torch.no_grad():

@@ -151,7 +151,7 @@ def test_logprobs_travel_with_their_rows(worker: Worker, lag: int) -> None:
         entries = unpack_logprobs(msg.logprobs)
         assert sorted(entries) == [0], "only the row that asked has logprobs"
         token = dict(zip(msg.rids, msg.token_ids, strict=True))[0]
-        sampled, ids, values = entries[0]
+        [(sampled, ids, values)] = entries[0]
         assert ids[0] == token and sampled == values[0]  # greedy: the sampled token is the top one
         assert len(ids) == 3 and values == sorted(values, reverse=True) and values[0] <= 0.0
     d = run_alone(runner_like(worker), PROMPT, greedy(3), steps=3)

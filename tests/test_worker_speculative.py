@@ -1,7 +1,8 @@
 """Speculative decoding in the runner, on the tiny model: n-gram proposals verified inside
 multi-step windows give exactly the tokens decoding one at a time gives, greedy or seeded, in
 windows of any size, with prompts prefilled beside, stops inside the accepted drafts, and a
-recompute preemption mid-stream; rows whose sampling reads what drafts would change do not draft."""
+recompute preemption mid-stream, logprobs per token; rows whose sampling reads what drafts would
+change do not draft."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from worker_testing import Driver, greedy, one_cpu_thread, tiny_worker
 
-from protocol.messages import NewRequest, SamplingParams, StepPlan
+from protocol.messages import NewRequest, SamplingParams, StepPlan, unpack_logprobs
 from worker.engine import Worker
 from worker.ngram import NgramConfig
 from worker.runner import ModelRunner
@@ -101,11 +102,32 @@ def test_a_recompute_preemption_mid_stream_continues_the_same(worker: Worker) ->
     assert d.outputs[0] == reference
 
 
-def test_rows_that_read_their_history_or_want_logprobs_do_not_draft(worker: Worker) -> None:
-    for params in (greedy(24, repetition_penalty=1.3), greedy(24, logprobs=2)):
-        drafted = generate(worker, {0: PROMPT}, params, 4, drafts=4)
-        assert not any(m.drafted for m in drafted.messages)
-        assert dict(drafted.outputs) == dict(generate(worker, {0: PROMPT}, params, 4).outputs)
+def test_rows_that_read_their_history_do_not_draft(worker: Worker) -> None:
+    params = greedy(24, repetition_penalty=1.3)
+    drafted = generate(worker, {0: PROMPT}, params, 4, drafts=4)
+    assert not any(m.drafted for m in drafted.messages)
+    assert dict(drafted.outputs) == dict(generate(worker, {0: PROMPT}, params, 4).outputs)
+
+
+def test_logprobs_of_accepted_drafts_are_those_of_decoding(worker: Worker) -> None:
+    """Each kept token's logprobs come from its own position's logits: a step with accepted
+    drafts carries one entry per token of the row, in order."""
+    def tokens_and_logprobs(drafts: int) -> list[tuple[int, tuple[float, list[int], list[float]]]]:
+        d = generate(worker, {0: PROMPT}, greedy(30, logprobs=2), 4, drafts)
+        pairs = []
+        for m in d.messages:
+            entries = unpack_logprobs(m.logprobs).get(0, [])
+            tokens = [t for rid, t in zip(m.rids, m.token_ids, strict=True) if rid == 0]
+            assert len(entries) == len(tokens)
+            pairs += zip(tokens, entries, strict=True)
+        if drafts:
+            assert accepted(d) > 0
+        return pairs
+
+    drafted, plain = tokens_and_logprobs(4), tokens_and_logprobs(0)
+    assert [t for t, _ in drafted] == [t for t, _ in plain]
+    for (_, (lp, ids, values)), (_, (lp0, ids0, values0)) in zip(drafted, plain, strict=True):
+        assert ids == ids0 and lp == pytest.approx(lp0, abs=1e-5) and values == pytest.approx(values0, abs=1e-5)
 
 
 def test_drafts_stay_inside_the_blocks_a_row_holds(worker: Worker) -> None:

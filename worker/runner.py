@@ -354,11 +354,10 @@ class ModelRunner:
         computes this step (scheduled already), as many as its blocks and its length allow.
 
         Rows that sample from their own history (the penalties: their counts would have to follow
-        each draft), are held to a grammar (each draft would need its mask) or ask for logprobs
-        (a step carries one entry per row) do not draft."""
+        each draft) or are held to a grammar (each draft would need its mask) do not draft."""
         assert self.ngram is not None
         sampling = seq.sampling
-        if seq.grammar is not None or sampling.reads_history or sampling.logprobs is not None or seq.num_outputs < 1:
+        if seq.grammar is not None or sampling.reads_history or seq.num_outputs < 1:
             return []
         limit = min(seq.draft_budget or self.ngram.num_tokens,
                     seq.window_end - seq.num_computed,  # the blocks the row holds in this plan
