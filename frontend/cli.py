@@ -147,7 +147,8 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                        help="--speculative: most proposed tokens a request verifies per step")
         p.add_argument("--speculative-config", default=None, metavar="JSON",
                        help="vLLM's form of the same: '{\"method\": \"ngram\", \"num_speculative_tokens\": 6, "
-                            "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (its keys set the flags above)")
+                            "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (its keys set the flags above; "
+                            "default: none, the flags as given)" + SAYS_DEFAULT)
     if sc:
         p.add_argument("--long-prefill-threshold", type=int, default=0,
                        help="most tokens of one prompt prefilled in one step (0 = off)")

@@ -100,7 +100,8 @@ def test_stop_rule_each_case_and_min_tokens_with_ignore_eos() -> None:
 _S = m.SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[7], seed=3)
 # (SamplingParams' last fields, ``grammar``, ``prompt_logprobs`` and ``pooling``, were appended:
 # nil here; so were AddRequest's ``output_token_ids`` (an empty array) and the ``prompt_logprobs``
-# and ``embeddings`` of TokenBatch and StepTokens (nil). A message without an appended field
+# and ``embeddings`` of TokenBatch and StepTokens (nil), StepPlan's ``num_draft_tokens`` (0) and
+# StepTokens' ``drafted`` and ``accepted`` (empty arrays). A message without an appended field
 # still decodes.)
 _SAMPLING_HEX = ("dc001105cb0000000000000000cb3ff00000000000000000039107c2c0cb0000000000000000cb3ff0000000000000"
                  "cb0000000000000000cb000000000000000090c0c0c0")
@@ -112,8 +113,9 @@ FIXED_BYTES = [
      "99aa546f6b656e4261746368920102920506919801a473746f70030001a0cb00000000000000000091920293cbbfe000000000"
      "0000910691cbbfe00000000000009192021007c0c0"),
     (m.StepPlan(7, [m.NewRequest(1, [1, 2], 2, _S, num_computed=1)], [1], [2], [[0]], num_steps=8, forget=[3]),
-     "9ca853746570506c616e0791950192010202" + _SAMPLING_HEX + "0191019102919100089103909090c2"),
-    (m.StepTokens(7, 0, [1], [9], False, 0.25), "9aaa53746570546f6b656e73070091019109c2cb3fd0000000000000c0c0c0"),
+     "9da853746570506c616e0791950192010202" + _SAMPLING_HEX + "0191019102919100089103909090c200"),
+    (m.StepTokens(7, 0, [1], [9], False, 0.25),
+     "9caa53746570546f6b656e73070091019109c2cb3fd0000000000000c0c0c09090"),
     (m.Pong(1.0, True, False, None, 9, "", 4), "98a4506f6e67cb3ff0000000000000c3c2c009a004"),
 ]
 
