@@ -94,7 +94,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Slui
     """Every server the tests below use, started side by side."""
     # A small token budget: the long prompt takes several steps to prefill.
     crash = ("--admin-token", "t", "--max-num-batched-tokens", "64")
-    flags = {"crash": crash, "no-restarts": ("--max-worker-restarts", "0"), "auto": ("--dtype", "auto")}
+    flags = {"crash": crash, "no-restarts": ("--max-worker-restarts", "0"), "auto": ("--dtype", "auto"),
+             "speculative": (*crash, "--speculative", "ngram")}
     flags |= {name: (*half, *crash) for name, half in HALF.items() if _half_unsupported(name) is None}
     with running_servers(*flags.values(), log_dir=tmp_path_factory.mktemp("crash")) as started:
         yield dict(zip(flags, started, strict=True))
@@ -114,7 +115,13 @@ def wait_until(predicate, timeout: float) -> float:  # type: ignore[no-untyped-d
     raise AssertionError(f"not within {timeout} s")
 
 
-def test_killed_worker_is_restarted_and_streams_continue_with_the_undisturbed_text(server: SluiceServer) -> None:
+# "speculative": a worker killed in the middle of windows that verify proposals (the tiny model
+# repeats itself, so they are accepted), whose accepted tokens the scheduler counts as computed
+# only from the next step on.
+@pytest.mark.parametrize("name", ["crash", "speculative"])
+def test_killed_worker_is_restarted_and_streams_continue_with_the_undisturbed_text(
+        servers: dict[str, SluiceServer], name: str) -> None:
+    server = servers[name]
     url = server.url
     want_decode = complete(url, SHORT, 1500)
     want_prefill = complete(url, LONG_PROMPT, 16)
@@ -145,6 +152,7 @@ def test_killed_worker_is_restarted_and_streams_continue_with_the_undisturbed_te
     assert httpx.get(f"{url}/health").status_code == 200
     stats = httpx.get(f"{url}/admin/stats", headers=AUTH).json()
     assert stats["running"] == stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
+    assert (stats["spec_accepted_tokens"] > 0) == (name == "speculative")
 
 
 def test_past_the_restart_limit_streams_end_with_an_error_naming_the_cause(
