@@ -6,12 +6,15 @@ change do not draft."""
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 
 import pytest
+import torch
 from worker_testing import Driver, greedy, one_cpu_thread, tiny_worker
 
 from protocol.messages import NewRequest, SamplingParams, StepPlan, unpack_logprobs
+from worker.attention import SdpaBackend
 from worker.engine import Worker
 from worker.ngram import NgramConfig
 from worker.runner import ModelRunner
@@ -168,3 +171,41 @@ def test_a_swap_preemption_mid_stream_continues_the_same(worker: Worker) -> None
         d.outputs[0] += msg.token_ids
     d.decode_to_end(4)
     assert d.outputs[0] == reference
+
+
+# Chi-square critical values at p = 0.001, by degrees of freedom: a correct sampler fails one run
+# in a thousand, and the run is seeded (the same every time).
+CHI2_CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46}
+
+
+def test_unseeded_samples_follow_the_models_distribution(worker: Worker) -> None:
+    """Unseeded sampling at temperature 1 with drafts: the token after a first token that
+    occurred in the prompt (so its continuation there is proposed, and accepted or rejected) is
+    distributed as the model says, by a chi-square test against the exact probabilities."""
+    r = worker.runner
+    loop = generate(worker, {0: PROMPT}, greedy(15), 8).outputs[0]  # the tiny model falls into a loop
+    prompt = PROMPT + loop
+    runner = ModelRunner(r.model, r.cache, r.device, 8192, list(r.eos_token_ids), seed=1, ngram=NgramConfig(2, 1, 3))
+    pairs: list[tuple[int, int]] = []
+    proposed = 0
+    for _ in range(60):  # 20 requests a batch (the cache holds them), sampled on one generator
+        d = Driver(runner, drafts=2)
+        d.prefill(dict.fromkeys(range(20), prompt), SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True), 2)
+        d.decode_to_end(2)
+        pairs += [(d.outputs[i][0], d.outputs[i][1]) for i in range(20)]
+        proposed += sum(sum(m.drafted) for m in d.messages)
+    first = collections.Counter(a for a, _ in pairs).most_common(1)[0][0]
+    assert first in prompt[:-1] and proposed > 100  # its continuation in the prompt was proposed
+    seconds = [b for a, b in pairs if a == first]
+    ids = torch.tensor([*prompt, first])
+    meta = SdpaBackend(r.device).build(r.cache, [list(range(40))], [0], [len(ids)], [len(ids) - 1])
+    with torch.inference_mode():
+        probs = r.model(ids, meta)[-1].softmax(-1)
+    # Bins: each token expected at least 5 times, and the rest together.
+    likely = [t for t in probs.argsort(descending=True).tolist() if probs[t] * len(seconds) >= 5][:6]
+    expected = [probs[t].item() * len(seconds) for t in likely]
+    observed = [seconds.count(t) for t in likely]
+    expected.append(len(seconds) - sum(expected))
+    observed.append(len(seconds) - sum(observed))
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True))
+    assert len(likely) >= 1 and statistic < CHI2_CRITICAL[len(likely)], (likely, observed, expected)
