@@ -99,9 +99,12 @@ static inline const uint8_t *records_of(const uint8_t *packed, const qformat *f,
 
 /* ------------------------------------------------------------------ activations */
 
-/* x [rows, in] (rows x_stride apart) -> codes [rows, in] int8, dx [rows, in / 32], s [rows, in / 32, 3]:
- * dx times the sum of the codes of the block, of its first 16 and of its last 16, and those last
- * two sums as integers, sums [rows, in / 32, 2] (the AVX2 path's correction for 8-bit codes). */
+/* x [rows, in] (rows x_stride apart) -> codes [in / 32, rows, 32] int8, dx [in / 32, rows],
+ * s [in / 32, rows, 3]: dx times the sum of the codes of the block, of its first 16 and of its
+ * last 16, and those last two sums as integers, sums [in / 32, rows, 2] (the AVX2 path's
+ * correction for 8-bit codes). ACTS: block-major, so that a pass finds block k of its rows at
+ * one pointer and constant offsets; row-major, each row took a register of its own and the
+ * eight rows of a pass spilled them. */
 static inline __attribute__((always_inline)) void quantize_rows(const void *x, int64_t x_stride, int8_t *codes,
                                                                 float *dx, float *s, int32_t *sums_int, int num_rows,
                                                                 int in, const int bf16) {
@@ -117,19 +120,20 @@ static inline __attribute__((always_inline)) void quantize_rows(const void *x, i
             amax = a > amax ? a : amax; /* not fmaxf: a library call per value (its NaN rule) */
         }
         const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int8_t *q = codes + (int64_t)r * in + (int64_t)k * QBLOCK;
+        const int64_t at = (int64_t)k * num_rows + r; /* block-major: see ACTS */
+        int8_t *q = codes + at * QBLOCK;
         for (int j = 0; j < QBLOCK; j++) q[j] = (int8_t)(int)nearbyintf(v[j] * inv);
         int first = 0, second = 0; /* two plain reductions: they vectorise */
         for (int j = 0; j < QBLOCK / 2; j++) first += q[j];
         for (int j = QBLOCK / 2; j < QBLOCK; j++) second += q[j];
-        dx[(int64_t)r * blocks + k] = d;
-        float *sums = s + ((int64_t)r * blocks + k) * 3;
+        dx[at] = d;
+        float *sums = s + at * 3;
         sums[0] = d * (float)(first + second);
         sums[1] = d * (float)first;
         sums[2] = d * (float)second;
         if (QUANTIZED_ISA == 1) { /* only the AVX2 path reads them */
-            sums_int[((int64_t)r * blocks + k) * 2] = first;
-            sums_int[((int64_t)r * blocks + k) * 2 + 1] = second;
+            sums_int[at * 2] = first;
+            sums_int[at * 2 + 1] = second;
         }
     }
 }
@@ -140,6 +144,15 @@ static inline __attribute__((always_inline)) void quantize_rows(const void *x, i
 #include "simd.h"
 
 #define PASS_ROWS QROWS /* 8 accumulators + 8 weight vectors + scale, min stay in registers */
+
+/* A row's codes of inputs 4 g .. 4 g + 3 in every 32-bit lane: one broadcast load from where they
+ * lie (through a register, the compiler had made it a scalar load, a shift and a vector move for
+ * every group of every row: a third of the loop's instructions). */
+static inline __m512i four_codes(const int8_t *q, int g) {
+    int32_t v;
+    memcpy(&v, q + 4 * g, sizeof v);
+    return _mm512_set1_epi32(v);
+}
 
 /* The block's codes as wg[g], the codes of inputs 4 g .. 4 g + 3 of the 16 outputs (64 bytes). */
 static inline __attribute__((always_inline)) void unpack_codes(const uint8_t *w, int bits, __m512i *wg) {
@@ -194,8 +207,8 @@ static inline __attribute__((always_inline)) void load_factors(const uint8_t *w,
 static inline __attribute__((always_inline)) void qblock(const int8_t *codes, const float *dx, const float *s,
                                                          const int32_t *sums_int, const uint8_t *packed,
                                                          const qformat f, const void *bias, void *y, int r0,
-                                                         const int rows, int ob, int out, int in, const int parts,
-                                                         const int width, int bf16) {
+                                                         const int rows, int num_rows, int ob, int out, int in,
+                                                         const int parts, const int width, int bf16) {
     (void)sums_int, (void)width; /* vpdpbusd multiplies unsigned bytes by signed ones: no correction, any width */
     const int blocks = in / QBLOCK;
     const uint8_t *w = records_of(packed, &f, ob, blocks), *header = 0;
@@ -214,19 +227,18 @@ static inline __attribute__((always_inline)) void qblock(const int8_t *codes, co
         else scale_hi = scale, min_hi = min;
         for (int r = 0; r < rows; r++) {
             const int64_t row = r0 + r;
-            const int8_t *q = codes + row * in + (int64_t)k * QBLOCK;
-            int32_t group[8];
-            memcpy(group, q, sizeof group);
+            const int64_t at = (int64_t)k * num_rows + row;
+            const int8_t *q = codes + at * QBLOCK;
             /* two chains, half the latency: inputs 0-15 and 16-31 where two parts scale them
              * apart, else alternate groups (as the 4-bit vectors unpack) */
             __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
             for (int g = 0; g < 4; g++) {
                 const int a = parts == 2 ? g : 2 * g, b = parts == 2 ? g + 4 : 2 * g + 1;
-                lo = _mm512_dpbusd_epi32(lo, wg[a], _mm512_set1_epi32(group[a]));
-                hi = _mm512_dpbusd_epi32(hi, wg[b], _mm512_set1_epi32(group[b]));
+                lo = _mm512_dpbusd_epi32(lo, wg[a], four_codes(q, a));
+                hi = _mm512_dpbusd_epi32(hi, wg[b], four_codes(q, b));
             }
-            const __m512 d = _mm512_set1_ps(dx[row * blocks + k]);
-            const float *sums = s + (row * blocks + k) * 3;
+            const __m512 d = _mm512_set1_ps(dx[at]);
+            const float *sums = s + at * 3;
             if (parts == 2) {
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(scale, d), acc[r]);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(scale_hi, d), acc[r]);
@@ -390,8 +402,8 @@ static inline void store_partial8(void *y, int o, int out, __m256 acc, const int
 static inline __attribute__((always_inline)) void qblock(const int8_t *codes, const float *dx, const float *s,
                                                          const int32_t *sums_int, const uint8_t *packed,
                                                          const qformat f, const void *bias, void *y, int r0,
-                                                         const int rows, int ob, int out, int in, const int parts,
-                                                         const int width, int bf16) {
+                                                         const int rows, int num_rows, int ob, int out, int in,
+                                                         const int parts, const int width, int bf16) {
     const int blocks = in / QBLOCK;
     __m256 acc[QROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -411,10 +423,11 @@ static inline __attribute__((always_inline)) void qblock(const int8_t *codes, co
             for (int r = 0; r < rows; r++) {
                 const int64_t row = r0 + r;
                 __m256i lo, hi;
-                const int32_t *ints = sums_int + (row * blocks + k) * 2;
-                block_sums(c, codes + row * in + (int64_t)k * QBLOCK, ints[0], ints[1], width, parts, &lo, &hi);
-                const __m256 d = _mm256_set1_ps(dx[row * blocks + k]);
-                const float *sums = s + (row * blocks + k) * 3;
+                const int64_t at = (int64_t)k * num_rows + row;
+                const int32_t *ints = sums_int + at * 2;
+                block_sums(c, codes + at * QBLOCK, ints[0], ints[1], width, parts, &lo, &hi);
+                const __m256 d = _mm256_set1_ps(dx[at]);
+                const float *sums = s + at * 3;
                 __m256 a = acc[r][half];
                 if (parts == 2) {
                     a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(scale, d), a);
@@ -464,15 +477,15 @@ static inline __attribute__((always_inline)) void qblocks_rows(const int8_t *cod
         for (int ob = 0; ob < out_blocks; ob++) {
             int r0 = chunk;
             for (; r0 + PASS_ROWS <= chunk_end; r0 += PASS_ROWS)
-                qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, PASS_ROWS, ob, out, in, parts, width, bf16);
+                qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, PASS_ROWS, num_rows, ob, out, in, parts, width, bf16);
             switch (chunk_end - r0) { /* below PASS_ROWS: 7 at most */
-                case 7: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 7, ob, out, in, parts, width, bf16); break;
-                case 6: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 6, ob, out, in, parts, width, bf16); break;
-                case 5: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 5, ob, out, in, parts, width, bf16); break;
-                case 4: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 4, ob, out, in, parts, width, bf16); break;
-                case 3: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 3, ob, out, in, parts, width, bf16); break;
-                case 2: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 2, ob, out, in, parts, width, bf16); break;
-                case 1: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 1, ob, out, in, parts, width, bf16); break;
+                case 7: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 7, num_rows, ob, out, in, parts, width, bf16); break;
+                case 6: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 6, num_rows, ob, out, in, parts, width, bf16); break;
+                case 5: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 5, num_rows, ob, out, in, parts, width, bf16); break;
+                case 4: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 4, num_rows, ob, out, in, parts, width, bf16); break;
+                case 3: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 3, num_rows, ob, out, in, parts, width, bf16); break;
+                case 2: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 2, num_rows, ob, out, in, parts, width, bf16); break;
+                case 1: qblock(codes, dx, s, sums_int, packed, f, bias, y, r0, 1, num_rows, ob, out, in, parts, width, bf16); break;
                 default: break;
             }
         }
