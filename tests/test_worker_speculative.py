@@ -1,16 +1,18 @@
 """Speculative decoding in the runner, on the tiny model: n-gram proposals verified inside
 multi-step windows give exactly the tokens decoding one at a time gives, greedy or seeded, in
 windows of any size, with prompts prefilled beside, stops inside the accepted drafts, and a
-recompute preemption mid-stream, logprobs per token; rows whose sampling reads what drafts would
-change do not draft."""
+recompute preemption mid-stream, logprobs per token, rows held to a grammar; rows whose sampling
+reads what drafts would change do not draft."""
 
 from __future__ import annotations
 
 import collections
+import json
 from collections.abc import Iterator
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 from worker_testing import Driver, greedy, one_cpu_thread, tiny_worker
 
 from protocol.messages import NewRequest, SamplingParams, StepPlan, unpack_logprobs
@@ -209,3 +211,52 @@ def test_unseeded_samples_follow_the_models_distribution(worker: Worker) -> None
     observed.append(len(seconds) - sum(observed))
     statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True))
     assert len(likely) >= 1 and statistic < CHI2_CRITICAL[len(likely)], (likely, observed, expected)
+
+
+# Structured output: words of lower-case letters, which the tiny model fills with text that repeats
+# itself (n-gram lookups foresee it; nothing is ever forced, so no jump-forward), and a JSON
+# record whose keys jump-forward appends.
+WORDS = r"([a-z]+ ){10,20}"
+RECORD = {"type": "object", "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+          "additionalProperties": False, "required": ["colour", "size", "ok"],
+          "properties": {"colour": {"enum": ["red", "green", "blue"]}, "size": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 99},
+                         "ok": {"type": "boolean"}}}
+
+
+def held(grammar: str, seed: int | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=120, temperature=0.0 if seed is None else 1.0, seed=seed, grammar=grammar)
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_rows_held_to_a_grammar_draft_what_it_allows_and_keep_their_tokens(worker: Worker, steps: int) -> None:
+    """A constrained row proposes only what its grammar allows, and each position samples under
+    the grammar's mask after the drafts before it: the same tokens as without drafts, beside
+    jump-forward and unconstrained rows."""
+    import llguidance
+
+    words = llguidance.LLMatcher.grammar_from_regex(WORDS)
+    record = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(RECORD))
+
+    def run(drafts: int) -> Driver:
+        r = worker.runner
+        d = Driver(ModelRunner(r.model, r.cache, r.device, 8192, list(r.eos_token_ids), grammars=r.grammars,
+                               ngram=NgramConfig(drafts, 1, 3) if drafts else None), drafts=drafts)
+        news = [NewRequest(0, PROMPT, len(PROMPT), held(words)), NewRequest(1, PROMPT, len(PROMPT), held(words, 5)),
+                NewRequest(2, PROMPT[:8], 8, held(record)), NewRequest(3, OTHER, len(OTHER), greedy(30))]
+        d.plan([(n.rid, len(n.token_ids)) for n in news], news, steps=steps)
+        d.decode_to_end(steps)
+        assert d.runner.seqs == {}
+        return d
+
+    plain, drafted = run(0), run(4)
+    assert dict(drafted.outputs) == dict(plain.outputs)
+    for rid in (0, 1):  # each token allowed where it stands (the longest outputs stop at max_tokens)
+        matcher = llguidance.LLMatcher(llguidance.LLTokenizer(worker.info.tokenizer_json), words)
+        assert matcher.consume_tokens(drafted.outputs[rid]) and not matcher.is_error(), rid
+    tokenizer = Tokenizer.from_str(worker.info.tokenizer_json)
+    value = json.loads(tokenizer.decode(drafted.outputs[2][:-1]))
+    assert value["colour"] in ("red", "green", "blue") and 0 <= value["size"] <= 99
+    # The words rows (nothing forced: two tokens of a row in one step are an accepted draft) drafted.
+    assert any(m.rids.count(rid) > 1 for m in drafted.messages for rid in (0, 1))
+    assert accepted(drafted) > 0

@@ -264,7 +264,9 @@ class ModelRunner:
                 seq.grammar.consume(token)
             if seq.append(token, self.eos_token_ids, self.max_model_len):
                 self.forget(seq.rid)
-            elif jump and seq.grammar is not None and self._jumps(seq):
+            elif jump and seq.grammar is not None and self._jumps(seq) and (expected is None or seq.rid in settled):
+                # (A drafting row jumps after its step's last token, the first that differs from
+                # its draft; the positions its rejected drafts claimed keep the jump short.)
                 for forced in seq.grammar.forced(seq.window_end - seq.num_computed - 1):
                     rids.append(seq.rid)
                     kept.append(forced)
@@ -354,10 +356,12 @@ class ModelRunner:
         computes this step (scheduled already), as many as its blocks and its length allow.
 
         Rows that sample from their own history (the penalties: their counts would have to follow
-        each draft) or are held to a grammar (each draft would need its mask) do not draft."""
+        each draft) do not draft. A row held to a grammar proposes only what the grammar allows,
+        and each position's mask is the grammar's after the drafts before it
+        (``GrammarEngine.masks``)."""
         assert self.ngram is not None
         sampling = seq.sampling
-        if seq.grammar is not None or sampling.reads_history or seq.num_outputs < 1:
+        if sampling.reads_history or seq.num_outputs < 1:
             return []
         limit = min(seq.draft_budget or self.ngram.num_tokens,
                     seq.window_end - seq.num_computed,  # the blocks the row holds in this plan
@@ -367,7 +371,8 @@ class ModelRunner:
             return []
         if seq.ngrams is None:
             seq.ngrams = NgramIndex(self.ngram)
-        return seq.ngrams.propose(seq.token_ids, limit)
+        proposed = seq.ngrams.propose(seq.token_ids, limit)
+        return seq.grammar.valid_prefix(proposed) if seq.grammar is not None and proposed else proposed
 
     def _decode_batch(self, prev: LaunchedStep, keep: list[int]) -> StepBatch:
         """The next multi-step step: rows ``keep`` of the previous step each compute the token
@@ -411,8 +416,11 @@ class ModelRunner:
         offsets = batch.offsets or itertools.repeat(0)
         sampling = self.sampler.prepare([
             SamplingRow(s.sampling, s.num_sampled, s.token_ids, s.num_prompt_tokens, s.rid, s.grammar)
-            if s.sampling.reads_history else SamplingRow(s.sampling, s.num_sampled + offset, grammar=s.grammar)
-            for s, offset in zip(batch.samplers, offsets, strict=False)], params) if batch.samplers and samples_here else None
+            if s.sampling.reads_history else
+            SamplingRow(s.sampling, s.num_sampled + offset, grammar=s.grammar,
+                        grammar_drafts=_drafts_before(batch, i, offset) if s.grammar is not None else ())
+            for i, (s, offset) in enumerate(zip(batch.samplers, offsets, strict=False))],
+            params) if batch.samplers and samples_here else None
         ids = batch.host_ids if batch.host_ids is not None else batch.keep
         host = ([ids] if ids is not None else []) + (sampling.tensors() if sampling is not None else [])
         prompt = batch.prompt
@@ -459,6 +467,14 @@ class ModelRunner:
             out = SamplerOutput(torch.empty(len(batch.samplers), dtype=torch.long, device=self.device), None)
         group.broadcast_tokens(out.token_ids)
         return out
+
+
+def _drafts_before(batch: StepBatch, i: int, offset: int) -> tuple[int, ...]:
+    """The proposed tokens before sampler ``i``'s position, ``offset`` past its row's next."""
+    if not offset:
+        return ()
+    assert batch.expected is not None
+    return tuple(batch.expected[i - offset : i])
 
 
 def _count_by_position(drafted_at: list[int], accepted_at: list[int], num_drafts: int, num_accepted: int) -> None:

@@ -75,6 +75,9 @@ class SamplingRow:
     num_prompt_tokens: int = 0
     rid: int | None = None  # set: the sampler keeps this request's counts between steps
     grammar: GrammarState | None = None  # structured output: the matcher that masks its logits
+    # Speculative decoding: the proposed tokens before this row's position (its request's own
+    # position listed earlier in the step), which its grammar mask follows.
+    grammar_drafts: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -199,10 +202,12 @@ class StepSampling:
             assert grammars is not None
             step.constrained = _index(constrained)
             states = [rows[i].grammar for i in constrained]
+            drafts = [rows[i].grammar_drafts for i in constrained]
+            after = drafts if any(drafts) else None
             if masks_later:
-                step.pending_masks = grammars.masks_later(states, pin)  # type: ignore[arg-type]
+                step.pending_masks = grammars.masks_later(states, pin, after)  # type: ignore[arg-type]
             else:
-                step.grammar_masks = grammars.masks(states)  # type: ignore[arg-type]
+                step.grammar_masks = grammars.masks(states, drafts=after)  # type: ignore[arg-type]
         return step
 
     def tensors(self) -> list[torch.Tensor]:

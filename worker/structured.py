@@ -71,6 +71,22 @@ class GrammarState:
             return
         matcher.unsafe_compute_mask_ptr(mask_row.data_ptr(), mask_row.numel() * mask_row.element_size())
 
+    def fill_after(self, mask_row: torch.Tensor, drafts: tuple[int, ...]) -> None:
+        """``fill``, as the matcher would be after ``drafts`` (speculative decoding's proposed
+        tokens before a row's position, each allowed: ``valid_prefix`` cut them), then back."""
+        matcher = self.matcher
+        consumed = 0 if self.broken or matcher.is_error() else matcher.try_consume_tokens(list(drafts))
+        # (Where a draft is not allowed, the positions after it are never kept: any mask will do.)
+        self.fill(mask_row)
+        if consumed:
+            matcher.rollback(consumed)
+
+    def valid_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of ``tokens`` the grammar allows from here (nothing consumed)."""
+        if self.broken or self.matcher.is_error():
+            return []
+        return tokens[: self.matcher.validate_tokens(tokens)]
+
     def consume(self, token: int) -> None:
         matcher = self.matcher
         if not self.broken and not matcher.consume_token(token):
@@ -156,22 +172,28 @@ class GrammarEngine:
     def _matcher(self, grammar: str, outputs: list[int]) -> llguidance.LLMatcher:
         return _copy(self._compiled_matcher(grammar), outputs)
 
-    def masks_later(self, states: list[GrammarState], pin: bool) -> Future[torch.Tensor]:
+    def masks_later(self, states: list[GrammarState], pin: bool,
+                    drafts: list[tuple[int, ...]] | None = None) -> Future[torch.Tensor]:
         """``masks(states)``, filled on the mask thread while the caller goes on (into pinned
         memory with ``pin``, for a non-blocking copy to the device). The caller must wait for it
         before any of these matchers consumes a token (the sampler does, before it samples)."""
         if self._mask_pool is None:
             self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         out = torch.empty((len(states), (self.vocab_size + 31) // 32), dtype=torch.int32, pin_memory=pin)
-        return self._mask_pool.submit(self.masks, states, out)
+        return self._mask_pool.submit(self.masks, states, out, drafts)
 
-    def masks(self, states: list[GrammarState], out: torch.Tensor | None = None) -> torch.Tensor:
+    def masks(self, states: list[GrammarState], out: torch.Tensor | None = None,
+              drafts: list[tuple[int, ...]] | None = None) -> torch.Tensor:
         """[R, ceil(V / 32)] int32 (into ``out`` if given): each constrained row's allowed tokens,
         one bit per token. Several healthy rows are filled at once by llguidance's own thread pool
-        (a mask inside a large enum or ``anyOf`` can take milliseconds); a broken row gets EOS alone."""
+        (a mask inside a large enum or ``anyOf`` can take milliseconds); a broken row gets EOS alone.
+        ``drafts[i]``: the proposed tokens before row i's position (speculative decoding; a
+        request's later positions list its matcher again): its mask is the grammar's after them,
+        filled one at a time (a matcher is in one state at once)."""
         mask = out if out is not None else torch.empty((len(states), (self.vocab_size + 31) // 32), dtype=torch.int32)
+        after = drafts or [()] * len(states)
         healthy = [(state.matcher, i) for i, state in enumerate(states)
-                   if not state.broken and not state.matcher.is_error()]
+                   if not after[i] and not state.broken and not state.matcher.is_error()]
         if len(healthy) > 1:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
@@ -185,7 +207,7 @@ class GrammarEngine:
             filled = set()
         for i, state in enumerate(states):
             if i not in filled:
-                state.fill(mask[i])
+                state.fill_after(mask[i], after[i]) if after[i] else state.fill(mask[i])
         return mask
 
 
