@@ -465,6 +465,7 @@ class StepTokens(msgspec.Struct, tag=True, array_like=True):
     # proposals the step verified there, and how many of them were accepted.
     drafted: list[int] = []
     accepted: list[int] = []
+    jumped: int = 0  # tokens jump-forward appended (structured output), without a forward pass of their own
 
 
 class WorkerReady(msgspec.Struct, tag=True, array_like=True):

@@ -68,7 +68,7 @@ class Plans:
         self.in_flight: dict[int, PlanInFlight] = {}
         self.next_plan_id = first_plan_id  # a core replacing another goes on from its plan ids
         self.num_steps_run = 0  # forward passes the worker reported (a window's rows may all stop early)
-        self.num_jumped = 0  # tokens the worker appended by jump-forward (a row's second and later in a step)
+        self.num_jumped = 0  # tokens the worker appended by jump-forward (``StepTokens.jumped``)
         # Speculative decoding, per draft position: proposals verified, and accepted.
         self.num_drafted: list[int] = []
         self.num_accepted: list[int] = []
@@ -267,8 +267,6 @@ class Plans:
                 req.num_computed += n  # ``Request.advance``, inline: this loop runs for every row of every step
                 if counts_service:
                     queue.charge(req.user, n)
-            elif rid == previous:
-                self.num_jumped += 1  # (less the step's accepted drafts, below)
             previous = rid
             known = req.token_ids
             if len(known) + 1 < req.quiet_until and token not in req.may_stop:
@@ -285,6 +283,7 @@ class Plans:
             if reason is not None:
                 finished.append(self._finish(req, reason))
         self.num_steps_run += 1
+        self.num_jumped += out.jumped
         if out.drafted:
             self._count_drafts(out)
         if plan is not None:
@@ -294,15 +293,13 @@ class Plans:
         return batch
 
     def _count_drafts(self, out: StepTokens) -> None:
-        """A step's speculative decoding figures. Its accepted drafts were counted as extra tokens
-        of their rows, like jump-forward's: they are not."""
+        """A step's speculative decoding figures."""
         while len(self.num_drafted) < len(out.drafted):
             self.num_drafted.append(0)
             self.num_accepted.append(0)
         for j, (drafted, accepted) in enumerate(zip(out.drafted, out.accepted, strict=True)):
             self.num_drafted[j] += drafted
             self.num_accepted[j] += accepted
-        self.num_jumped = max(0, self.num_jumped - sum(out.accepted))  # (0: a voided request's drafts)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -128,6 +128,7 @@ class FakeWorker:
                     s.ahead = 0
             rids: list[int] = []
             tokens: list[int] = []
+            jumped = 0
             for rid in active:
                 s = self.seqs[rid]
                 if plan.num_draft_tokens and s.sampling.grammar is None and len(s.tokens) > s.num_prompt:
@@ -135,7 +136,8 @@ class FakeWorker:
                     continue
                 jump = self.jump_for(rid, len(s.tokens) - s.num_prompt) if s.sampling.grammar is not None else 0
                 room = len(s.blocks) * self.block_size - s.computed - 1
-                for _ in range(1 + (min(jump, room) if step < plan.num_steps - 1 else 0)):
+                for j in range(1 + (min(jump, room) if step < plan.num_steps - 1 else 0)):
+                    jumped += j > 0
                     rids.append(rid)
                     tokens.append(self.token_for(rid, len(s.tokens) - s.num_prompt))
                     s.tokens.append(tokens[-1])
@@ -148,7 +150,7 @@ class FakeWorker:
                 if self._stopped(self.seqs[rid]):
                     del self.seqs[rid]
             last = step == plan.num_steps - 1 or not still
-            out.append(StepTokens(plan.plan_id, step, rids, tokens, last))
+            out.append(StepTokens(plan.plan_id, step, rids, tokens, last, jumped=jumped))
             if last:
                 break
             active = still

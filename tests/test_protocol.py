@@ -101,7 +101,7 @@ _S = m.SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[7], seed=3)
 # (SamplingParams' last fields, ``grammar``, ``prompt_logprobs`` and ``pooling``, were appended:
 # nil here; so were AddRequest's ``output_token_ids`` (an empty array) and the ``prompt_logprobs``
 # and ``embeddings`` of TokenBatch and StepTokens (nil), StepPlan's ``num_draft_tokens`` (0) and
-# StepTokens' ``drafted`` and ``accepted`` (empty arrays). A message without an appended field
+# StepTokens' ``drafted`` and ``accepted`` (empty arrays) and ``jumped`` (0). A message without an appended field
 # still decodes.)
 _SAMPLING_HEX = ("dc001105cb0000000000000000cb3ff00000000000000000039107c2c0cb0000000000000000cb3ff0000000000000"
                  "cb0000000000000000cb000000000000000090c0c0c0")
@@ -115,7 +115,7 @@ FIXED_BYTES = [
     (m.StepPlan(7, [m.NewRequest(1, [1, 2], 2, _S, num_computed=1)], [1], [2], [[0]], num_steps=8, forget=[3]),
      "9da853746570506c616e0791950192010202" + _SAMPLING_HEX + "0191019102919100089103909090c200"),
     (m.StepTokens(7, 0, [1], [9], False, 0.25),
-     "9caa53746570546f6b656e73070091019109c2cb3fd0000000000000c0c0c09090"),
+     "9daa53746570546f6b656e73070091019109c2cb3fd0000000000000c0c0c0909000"),
     (m.Pong(1.0, True, False, None, 9, "", 4), "98a4506f6e67cb3ff0000000000000c3c2c009a004"),
 ]
 
