@@ -1,12 +1,13 @@
 """Speculative decoding in the runner, on the tiny model: n-gram proposals verified inside
 multi-step windows give exactly the tokens decoding one at a time gives, greedy or seeded, in
 windows of any size, with prompts prefilled beside, stops inside the accepted drafts, and a
-recompute preemption mid-stream, logprobs per token, rows held to a grammar; rows whose sampling
-reads what drafts would change do not draft."""
+recompute preemption mid-stream, logprobs per token, penalties (each position's counting the drafts
+before it), rows held to a grammar."""
 
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 from collections.abc import Iterator
 
@@ -107,11 +108,29 @@ def test_a_recompute_preemption_mid_stream_continues_the_same(worker: Worker) ->
     assert d.outputs[0] == reference
 
 
-def test_rows_that_read_their_history_do_not_draft(worker: Worker) -> None:
-    params = greedy(24, repetition_penalty=1.3)
-    drafted = generate(worker, {0: PROMPT}, params, 4, drafts=4)
-    assert not any(m.drafted for m in drafted.messages)
-    assert dict(drafted.outputs) == dict(generate(worker, {0: PROMPT}, params, 4).outputs)
+# (A negative frequency penalty: text that repeats, so proposals are accepted, and a count more or
+# less of a proposed token changes what these rows pick.)
+@pytest.mark.parametrize("params", [
+    greedy(40, repetition_penalty=1.1),
+    greedy(40, frequency_penalty=-1.0, presence_penalty=0.1),
+    SamplingParams(max_tokens=40, temperature=0.5, seed=3, frequency_penalty=-1.0, ignore_eos=True),
+], ids=["repetition", "frequency-presence", "seeded"])
+def test_rows_with_penalties_draft_and_keep_their_tokens(worker: Worker, params: SamplingParams) -> None:
+    """Each position's penalties count the drafts before it as outputs: the same tokens as
+    decoding one at a time, in multi-step windows; and the counts the sampler keeps between
+    steps stay right where plans that draft and plans that do not (a large batch's) alternate."""
+    prompts = {0: PROMPT, 1: OTHER}
+    d = Driver(runner_for(worker, 4), drafts=4)
+    d.prefill(prompts, params, 4)
+    for k in itertools.count():
+        live = d.live()
+        if not live:
+            break
+        d.drafts = 4 if k % 2 == 0 else 0
+        d.plan([(rid, len(seq.token_ids) - seq.num_computed + seq.num_ahead)
+                for rid in live if (seq := d.runner.seqs[rid])], steps=4)
+    assert accepted(d) > 0
+    assert dict(d.outputs) == dict(generate(worker, prompts, params, 4).outputs)
 
 
 def test_logprobs_of_accepted_drafts_are_those_of_decoding(worker: Worker) -> None:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -227,6 +226,7 @@ class ModelRunner:
         prompt_logprobs = []
         embeddings = []
         expected = launched.expected
+        jumped = 0  # tokens jump-forward appended
         drafted_at: list[int] = []  # per draft position: proposals verified, and accepted
         accepted_at: list[int] = []
         if expected is not None:  # drafts verified, by row; how many were accepted; rows done
@@ -270,10 +270,11 @@ class ModelRunner:
                 for forced in seq.grammar.forced(seq.window_end - seq.num_computed - 1):
                     rids.append(seq.rid)
                     kept.append(forced)
-                    self.num_jumped += 1
+                    jumped += 1
                     if seq.append(forced, self.eos_token_ids, self.max_model_len):
                         self.forget(seq.rid)
                         break
+        self.num_jumped += jumped
         if expected is not None:
             for rid, num_drafts in verified.items():
                 num_accepted = accepted[rid]
@@ -282,7 +283,8 @@ class ModelRunner:
                 if drafted is not None and not drafted.stopped:
                     drafted.settle_drafts(num_drafts, num_accepted)
         return StepTokens(plan_id, launched.step, rids, kept, False, 0.0, pack_logprobs(logprobs),
-                          pack_prompt_logprobs(prompt_logprobs), pack_embeddings(embeddings), drafted_at, accepted_at)
+                          pack_prompt_logprobs(prompt_logprobs), pack_embeddings(embeddings), drafted_at, accepted_at,
+                          jumped)
 
     def _jumps(self, seq: SequenceState) -> bool:
         """Whether a constrained row may jump forward: not when it asked for logprobs (a forced
@@ -355,13 +357,11 @@ class ModelRunner:
         """Speculative decoding: tokens proposed after ``seq``'s last known one, which it
         computes this step (scheduled already), as many as its blocks and its length allow.
 
-        Rows that sample from their own history (the penalties: their counts would have to follow
-        each draft) do not draft. A row held to a grammar proposes only what the grammar allows,
-        and each position's mask is the grammar's after the drafts before it
-        (``GrammarEngine.masks``)."""
+        A row held to a grammar proposes only what the grammar allows; at each position, its
+        mask and its penalties follow the drafts before it (``_sampling_rows``)."""
         assert self.ngram is not None
         sampling = seq.sampling
-        if sampling.reads_history or seq.num_outputs < 1:
+        if seq.num_outputs < 1:
             return []
         limit = min(seq.draft_budget or self.ngram.num_tokens,
                     seq.window_end - seq.num_computed,  # the blocks the row holds in this plan
@@ -404,6 +404,29 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
 
+    def _sampling_rows(self, batch: StepBatch) -> list[SamplingRow]:
+        """What each sampler row samples by. In a drafting step, a row at a proposed token's
+        position samples as if the proposals before it were its outputs: its grammar's mask after
+        them, and for the penalties its history with them. Such a request's penalty counts are
+        built from its history at every step (rows the sampler does not keep: which of its
+        proposals become outputs is known only once the step is read)."""
+        if batch.offsets is None:
+            return [SamplingRow(s.sampling, s.num_sampled, s.token_ids, s.num_prompt_tokens, s.rid, s.grammar)
+                    if s.sampling.reads_history else SamplingRow(s.sampling, s.num_sampled, grammar=s.grammar)
+                    for s in batch.samplers]
+        rows = []
+        for i, (s, offset) in enumerate(zip(batch.samplers, batch.offsets, strict=True)):
+            drafts = _drafts_before(batch, i, offset)
+            after = drafts if s.grammar is not None else ()
+            if s.sampling.reads_history:
+                if offset == 0:
+                    self.sampler.forget(s.rid)  # counts kept from earlier steps: rebuilt when next kept
+                rows.append(SamplingRow(s.sampling, s.num_sampled + offset, [*s.token_ids, *drafts],
+                                        s.num_prompt_tokens, None, s.grammar, after))
+            else:
+                rows.append(SamplingRow(s.sampling, s.num_sampled + offset, grammar=s.grammar, grammar_drafts=after))
+        return rows
+
     def _forward(self, batch: StepBatch) -> SamplerOutput | None:
         """Build the step's inputs on the host, send them in one copy, run the model, sample."""
         if self.threads is not None:
@@ -413,14 +436,8 @@ class ModelRunner:
         # Under tensor parallelism rank 0 alone samples: the others prepare nothing of it (no
         # grammar masks, no penalty histories) and take its ids.
         samples_here = group is None or group.rank == 0
-        offsets = batch.offsets or itertools.repeat(0)
-        sampling = self.sampler.prepare([
-            SamplingRow(s.sampling, s.num_sampled, s.token_ids, s.num_prompt_tokens, s.rid, s.grammar)
-            if s.sampling.reads_history else
-            SamplingRow(s.sampling, s.num_sampled + offset, grammar=s.grammar,
-                        grammar_drafts=_drafts_before(batch, i, offset) if s.grammar is not None else ())
-            for i, (s, offset) in enumerate(zip(batch.samplers, offsets, strict=False))],
-            params) if batch.samplers and samples_here else None
+        sampling = self.sampler.prepare(self._sampling_rows(batch), params) \
+            if batch.samplers and samples_here else None
         ids = batch.host_ids if batch.host_ids is not None else batch.keep
         host = ([ids] if ids is not None else []) + (sampling.tensors() if sampling is not None else [])
         prompt = batch.prompt
