@@ -1,7 +1,8 @@
 """``--speculative ngram``, served: SmolLM2 answering prompts that quote their input gives, token
 for token, the greedy answer of the same server without speculation, alone and in a batch; a
-stream carries the same text; the metrics count proposals and acceptances per position; and
-every KV block comes back."""
+stream carries the same text; logprobs come with every token; structured output drafts and stays
+valid; a request paused mid-stream and resumed ends with its undisturbed answer; the metrics count
+proposals and acceptances per position; and every KV block comes back, aborted requests' too."""
 
 from __future__ import annotations
 
@@ -127,3 +128,60 @@ def test_structured_output_drafts_and_stays_valid(servers: tuple[SluiceServer, S
     assert set(value) == {"first_sentence", "season"} and value["season"] in ("spring", "autumn")
     assert value["first_sentence"].startswith("The river")  # quoted from the text
     assert settled_stats(servers[0], ADMIN)["kv_blocks_used"] == 0
+
+
+def test_pause_resume_and_abort_mid_stream(servers: tuple[SluiceServer, SluiceServer]) -> None:
+    """A drafting request paused mid-stream decodes nothing while paused and, resumed, ends with
+    the answer it gives undisturbed; one aborted mid-stream gives back its blocks."""
+    server, plain = servers
+    prompt = f"<|im_start|>user\n{QUESTIONS[0]}<|im_end|>\n<|im_start|>assistant\n"
+    want = asyncio.run(_greedy(plain.url, prompt))
+    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "min_tokens": NEW_TOKENS, "temperature": 0,
+            "return_token_ids": True, "stream": True}
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            tokens: list[int] = []
+            async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                request_id = r.headers["X-Request-Id"]
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        tokens += json.loads(line[6:])["choices"][0]["token_ids"]
+                    if len(tokens) >= 8:
+                        break
+                await client.post(f"{server.url}/admin/requests/{request_id}/pause", headers=ADMIN)
+                frozen = await _settled_output(client, server.url, request_id)
+                await asyncio.sleep(0.5)
+                assert (await _settled_output(client, server.url, request_id)) == frozen  # nothing decoded
+                await client.post(f"{server.url}/admin/requests/{request_id}/resume", headers=ADMIN)
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        tokens += json.loads(line[6:])["choices"][0]["token_ids"]
+            # Another, aborted once it has streamed a few tokens.
+            async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                request_id, seen = r.headers["X-Request-Id"], 0
+                async for line in r.aiter_lines():
+                    seen += line.startswith("data: {")
+                    if seen == 3:
+                        await client.post(f"{server.url}/admin/requests/{request_id}/abort", headers=ADMIN)
+            return tokens
+
+    assert asyncio.run(run()) == want
+    stats = settled_stats(server, ADMIN)
+    assert stats["kv_blocks_used"] == 0 and stats["running"] == 0
+
+
+async def _greedy(url: str, prompt: str) -> list[int]:
+    async with httpx.AsyncClient(timeout=300) as client:
+        return await greedy_ids(client, url, prompt, NEW_TOKENS)
+
+
+async def _settled_output(client: httpx.AsyncClient, url: str, request_id: str) -> int:
+    """The paused request's output tokens once it is out of the worker's plans."""
+    for _ in range(600):
+        info = (await client.get(f"{url}/admin/requests/{request_id}", headers=ADMIN)).json()
+        if info["state"] == "paused" and not info["in_flight"]:
+            return int(info["output_tokens"])
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{request_id} never settled paused")
