@@ -126,6 +126,10 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
         _bool_flag(p, "--jump-forward", True,
                    "structured output: append the tokens a grammar allows only one way (JSON keys and "
                    "punctuation) without a forward pass each")
+        p.add_argument("--speculative-model", default="",
+                       help="speculative decoding with a draft model: a smaller model with the same tokenizer "
+                            "(a name or path, as --model) guesses the next tokens, and one forward pass of the "
+                            "model verifies them (sets --speculative draft)")
         p.add_argument("--ngram-min", type=int, default=1,
                        help="--speculative ngram: the shortest run of last tokens looked up in the prompt and output")
         p.add_argument("--ngram-max", type=int, default=4,
@@ -141,8 +145,9 @@ def _add_flags(p: argparse.ArgumentParser, components: set[str]) -> None:
                             "torch.distributed: gloo on CPUs, NCCL on GPUs)")
         p.add_argument("--speculative", default="none", choices=SPECULATIVE_METHODS,
                        help="speculative decoding: ngram proposes the tokens that followed the last few tokens "
-                            "where they occurred before in the prompt or output (prompt lookup), and one forward "
-                            "pass verifies them; the output is the same as without it")
+                            "where they occurred before in the prompt or output (prompt lookup), draft those of "
+                            "--speculative-model; one forward pass verifies them, and the output is the same as "
+                            "without it")
         p.add_argument("--num-speculative-tokens", type=int, default=6,
                        help="--speculative: most proposed tokens a request verifies per step")
         p.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -324,16 +329,22 @@ def parse(parser: SluiceParser, given: list[str]) -> argparse.Namespace:
     return args
 
 
-# vLLM's --speculative-config keys -> Sluice's flags (dests).
+# vLLM's --speculative-config keys -> Sluice's flags (dests), and its methods -> Sluice's.
 SPECULATIVE_CONFIG_KEYS = {"method": "speculative", "num_speculative_tokens": "num_speculative_tokens",
-                           "prompt_lookup_max": "ngram_max", "prompt_lookup_min": "ngram_min"}
+                           "prompt_lookup_max": "ngram_max", "prompt_lookup_min": "ngram_min",
+                           "model": "speculative_model"}
+SPECULATIVE_CONFIG_METHODS = {"ngram": "ngram", "draft_model": "draft"}
 
 
 def apply_speculative_config(args: argparse.Namespace) -> None:
     """``--speculative-config`` (vLLM's JSON) into the flags it stands for, for users who bring
-    vLLM's command line: only prompt lookup (``"method": "ngram"``) is served."""
+    vLLM's command line: prompt lookup (``"method": "ngram"``) and a draft model (``"model"``,
+    method ``"draft_model"``) are served. A ``--speculative-model`` alone means ``--speculative
+    draft``."""
     text = getattr(args, "speculative_config", None)
     if not text:
+        if getattr(args, "speculative_model", "") and getattr(args, "speculative", "none") == "none":
+            args.speculative = "draft"
         return
     try:
         given = json.loads(text)
@@ -344,11 +355,12 @@ def apply_speculative_config(args: argparse.Namespace) -> None:
     unknown = sorted(set(given) - set(SPECULATIVE_CONFIG_KEYS))
     if unknown:
         raise ConfigError(f"--speculative-config: Sluice does not take {', '.join(map(repr, unknown))} (it takes "
-                          f"{', '.join(SPECULATIVE_CONFIG_KEYS)}; a draft model is not served yet)")
-    if given.get("method", "ngram") != "ngram":
-        raise ConfigError(f"--speculative-config: method {given['method']!r} is not served; only \"ngram\" "
-                          "(prompt lookup) is")
-    given.setdefault("method", "ngram")
+                          f"{', '.join(SPECULATIVE_CONFIG_KEYS)})")
+    method = given.get("method", "draft_model" if "model" in given else "ngram")
+    if method not in SPECULATIVE_CONFIG_METHODS:
+        raise ConfigError(f"--speculative-config: method {method!r} is not served; \"ngram\" (prompt lookup) "
+                          "and \"draft_model\" (with \"model\") are")
+    given["method"] = SPECULATIVE_CONFIG_METHODS[method]
     for key, value in given.items():
         if hasattr(args, SPECULATIVE_CONFIG_KEYS[key]):  # (each component takes the flags it uses)
             setattr(args, SPECULATIVE_CONFIG_KEYS[key], value)
@@ -379,6 +391,8 @@ def main(argv: list[str] | None = None) -> None:
         apply_speculative_config(args)
         if args.command == "serve":
             _check_model(args.model)
+            if args.speculative_model:
+                _check_model(args.speculative_model)
             _check_default_model(args.model)
             from frontend.serve import serve
 

@@ -34,7 +34,7 @@ def _positive(name: str, value: int | None, *, allow_none: bool = False) -> None
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
-SPECULATIVE_METHODS = ("none", "ngram")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
 def check_speculative(method: str, num_tokens: int) -> None:
@@ -157,7 +157,8 @@ class WorkerConfig:
     curve_keys: str | None = None
     insecure_zmq: bool = False
     log_level: str = "info"
-    speculative: str = "none"  # none | ngram: speculative decoding (see ``worker/ngram.py``)
+    speculative: str = "none"  # none | ngram | draft: speculative decoding (``worker/ngram.py``, ``draft_model.py``)
+    speculative_model: str = ""  # --speculative draft: the draft model (a name or path, as --model)
     num_speculative_tokens: int = 6  # most proposed tokens a row verifies per step
     ngram_min: int = 1  # shortest suffix an n-gram proposal matches
     ngram_max: int = 4  # longest
@@ -194,6 +195,11 @@ class WorkerConfig:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("--device must be auto, cpu, cuda or cuda:N")
         check_speculative(self.speculative, self.num_speculative_tokens)
+        if (self.speculative == "draft") != bool(self.speculative_model):
+            raise ConfigError("--speculative draft and --speculative-model go together: the draft model proposes")
+        if self.speculative == "draft" and self.tensor_parallel_size > 1:
+            raise ConfigError("--speculative-model with --tensor-parallel-size > 1 is not served yet: use "
+                              "--speculative ngram, or one rank")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"--ngram-min and --ngram-max must satisfy 1 <= min <= max, got {self.ngram_min} "
                               f"and {self.ngram_max}")

@@ -1,5 +1,6 @@
 """Speculative decoding's flags: ``--speculative ngram`` and its numbers reach the scheduler's and
-the worker's configs; vLLM's ``--speculative-config`` JSON sets the same; anything Sluice does
+the worker's configs, and so does a draft model (``--speculative-model``); vLLM's
+``--speculative-config`` JSON sets the same; anything Sluice does
 not serve (another method, an unknown key, bad numbers) is a one-line error."""
 
 from __future__ import annotations
@@ -38,9 +39,23 @@ def test_vllms_speculative_config_sets_the_same() -> None:
         ("ngram", 5, 2, 3)
 
 
+def test_a_draft_model_by_flag_or_by_vllms_config() -> None:
+    for flags in (("--speculative-model", "/models/draft"),
+                  ("--speculative-config", '{"model": "/models/draft", "num_speculative_tokens": 3}'),
+                  ("--speculative-config", '{"method": "draft_model", "model": "/models/draft"}')):
+        scheduler, worker = configs(*flags)
+        assert scheduler.speculative == worker.speculative == "draft"
+        assert worker.speculative_model == "/models/draft"
+    assert configs("--speculative-config", '{"model": "d", "num_speculative_tokens": 3}')[1].num_speculative_tokens == 3
+    with pytest.raises(ConfigError, match="go together"):
+        configs("--speculative", "draft")
+    with pytest.raises(ConfigError, match="go together"):
+        configs("--speculative", "ngram", "--speculative-model", "/models/draft")
+
+
 @pytest.mark.parametrize(("text", "says"), [
-    ('{"method": "eagle", "model": "x"}', "'model'"),
-    ('{"method": "draft_model"}', "method 'draft_model' is not served"),
+    ('{"method": "eagle", "model": "x"}', "method 'eagle' is not served"),
+    ('{"method": "ngram", "draft_tensor_parallel_size": 1}', "'draft_tensor_parallel_size'"),
     ("[1, 2]", "must be a JSON object"),
     ("{method: ngram}", "is not JSON"),
 ])
@@ -61,4 +76,5 @@ def test_sluice_serve_says_it_in_one_line() -> None:
                            '{"method": "medusa"}'], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "sluice: error: --speculative-config: method 'medusa' is not served; only \"ngram\" (prompt lookup) is"]
+        "sluice: error: --speculative-config: method 'medusa' is not served; \"ngram\" (prompt lookup) and "
+        "\"draft_model\" (with \"model\") are"]

@@ -4,6 +4,7 @@ drive ``Worker(config).runner`` in-process, exactly as the process loop does."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -11,12 +12,14 @@ import time
 
 import msgspec
 import torch
+from tokenizers import Tokenizer
 
 from protocol.config import WorkerConfig
 from protocol.heap import return_freed_memory
 from protocol.messages import ModelInfo, NewRequest, SamplingParams, StepPlan
 from worker import cpu_isa
 from worker.attention import CpuPagedBackend, SdpaBackend
+from worker.draft_model import DraftModel
 from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.gpu_memory import cuda_kv_blocks
 from worker.kernels import cpu as cpu_kernels
@@ -156,12 +159,29 @@ class Worker:
         grammars = GrammarEngine(self.info.tokenizer_json, self.info.vocab_size, self.info.eos_token_ids)
         ngram = NgramConfig(config.num_speculative_tokens, config.ngram_min, config.ngram_max) \
             if config.speculative == "ngram" else None
+        draft = self._draft_model(num_blocks) if config.speculative == "draft" else None
         self.runner = ModelRunner(model, cache, self.device, self.max_model_len, self.info.eos_token_ids,
-                                  config.max_num_seqs, grammars=grammars, jump_forward=config.jump_forward, ngram=ngram)
+                                  config.max_num_seqs, grammars=grammars, jump_forward=config.jump_forward, ngram=ngram,
+                                  draft=draft)
         if kv_dtype != dtype and not isinstance(self.runner.attention, CpuPagedBackend):
             raise ModelLoadError(f"--kv-cache-dtype {config.kv_cache_dtype}: only Sluice's CPU attention kernels read "
                                  f"a cache in another dtype than the model's, and this model takes "
                                  f"{self.runner.attention.name} (the start-up log says why); use --kv-cache-dtype auto")
+
+    def _draft_model(self, num_blocks: int) -> DraftModel:
+        """``--speculative-model``, loaded as ``--model`` is (the same device and dtype flags), with
+        a KV cache of as many blocks: a request's draft KV sits at its target KV's block ids."""
+        config = self.config
+        log.info("speculative decoding: loading the draft model %s", config.speculative_model)
+        draft = Worker(dataclasses.replace(config, model=config.speculative_model, speculative="none",
+                                           speculative_model="", num_kv_blocks=num_blocks, max_model_len=None,
+                                           served_model_name=None, kv_cache_memory="auto"))
+        mine, theirs = (Tokenizer.from_str(info.tokenizer_json).get_vocab() for info in (self.info, draft.info))
+        if mine != theirs:
+            raise ModelLoadError(f"--speculative-model {config.speculative_model}: its tokenizer is not the model's "
+                                 f"({len(theirs)} tokens against {len(mine)}, or the same ids for other text); a "
+                                 "draft model must share the model's tokenizer")
+        return DraftModel(draft.runner, config.num_speculative_tokens)
 
     def _keeps_quantized(self, gguf: GGUFCheckpoint, dtype_flag: str) -> bool:
         """A quantized GGUF file is served quantized, as llama.cpp serves it, under ``--dtype auto``

@@ -118,6 +118,11 @@ class InputBatch:
     def blocks_of(self, rid: int) -> int:
         return self.num_blocks[self.slot_of[rid]]
 
+    def table_of(self, rid: int) -> list[int]:
+        """The request's block ids, in order."""
+        slot = self.slot_of[rid]
+        return self.block_table[slot, : self.num_blocks[slot]].tolist()
+
     def rows(self, rids: list[int]) -> RowTables:
         """The tables of a step's rows, in the step's order."""
         return self.gather(rids)[0]

@@ -22,7 +22,8 @@ Between steps, the caller may ``cancel`` rows (an abort or a pause that arrived 
 leave the batch at the next step.
 
 Speculative decoding (a plan's ``num_draft_tokens``): at each step, a row that decodes one token
-may also verify tokens proposed after it (``worker/ngram.py``), as rows of one token each
+may also verify tokens proposed after it (prompt lookup, ``worker/ngram.py``, or a draft model,
+``worker/draft_model.py``), as rows of one token each
 (``StepRows``). Each of its positions samples; it keeps the proposals that match what was sampled
 before them, then the first sample that differs, and gives back the positions of the rest
 (``SequenceState.settle_drafts``). Drafting rows read their ids with lag 0 (the host proposes
@@ -44,6 +45,7 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -68,6 +70,9 @@ from worker.sequence import PlanError, SequenceState
 from worker.step_batch import PromptPositions, StepBatch, StepRows
 from worker.structured import GrammarEngine
 
+if TYPE_CHECKING:
+    from worker.draft_model import DraftModel
+
 
 @dataclasses.dataclass
 class LaunchedStep:
@@ -85,7 +90,8 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device, max_model_len: int,
                  eos_token_ids: list[int], max_num_seqs: int = 256, seed: int | None = None,
                  finalize_lag: int | None = None, grammars: GrammarEngine | None = None,
-                 jump_forward: bool = True, ngram: NgramConfig | None = None) -> None:
+                 jump_forward: bool = True, ngram: NgramConfig | None = None,
+                 draft: DraftModel | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = device
@@ -112,7 +118,9 @@ class ModelRunner:
         self.cancelled: set[int] = set()  # its rows that stop at the next step
         self.cancels_ahead: dict[int, set[int]] = {}  # for plans received but not started
         self.threads: ThreadPlan | None = None  # CPU threads per step size (worker.cpu_threads)
-        self.ngram = ngram  # speculative decoding's proposer (None: off)
+        # Speculative decoding's proposer (both None: off): prompt lookup, or a draft model.
+        self.ngram = ngram
+        self.draft = draft
         self.drafting = False  # the plan in progress verifies proposals (``StepPlan.num_draft_tokens``)
 
     def reset(self) -> int:
@@ -143,6 +151,8 @@ class ModelRunner:
             seq.stopped = True
         self.batch.remove(rid)
         self.sampler.forget(rid)
+        if self.draft is not None:
+            self.draft.forget(rid)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> Iterator[StepTokens]:
@@ -156,7 +166,7 @@ class ModelRunner:
         for stale in [p for p in self.cancels_ahead if p < plan.plan_id]:
             del self.cancels_ahead[stale]
         self._apply_deltas(plan)
-        self.drafting = self.ngram is not None and plan.num_draft_tokens > 0
+        self.drafting = (self.ngram is not None or self.draft is not None) and plan.num_draft_tokens > 0
         batch = self._first_batch(plan)
         num_steps = max(1, plan.num_steps)
         in_flight: deque[LaunchedStep] = deque()
@@ -308,6 +318,8 @@ class ModelRunner:
         self.swap_space.swap_out(plan.swap_out)
         self.swap_space.swap_in(plan.swap_in)
         self.cache.copy_blocks(plan.copy_blocks)
+        if self.draft is not None and (plan.swap_out or plan.swap_in or plan.copy_blocks):
+            self.draft.reset()  # its cache moves none of them: every request's draft starts over
 
     def _first_batch(self, plan: StepPlan) -> StepBatch | None:
         if not len(plan.rids) == len(plan.num_tokens) == len(plan.new_block_ids):
@@ -359,19 +371,24 @@ class ModelRunner:
 
         A row held to a grammar proposes only what the grammar allows; at each position, its
         mask and its penalties follow the drafts before it (``_sampling_rows``)."""
-        assert self.ngram is not None
+        proposer = self.ngram or self.draft
+        assert proposer is not None
         sampling = seq.sampling
         if seq.num_outputs < 1:
             return []
-        limit = min(seq.draft_budget or self.ngram.num_tokens,
+        limit = min(seq.draft_budget or proposer.num_tokens,
                     seq.window_end - seq.num_computed,  # the blocks the row holds in this plan
                     sampling.max_tokens - seq.num_sampled - 1,  # (the step's own sample counts too)
                     self.max_model_len - seq.num_known - 1)
         if limit <= 0:
             return []
-        if seq.ngrams is None:
-            seq.ngrams = NgramIndex(self.ngram)
-        proposed = seq.ngrams.propose(seq.token_ids, limit)
+        if self.draft is not None:
+            proposed = self.draft.propose(seq, limit, self.batch.table_of(seq.rid))
+        else:
+            assert self.ngram is not None
+            if seq.ngrams is None:
+                seq.ngrams = NgramIndex(self.ngram)
+            proposed = seq.ngrams.propose(seq.token_ids, limit)
         return seq.grammar.valid_prefix(proposed) if seq.grammar is not None and proposed else proposed
 
     def _decode_batch(self, prev: LaunchedStep, keep: list[int]) -> StepBatch:

@@ -122,6 +122,19 @@ class SequenceState:
         self.num_ahead = num_accepted
         self.draft_budget = 2 * num_drafts if num_accepted == num_drafts else num_accepted + 1
 
+    def rewind(self, token_ids: list[int]) -> None:
+        """A draft model's copy of a request takes the target's tokens (``worker/draft_model.py``):
+        its KV holds only the positions where its tokens and these agree, written over from there."""
+        common = 0
+        for mine, theirs in zip(self.token_ids, token_ids, strict=False):
+            if mine != theirs:
+                break
+            common += 1
+        self.token_ids = list(token_ids)
+        self.num_computed = min(self.num_computed, common, len(token_ids) - 1)
+        self.num_in_flight = 0
+        self.num_ahead = 0
+
     def append(self, token: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> bool:
         """Add a sampled token that reached the host; True when the request stops with it (the
         token itself counts)."""
