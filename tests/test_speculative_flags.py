@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from sluice_server import free_port
 
 from frontend.cli import apply_speculative_config, build_config, build_parser, parse
 from protocol.config import ConfigError, SchedulerConfig, WorkerConfig
@@ -78,3 +79,14 @@ def test_sluice_serve_says_it_in_one_line() -> None:
     assert done.stderr.strip().splitlines() == [
         "sluice: error: --speculative-config: method 'medusa' is not served; \"ngram\" (prompt lookup) and "
         "\"draft_model\" (with \"model\") are"]
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused_at_start_up() -> None:
+    """The built-in tiny model's 512-token vocabulary is not SmolLM2's: the worker stops at load,
+    and ``sluice serve`` says why in one line (a free port; nothing is left running)."""
+    done = subprocess.run([sys.executable, "-m", "frontend", "serve", "--model", "smollm2", "--speculative-model",
+                           "tiny", "--port", str(free_port()), "--num-kv-blocks", "64"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("sluice: error:")]
+    assert len(errors) == 1 and "its tokenizer is not the model's" in errors[0], done.stderr[-2000:]
