@@ -9,7 +9,8 @@ too, hold both, each in its own cache. The draft keeps its own copy of each draf
 (its tokens and how many of them its cache holds) and, before proposing, takes the target's
 tokens: what it had computed of a proposal the target rejected is written over, what the
 target accepted is kept. A proposal is one draft plan: compute the tokens the draft has not seen
-yet (a whole prompt the first time), then decode greedily, one step per proposed token.
+yet (a whole prompt the first time), then decode greedily, one step per proposed token; the
+requests of a target step propose together, in one plan of the draft's.
 
 The draft's KV only ever affects which tokens are proposed, never which are kept: the target
 verifies every one. So where the draft's cache cannot follow the target's (blocks swapped
@@ -21,7 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 
-from protocol.messages import NewRequest, SamplingParams, StepPlan
+from protocol.messages import CancelRows, NewRequest, SamplingParams, StepPlan
 from worker.runner import ModelRunner
 from worker.sequence import SequenceState
 
@@ -38,31 +39,51 @@ class DraftModel:
         self._sent: dict[int, list[int]] = {}  # rid -> the target's blocks the draft's copy holds
         self._plan_ids = itertools.count(1)
 
-    def propose(self, seq: SequenceState, limit: int, table: list[int]) -> list[int]:
-        """Up to ``limit`` tokens the draft model would write after ``seq``'s known tokens
-        (greedy), within the blocks of ``table`` (the target's block ids for the request)."""
-        rid, tokens = seq.rid, seq.token_ids
-        # (A draft model shorter than the target proposes nothing past its own length.)
-        limit = min(limit, self.num_tokens, self.runner.max_model_len - len(tokens))
-        if limit <= 0:
-            return []
-        draft = self.runner.seqs.get(rid)
-        sent = self._sent.get(rid)
+    def propose(self, requests: list[tuple[SequenceState, int, list[int]]]) -> list[list[int]]:
+        """For each (request, limit, table): up to ``limit`` tokens the draft model would write
+        after the request's known tokens (greedy), within the blocks of ``table`` (the target's
+        block ids for it). One plan of the draft's for all of them: its first step computes what
+        each has not seen, the next ones decode; a request leaves it once it has its tokens."""
+        rids: list[int] = []
+        num_tokens: list[int] = []
+        new_blocks: list[list[int]] = []
         new: list[NewRequest] = []
-        if draft is None or sent is None or table[: len(sent)] != sent:
-            self.forget(rid)  # (its blocks moved: start over)
-            params = SamplingParams(max_tokens=self.runner.max_model_len, temperature=0.0, ignore_eos=True)
-            new.append(NewRequest(rid, list(tokens), len(tokens), params))
-            sent, computed = [], 0
-        else:
-            draft.rewind(tokens)
-            computed = draft.num_computed
-        plan = StepPlan(next(self._plan_ids), new, [rid], [len(tokens) - computed], [table[len(sent):]],
-                        num_steps=limit)
-        self._sent[rid] = list(table)
-        proposed = [token for msg in self.runner.execute(plan) for r, token in zip(msg.rids, msg.token_ids,
-                                                                                 strict=True) if r == rid]
-        return proposed[:limit]
+        limits: dict[int, int] = {}
+        for seq, limit, table in requests:
+            rid, tokens = seq.rid, seq.token_ids
+            # (A draft model shorter than the target proposes nothing past its own length.)
+            limit = min(limit, self.num_tokens, self.runner.max_model_len - len(tokens))
+            if limit <= 0:
+                continue
+            draft = self.runner.seqs.get(rid)
+            sent = self._sent.get(rid)
+            if draft is None or sent is None or table[: len(sent)] != sent:
+                self.forget(rid)  # (new, or its blocks moved: start over)
+                params = SamplingParams(max_tokens=self.runner.max_model_len, temperature=0.0, ignore_eos=True)
+                new.append(NewRequest(rid, list(tokens), len(tokens), params))
+                sent, computed = [], 0
+            else:
+                draft.rewind(tokens)
+                computed = draft.num_computed
+            rids.append(rid)
+            num_tokens.append(len(tokens) - computed)
+            new_blocks.append(table[len(sent):])
+            self._sent[rid] = list(table)
+            limits[rid] = limit
+        guesses: dict[int, list[int]] = {rid: [] for rid in rids}
+        if rids:
+            plan = StepPlan(next(self._plan_ids), new, rids, num_tokens, new_blocks, num_steps=max(limits.values()))
+            for msg in self.runner.execute(plan):
+                done = []
+                for rid, token in zip(msg.rids, msg.token_ids, strict=True):
+                    guessed = guesses[rid]
+                    if len(guessed) < limits[rid]:
+                        guessed.append(token)
+                        if len(guessed) == limits[rid]:
+                            done.append(rid)
+                if done and not msg.last:
+                    self.runner.cancel(CancelRows(plan.plan_id, done))
+        return [guesses.get(seq.rid, []) for seq, _, _ in requests]
 
     def forget(self, rid: int) -> None:
         self.runner.forget(rid)

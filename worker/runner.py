@@ -327,6 +327,7 @@ class ModelRunner:
         if len(set(plan.rids)) != len(plan.rids):
             raise PlanError(f"plan {plan.plan_id}: a request appears twice")
         rows = StepRows()
+        drafting: list[tuple[int, SequenceState]] = []
         for rid, n, new_blocks in zip(plan.rids, plan.num_tokens, plan.new_block_ids, strict=True):
             seq = self.seqs.get(rid)
             if seq is None:
@@ -354,42 +355,53 @@ class ModelRunner:
             rows.add(seq, start, n)
             if seq.fully_computed:
                 seq.window_end = self.batch.blocks_of(rid) * self.cache.block_size
-                self._sample(rows, seq, n)
-        return rows.build() if rows.seqs else None
+                self._sample(rows, seq, n, drafting)
+        if not rows.seqs:
+            return None
+        self._propose(rows, drafting)
+        return rows.build()
 
-    def _sample(self, rows: StepRows, seq: SequenceState, n: int) -> None:
+    def _sample(self, rows: StepRows, seq: SequenceState, n: int, drafting: list[tuple[int, SequenceState]]) -> None:
         """``seq``, just added with its last ``n`` known tokens, samples at its last position;
-        in a drafting plan, a row that decodes one token also verifies what is proposed after it."""
-        proposed = self._propose(seq) if self.drafting and n == 1 else []
-        if proposed:
-            seq.claim_drafts(len(proposed), self.cache.block_size, self.batch.blocks_of(seq.rid))
-        rows.sample(seq, proposed)
+        in a drafting plan, a row that decodes one token also verifies what is proposed after it
+        (added to ``drafting``, proposed for once the step's rows are in)."""
+        handle = rows.sample(seq)
+        if self.drafting and n == 1:
+            drafting.append((handle, seq))
 
-    def _propose(self, seq: SequenceState) -> list[int]:
-        """Speculative decoding: tokens proposed after ``seq``'s last known one, which it
-        computes this step (scheduled already), as many as its blocks and its length allow.
+    def _propose(self, rows: StepRows, drafting: list[tuple[int, SequenceState]]) -> None:
+        """Speculative decoding: tokens proposed after each drafting row's last known one, which
+        it computes this step (scheduled already), as many as its blocks and its length allow;
+        a draft model guesses for all of them in one batch.
 
         A row held to a grammar proposes only what the grammar allows; at each position, its
         mask and its penalties follow the drafts before it (``_sampling_rows``)."""
         proposer = self.ngram or self.draft
-        assert proposer is not None
-        sampling = seq.sampling
-        if seq.num_outputs < 1:
-            return []
-        limit = min(seq.draft_budget or proposer.num_tokens,
-                    seq.window_end - seq.num_computed,  # the blocks the row holds in this plan
-                    sampling.max_tokens - seq.num_sampled - 1,  # (the step's own sample counts too)
-                    self.max_model_len - seq.num_known - 1)
-        if limit <= 0:
-            return []
+        if proposer is None or not drafting:
+            return
+        wanted = []
+        for handle, seq in drafting:
+            limit = min(seq.draft_budget or proposer.num_tokens,
+                        seq.window_end - seq.num_computed,  # the blocks the row holds in this plan
+                        seq.sampling.max_tokens - seq.num_sampled - 1,  # (the step's own sample counts too)
+                        self.max_model_len - seq.num_known - 1)
+            if seq.num_outputs >= 1 and limit > 0:
+                wanted.append((handle, seq, limit))
         if self.draft is not None:
-            proposed = self.draft.propose(seq, limit, self.batch.table_of(seq.rid))
+            guesses = self.draft.propose([(seq, limit, self.batch.table_of(seq.rid)) for _, seq, limit in wanted])
         else:
             assert self.ngram is not None
-            if seq.ngrams is None:
-                seq.ngrams = NgramIndex(self.ngram)
-            proposed = seq.ngrams.propose(seq.token_ids, limit)
-        return seq.grammar.valid_prefix(proposed) if seq.grammar is not None and proposed else proposed
+            guesses = []
+            for _, seq, limit in wanted:
+                if seq.ngrams is None:
+                    seq.ngrams = NgramIndex(self.ngram)
+                guesses.append(seq.ngrams.propose(seq.token_ids, limit))
+        for (handle, seq, _), proposed in zip(wanted, guesses, strict=True):
+            if seq.grammar is not None and proposed:
+                proposed = seq.grammar.valid_prefix(proposed)
+            if proposed:
+                seq.claim_drafts(len(proposed), self.cache.block_size, self.batch.blocks_of(seq.rid))
+                rows.propose(handle, proposed)
 
     def _decode_batch(self, prev: LaunchedStep, keep: list[int]) -> StepBatch:
         """The next multi-step step: rows ``keep`` of the previous step each compute the token
@@ -411,12 +423,14 @@ class ModelRunner:
         """A step in which each row computes all its tokens not yet computed (its sampled token,
         and those jump-forward appended after it) and samples at the last."""
         rows = StepRows()
+        drafting: list[tuple[int, SequenceState]] = []
         for seq in seqs:
             if seq.num_in_flight:
                 raise PlanError(f"rid {seq.rid}: jumped forward with a token still in flight")
             n = seq.num_known - seq.num_computed
             rows.add(seq, seq.schedule(n, self.cache.block_size, self.batch.blocks_of(seq.rid)), n)
-            self._sample(rows, seq, n)
+            self._sample(rows, seq, n, drafting)
+        self._propose(rows, drafting)
         return rows.build()
 
     # ------------------------------------------------------------------ one step

@@ -72,19 +72,20 @@ class StepRows:
     slower prefill way. A decode step writes every row's key and value before any row attends
     (in each layer), so each draft's row sees the ones before it, as a chunk's causal mask
     would let it; and each row computes what it would alone (batching never changes a row's
-    result), so its logits are those the row would have had decoding one token at a time."""
+    result), so its logits are those the row would have had decoding one token at a time.
+
+    Proposals come once every row is in (``propose``, before ``build``): a draft model guesses
+    for all of the step's rows in one batch of its own. Their rows go after every other row;
+    a request's samplers stay together, its own position first."""
 
     ids: list[int] = dataclasses.field(default_factory=list)
     seqs: list[SequenceState] = dataclasses.field(default_factory=list)
     starts: list[int] = dataclasses.field(default_factory=list)
     lengths: list[int] = dataclasses.field(default_factory=list)
-    samplers: list[SequenceState] = dataclasses.field(default_factory=list)
-    logits_indices: list[int] = dataclasses.field(default_factory=list)
     prompt: PromptPositions | None = None
     pool: PoolPositions | None = None
-    offsets: list[int] = dataclasses.field(default_factory=list)
-    expected: list[int] = dataclasses.field(default_factory=list)
-    drafted: bool = False
+    # Rows that sample: (request, flat index of its last token, the position after it, proposals).
+    sampling: list[tuple[SequenceState, int, int, list[int]]] = dataclasses.field(default_factory=list)
 
     def add(self, seq: SequenceState, start: int, n: int) -> None:
         """``seq`` computes its ``n`` known tokens from position ``start``."""
@@ -93,27 +94,38 @@ class StepRows:
         self.starts.append(start)
         self.lengths.append(n)
 
-    def sample(self, seq: SequenceState, proposed: list[int]) -> None:
-        """``seq``, the row just added, samples at its last position, then verifies ``proposed``
-        (their positions already claimed): each a row of its own that samples too."""
-        start = self.starts[-1] + self.lengths[-1]
-        for j, token in enumerate(proposed):
-            self.ids.append(token)
-            self.seqs.append(seq)
-            self.starts.append(start + j)
-            self.lengths.append(1)
-        first = len(self.ids) - 1 - len(proposed)
-        for j in range(len(proposed) + 1):
-            self.samplers.append(seq)
-            self.logits_indices.append(first + j)
-        self.offsets.extend(range(len(proposed) + 1))
-        self.expected.extend(proposed)
-        self.expected.append(-1)
-        self.drafted = self.drafted or bool(proposed)
+    def sample(self, seq: SequenceState) -> int:
+        """``seq``, the row just added, samples at its last position; returns its handle for
+        ``propose``."""
+        self.sampling.append((seq, len(self.ids) - 1, self.starts[-1] + self.lengths[-1], []))
+        return len(self.sampling) - 1
+
+    def propose(self, handle: int, proposed: list[int]) -> None:
+        """The sampling row ``handle`` then verifies ``proposed`` (their positions already claimed):
+        each a row of its own that samples too."""
+        seq, index, after, _ = self.sampling[handle]
+        self.sampling[handle] = (seq, index, after, proposed)
 
     def build(self) -> StepBatch:
-        batch = StepBatch(self.seqs, self.starts, self.lengths, self.samplers, self.logits_indices,
+        samplers: list[SequenceState] = []
+        logits_indices: list[int] = []
+        offsets: list[int] = []
+        expected: list[int] = []
+        for seq, index, after, proposed in self.sampling:
+            samplers.append(seq)
+            logits_indices.append(index)
+            for j, token in enumerate(proposed):
+                samplers.append(seq)
+                logits_indices.append(len(self.ids))
+                self.ids.append(token)
+                self.seqs.append(seq)
+                self.starts.append(after + j)
+                self.lengths.append(1)
+            offsets.extend(range(len(proposed) + 1))
+            expected.extend(proposed)
+            expected.append(-1)
+        batch = StepBatch(self.seqs, self.starts, self.lengths, samplers, logits_indices,
                           host_ids=torch.tensor(self.ids, dtype=torch.long), prompt=self.prompt, pool=self.pool)
-        if self.drafted:
-            batch.offsets, batch.expected = self.offsets, self.expected
+        if len(samplers) > len(self.sampling):  # some row drafted
+            batch.offsets, batch.expected = offsets, expected
         return batch
