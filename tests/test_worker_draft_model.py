@@ -2,21 +2,20 @@
 draft's greedy guesses, verified by the target, give exactly the tokens decoding alone gives
 (greedy, seeded, penalised, in windows of several sizes, beside prefills, after a recompute or a
 swap preemption), whether the draft is the target itself (every guess accepted) or the same
-model in another dtype (some rejected: the draft's copy of a request is rewound to the target's
-tokens and goes on from there)."""
+model with jittered embeddings (some rejected: the draft's copy of a request is rewound to the
+target's tokens and goes on from there); a long prompt reaches the draft over several steps."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
+import torch
 from worker_testing import Driver, greedy, one_cpu_thread, tiny_worker
 
-from protocol.config import WorkerConfig
 from protocol.messages import NewRequest, SamplingParams, StepPlan
 from worker.draft_model import DraftModel
 from worker.engine import Worker
-from worker.model.tiny import materialize_tiny
 from worker.runner import ModelRunner
 
 BS = 4
@@ -38,18 +37,23 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Worker:
 @pytest.fixture(scope="module")
 def drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Worker]:
     """Draft models with the target's tokenizer and as many KV blocks: the same model, and the
-    same weights in bfloat16 (near the target's guesses, not always on them)."""
-    path = str(materialize_tiny(tmp_path_factory.mktemp("draft")))
-    return {"same": tiny_worker(tmp_path_factory.mktemp("same"), BS),
-            "bfloat16": Worker(WorkerConfig(model=path, num_kv_blocks=512, block_size=BS, dtype="bfloat16"))}
+    same model with its input embeddings jittered (near the target's guesses, not always on
+    them)."""
+    jittered = tiny_worker(tmp_path_factory.mktemp("jittered"), BS)
+    embeddings = jittered.runner.model.model.embed_tokens.weight
+    with torch.no_grad():
+        noise = torch.randn(embeddings.shape, generator=torch.Generator().manual_seed(0))
+        embeddings.add_(noise * embeddings.std() * 0.5)
+    return {"same": tiny_worker(tmp_path_factory.mktemp("same"), BS), "jittered": jittered}
 
 
-def runner_with(worker: Worker, draft: Worker | None, num_tokens: int = 4) -> ModelRunner:
+def runner_with(worker: Worker, draft: Worker | None, num_tokens: int = 4, catch_up: int = 2048) -> ModelRunner:
     r = worker.runner
     proposer = None
     if draft is not None:
         d = draft.runner
-        proposer = DraftModel(ModelRunner(d.model, d.cache, d.device, 8192, list(d.eos_token_ids)), num_tokens)
+        proposer = DraftModel(ModelRunner(d.model, d.cache, d.device, 8192, list(d.eos_token_ids)), num_tokens,
+                              catch_up)
     return ModelRunner(r.model, r.cache, r.device, 8192, list(r.eos_token_ids), draft=proposer)
 
 
@@ -68,7 +72,7 @@ def counts(d: Driver) -> tuple[int, int]:
     return sum(sum(m.drafted) for m in d.messages), sum(sum(m.accepted) for m in d.messages)
 
 
-@pytest.mark.parametrize("kind", ["same", "bfloat16"])
+@pytest.mark.parametrize("kind", ["same", "jittered"])
 @pytest.mark.parametrize("steps", [1, 4])
 def test_greedy_tokens_are_the_same_with_a_draft_model(worker: Worker, drafts: dict[str, Worker], kind: str,
                                                        steps: int) -> None:
@@ -81,7 +85,7 @@ def test_greedy_tokens_are_the_same_with_a_draft_model(worker: Worker, drafts: d
     if kind == "same":
         assert kept == proposed  # its own guesses: every one is what the target samples
     else:
-        assert kept > 0
+        assert 0 < kept < proposed  # some rejected: its copies were rewound, and went on
     assert len(drafted.messages) < len(plain.messages)
 
 
@@ -92,7 +96,7 @@ def test_greedy_tokens_are_the_same_with_a_draft_model(worker: Worker, drafts: d
 def test_seeded_and_penalised_rows_keep_their_tokens(worker: Worker, drafts: dict[str, Worker],
                                                      params: SamplingParams) -> None:
     prompts = {0: PROMPT, 1: OTHER}
-    drafted = generate(runner_with(worker, drafts["bfloat16"]), prompts, params, 4, 3)
+    drafted = generate(runner_with(worker, drafts["jittered"]), prompts, params, 4, 3)
     assert dict(drafted.outputs) == dict(generate(runner_with(worker, None), prompts, params, 4, 0).outputs)
     assert counts(drafted)[1] > 0
 
@@ -101,7 +105,7 @@ def test_preemptions_mid_stream_continue_the_same(worker: Worker, drafts: dict[s
     """By recompute (the target forgets the request, so does the draft) and by swap (the draft's
     cache follows no block move: every request's draft starts over)."""
     reference = generate(runner_with(worker, None), {0: PROMPT}, greedy(100), 1, 0).outputs[0]
-    runner = runner_with(worker, drafts["bfloat16"])
+    runner = runner_with(worker, drafts["jittered"])
     d = Driver(runner, first_block=100, drafts=4)
     d.prefill({0: PROMPT}, greedy(100), 4)
 
@@ -129,3 +133,19 @@ def test_preemptions_mid_stream_continue_the_same(worker: Worker, drafts: dict[s
     d.decode_to_end(4)
     assert d.outputs[0] == reference
     assert counts(d)[1] > 0
+
+
+def test_a_long_prompt_catches_up_over_several_steps(worker: Worker, drafts: dict[str, Worker]) -> None:
+    """At most ``catch_up`` tokens of unseen prompts are computed per target step: a prompt longer
+    than that proposes nothing until the draft has seen it, then as before."""
+    prompts = {0: PROMPT, 1: OTHER}
+    plain = generate(runner_with(worker, None), prompts, greedy(40), 4, 0)
+    runner = runner_with(worker, drafts["same"], catch_up=8)
+    drafted = generate(runner, prompts, greedy(40), 4, 4)
+    assert dict(drafted.outputs) == dict(plain.outputs)
+    proposed, kept = counts(drafted)
+    assert kept == proposed > 0
+    # The 39-token prompt took five steps of its decode to reach the draft (8 tokens each): its
+    # first steps proposed nothing; the 14-token one proposed from its third step.
+    first_drafting = next(i for i, m in enumerate(drafted.messages) if m.rids.count(0) > 1)
+    assert first_drafting >= 4

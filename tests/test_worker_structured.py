@@ -275,3 +275,27 @@ def test_on_cuda_masks_applied_in_place_and_filled_later_match_the_cpu(worker: W
         tokens.append(s(logits.to(cuda), step.moved([t.to(cuda) for t in step.tensors()])).token_ids.cpu())
     assert torch.equal(tokens[0], tokens[1])
     assert int(tokens[0][1]) == int(logits[1].argmax())
+
+
+def test_masks_after_drafts_are_those_of_a_matcher_that_consumed_them(worker: Worker) -> None:
+    """Speculative decoding's masks: at each proposed position, the mask of the grammar after the
+    proposals before it (filled before the forward pass, and beside it as on CUDA); the matcher
+    itself is left where it was; proposals are cut at the first token the grammar refuses."""
+    from tokenizers import Tokenizer
+
+    engine = worker.runner.grammars
+    assert engine is not None
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(RECORD))
+    ids = Tokenizer.from_str(worker.info.tokenizer_json).encode('{"colour": "red", "size": 12',
+                                                                add_special_tokens=False).ids
+    state = engine.start(grammar, [])
+    assert state.valid_prefix(ids) == ids
+    prefixes = [tuple(ids[:j]) for j in range(len(ids) + 1)]
+    want = torch.cat([engine.masks([engine.start(grammar, list(prefix))]) for prefix in prefixes])
+    assert len({tuple(row.tolist()) for row in want}) > 3  # the masks differ along the way
+    assert torch.equal(engine.masks([state] * len(prefixes), drafts=prefixes), want)
+    assert torch.equal(engine.masks_later([state] * len(prefixes), False, prefixes).result(), want)
+    assert torch.equal(engine.masks([state]), want[:1])  # the matcher is back at its start
+    # A draft the grammar refuses (a letter where the number goes on) ends the proposal there.
+    letter = Tokenizer.from_str(worker.info.tokenizer_json).encode("q", add_special_tokens=False).ids
+    assert state.valid_prefix([*ids, *letter, *ids]) == ids

@@ -172,6 +172,11 @@ class Worker:
         """``--speculative-model``, loaded as ``--model`` is (the same device and dtype flags), with
         a KV cache of as many blocks: a request's draft KV sits at its target KV's block ids."""
         config = self.config
+        if self.device.type == "cuda" and config.num_kv_blocks is None:
+            # The model's cache took its share of the device before the draft loads.
+            raise ModelLoadError("--speculative-model on a GPU needs --num-kv-blocks: the KV cache is sized from "
+                                 "free memory before the draft model (its weights and its own cache of as many "
+                                 "blocks) loads")
         log.info("speculative decoding: loading the draft model %s", config.speculative_model)
         draft = Worker(dataclasses.replace(config, model=config.speculative_model, speculative="none",
                                            speculative_model="", num_kv_blocks=num_blocks, max_model_len=None,
@@ -181,7 +186,7 @@ class Worker:
             raise ModelLoadError(f"--speculative-model {config.speculative_model}: its tokenizer is not the model's "
                                  f"({len(theirs)} tokens against {len(mine)}, or the same ids for other text); a "
                                  "draft model must share the model's tokenizer")
-        return DraftModel(draft.runner, config.num_speculative_tokens)
+        return DraftModel(draft.runner, config.num_speculative_tokens, config.max_num_batched_tokens)
 
     def _keeps_quantized(self, gguf: GGUFCheckpoint, dtype_flag: str) -> bool:
         """A quantized GGUF file is served quantized, as llama.cpp serves it, under ``--dtype auto``

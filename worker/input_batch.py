@@ -118,10 +118,10 @@ class InputBatch:
     def blocks_of(self, rid: int) -> int:
         return self.num_blocks[self.slot_of[rid]]
 
-    def table_of(self, rid: int) -> list[int]:
-        """The request's block ids, in order."""
+    def table_of(self, rid: int, start: int = 0) -> list[int]:
+        """The request's block ids, in order, from its ``start``-th."""
         slot = self.slot_of[rid]
-        return self.block_table[slot, : self.num_blocks[slot]].tolist()
+        return self.block_table[slot, start : self.num_blocks[slot]].tolist()
 
     def rows(self, rids: list[int]) -> RowTables:
         """The tables of a step's rows, in the step's order."""

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -318,8 +319,6 @@ class ModelRunner:
         self.swap_space.swap_out(plan.swap_out)
         self.swap_space.swap_in(plan.swap_in)
         self.cache.copy_blocks(plan.copy_blocks)
-        if self.draft is not None and (plan.swap_out or plan.swap_in or plan.copy_blocks):
-            self.draft.reset()  # its cache moves none of them: every request's draft starts over
 
     def _first_batch(self, plan: StepPlan) -> StepBatch | None:
         if not len(plan.rids) == len(plan.num_tokens) == len(plan.new_block_ids):
@@ -388,7 +387,10 @@ class ModelRunner:
             if seq.num_outputs >= 1 and limit > 0:
                 wanted.append((handle, seq, limit))
         if self.draft is not None:
-            guesses = self.draft.propose([(seq, limit, self.batch.table_of(seq.rid)) for _, seq, limit in wanted])
+            guesses = self.draft.propose([(seq, limit) for _, seq, limit in wanted], self.batch.table_of)
+            # (A draft whose vocabulary is padded past the model's could guess an id it lacks.)
+            vocab = self.model.config.vocab_size
+            guesses = [list(itertools.takewhile(vocab.__gt__, g)) for g in guesses]
         else:
             assert self.ngram is not None
             guesses = []
@@ -438,18 +440,24 @@ class ModelRunner:
     def _sampling_rows(self, batch: StepBatch) -> list[SamplingRow]:
         """What each sampler row samples by. In a drafting step, a row at a proposed token's
         position samples as if the proposals before it were its outputs: its grammar's mask after
-        them, and for the penalties its history with them. Such a request's penalty counts are
-        built from its history at every step (rows the sampler does not keep: which of its
-        proposals become outputs is known only once the step is read)."""
+        them, and for the penalties its history with them. The penalty counts of a request that
+        proposes are built from its history at that step (rows the sampler does not keep: which of
+        its proposals become outputs is known only once the step is read)."""
         if batch.offsets is None:
             return [SamplingRow(s.sampling, s.num_sampled, s.token_ids, s.num_prompt_tokens, s.rid, s.grammar)
                     if s.sampling.reads_history else SamplingRow(s.sampling, s.num_sampled, grammar=s.grammar)
                     for s in batch.samplers]
         rows = []
-        for i, (s, offset) in enumerate(zip(batch.samplers, batch.offsets, strict=True)):
+        samplers, offsets = batch.samplers, batch.offsets
+        for i, (s, offset) in enumerate(zip(samplers, offsets, strict=True)):
             drafts = _drafts_before(batch, i, offset)
             after = drafts if s.grammar is not None else ()
             if s.sampling.reads_history:
+                drafted = offset > 0 or (i + 1 < len(offsets) and offsets[i + 1] > 0)
+                if not drafted:  # this step it proposed nothing: as in a plain step
+                    rows.append(SamplingRow(s.sampling, s.num_sampled, s.token_ids, s.num_prompt_tokens, s.rid,
+                                            s.grammar))
+                    continue
                 if offset == 0:
                     self.sampler.forget(s.rid)  # counts kept from earlier steps: rebuilt when next kept
                 rows.append(SamplingRow(s.sampling, s.num_sampled + offset, [*s.token_ids, *drafts],

@@ -111,6 +111,11 @@ class StepRows:
         logits_indices: list[int] = []
         offsets: list[int] = []
         expected: list[int] = []
+        if not any(proposed for *_, proposed in self.sampling):  # (most steps)
+            samplers = [seq for seq, *_ in self.sampling]
+            logits_indices = [index for _, index, *_ in self.sampling]
+            return StepBatch(self.seqs, self.starts, self.lengths, samplers, logits_indices,
+                             host_ids=torch.tensor(self.ids, dtype=torch.long), prompt=self.prompt, pool=self.pool)
         for seq, index, after, proposed in self.sampling:
             samplers.append(seq)
             logits_indices.append(index)
@@ -126,6 +131,5 @@ class StepRows:
             expected.append(-1)
         batch = StepBatch(self.seqs, self.starts, self.lengths, samplers, logits_indices,
                           host_ids=torch.tensor(self.ids, dtype=torch.long), prompt=self.prompt, pool=self.pool)
-        if len(samplers) > len(self.sampling):  # some row drafted
-            batch.offsets, batch.expected = offsets, expected
+        batch.offsets, batch.expected = offsets, expected
         return batch
