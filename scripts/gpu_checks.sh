@@ -21,7 +21,10 @@
 #                     held to a grammar (no one-step lag for that batch): the device's idle time
 #                     between its kernels over the decode steps alone (scripts/gpu_idle.py)
 #                                                                          idle-*.txt, decode-*.nsys-rep
-#   5 vllm            where vLLM is installed: SmolLM2 in bfloat16 served by Sluice, then by vLLM,
+#   5 speculative     the same decode with proposals verified in every step, by prompt lookup and
+#                     by the model drafting for itself (scripts/gpu_decode.py --speculative):
+#                     two runs give the same tokens, and proposals are accepted  speculative.log
+#   6 vllm            where vLLM is installed: SmolLM2 in bfloat16 served by Sluice, then by vLLM,
 #                     on this GPU: tokens/s, TTFT and ITL at 1/16/64/256 streams
 #                     (scripts/gpu_vs_vllm.py)                             vllm.log, vllm.json
 #
@@ -38,7 +41,7 @@ summary="$OUT/summary.txt"
 : >"$summary"
 deadline=$((SECONDS + BUDGET_S))
 status=0
-STAGES=(tests stream-sanitizer synccheck nsys vllm)
+STAGES=(tests stream-sanitizer synccheck nsys speculative vllm)
 
 say() { echo "$*" | tee -a "$summary"; }
 not_run() { say "NOT RUN  $1: $2"; }
@@ -156,7 +159,11 @@ else
   not_run nsys "nsys not found (Nsight Systems)"
 fi
 
-# 5. Against vLLM on the same GPU, where it is installed (this script installs nothing).
+# 5. Speculative decoding on the device: n-gram proposals, then a draft model (the model itself).
+stage speculative 90 40 bash -c "python scripts/gpu_decode.py --rows 8 --steps 32 --mixed --speculative ngram \
+  && python scripts/gpu_decode.py --rows 8 --steps 32 --mixed --speculative draft"
+
+# 6. Against vLLM on the same GPU, where it is installed (this script installs nothing).
 if python -c "import vllm" >/dev/null 2>&1; then
   stage vllm 300 150 python scripts/gpu_vs_vllm.py --out "$OUT"
 else

@@ -5,6 +5,8 @@
     python scripts/gpu_decode.py --rows 16 --steps 32 --mixed     # every sampling path in one batch
     python scripts/gpu_decode.py --rows 64 --constrained 1        # one row held to a grammar
     python scripts/gpu_decode.py --device cpu --dtype float32 --model tiny --rows 4 --steps 8 --mixed
+    python scripts/gpu_decode.py --rows 8 --mixed --speculative ngram     # proposals verified in the windows
+    python scripts/gpu_decode.py --rows 8 --mixed --speculative draft     # the model drafting for itself
 
 Each row prefills ``--context`` tokens (one plan), then the rows decode ``--steps`` steps in plans
 of ``--window`` steps: multi-step windows, and on CUDA the one-step-behind read of each step's
@@ -17,6 +19,8 @@ script fails unless both runs give the same tokens (greedy and seeded rows: the 
 deterministic for a fixed batch). With ``--profile-range`` the second run alone is bracketed by
 ``cudaProfilerStart``/``Stop``, for ``nsys profile --capture-range=cudaProfilerApi``: a trace of
 decode steps only, not of loading and prefill. Prints the attention backend and decode tokens/s.
+``--speculative ngram`` or ``draft`` (the model as its own draft) runs the same decode with
+proposals verified in every step (4 at most), and prints how many were accepted.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def row_params(i: int, steps: int, mixed: bool, constrained: int) -> SamplingPar
 def decode(worker: Worker, args: argparse.Namespace, first_rid: int, profile: bool) -> tuple[list[list[int]], float]:
     """One run: prefill every row, decode, forget them; the tokens of each row and decode tok/s."""
     runner = worker.runner
-    per_row = -(-(args.context + args.steps + args.window + 1) // BLOCK_SIZE)
+    per_row = blocks_per_row(args)
     rids = list(range(first_rid, first_rid + args.rows))
     news = [NewRequest(rid, [1] + [(7 * i + 13 * j) % 400 + 3 for j in range(args.context - 1)], args.context,
                        row_params(i, args.steps, args.mixed, args.constrained))
@@ -68,11 +72,13 @@ def decode(worker: Worker, args: argparse.Namespace, first_rid: int, profile: bo
     tables = [list(range(1 + i * per_row, 1 + (i + 1) * per_row)) for i in range(args.rows)]
     plan_ids = itertools.count(first_rid * 1000 + 1)
     outputs: dict[int, list[int]] = {rid: [] for rid in rids}
+    drafts = DRAFTS if args.speculative != "none" else 0
 
     def run(plan: StepPlan) -> None:
         for msg in runner.execute(plan):
             for rid, token in zip(msg.rids, msg.token_ids, strict=True):
                 outputs[rid].append(token)
+            accepted[0] += sum(msg.accepted)
 
     run(StepPlan(next(plan_ids), news, rids, [args.context] * args.rows, tables))
     sync(worker.device)
@@ -83,8 +89,13 @@ def decode(worker: Worker, args: argparse.Namespace, first_rid: int, profile: bo
     while done < args.steps:
         n = min(args.window, args.steps - done)
         live = [rid for rid in rids if rid in runner.seqs]
-        rows = [(rid, len(runner.seqs[rid].token_ids) - runner.seqs[rid].num_computed) for rid in live]
-        run(StepPlan(next(plan_ids), [], [r for r, _ in rows], [k for _, k in rows], [[] for _ in rows], num_steps=n))
+        if not live:  # (speculation: every row reached its length early)
+            break
+        # (The scheduler's count: drafts a row's last step accepted are not computed for it yet.)
+        rows = [(rid, len(seq.token_ids) - seq.num_computed + seq.num_ahead) for rid in live
+                if (seq := runner.seqs[rid])]
+        run(StepPlan(next(plan_ids), [], [r for r, _ in rows], [k for _, k in rows], [[] for _ in rows], num_steps=n,
+                     num_draft_tokens=drafts))
         done += n
     sync(worker.device)
     seconds = time.perf_counter() - start
@@ -93,6 +104,17 @@ def decode(worker: Worker, args: argparse.Namespace, first_rid: int, profile: bo
     for rid in rids:
         runner.forget(rid)
     return [outputs[rid] for rid in rids], args.rows * args.steps / seconds
+
+
+DRAFTS = 4  # most proposed tokens a row verifies per step, with --speculative
+accepted = [0]  # proposals accepted so far
+
+
+def blocks_per_row(args: argparse.Namespace) -> int:
+    """A row's blocks: its prompt, its outputs, a window's look-ahead and, with speculation,
+    room for every step's proposals."""
+    room = args.window * DRAFTS if args.speculative != "none" else 0
+    return -(-(args.context + args.steps + args.window + 1 + room) // BLOCK_SIZE)
 
 
 def sync(device: torch.device) -> None:
@@ -112,11 +134,15 @@ def main() -> None:
     p.add_argument("--mixed", action="store_true", help="every sampling path in the batch")
     p.add_argument("--constrained", type=int, default=0, help="rows held to a grammar (without --mixed)")
     p.add_argument("--profile-range", action="store_true", help="cudaProfilerStart/Stop around the second decode")
+    p.add_argument("--speculative", default="none", choices=["none", "ngram", "draft"],
+                   help="proposals verified in every step: prompt lookup, or the model as its own draft")
     args = p.parse_args()
 
-    per_row = -(-(args.context + args.steps + args.window + 1) // BLOCK_SIZE)
+    per_row = blocks_per_row(args)
     worker = Worker(WorkerConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE,
-                                 num_kv_blocks=args.rows * per_row + 1, log_level="warning"))
+                                 num_kv_blocks=args.rows * per_row + 1, log_level="warning",
+                                 speculative=args.speculative, num_speculative_tokens=DRAFTS,
+                                 speculative_model=args.model if args.speculative == "draft" else ""))
     worker.warm_up()
     print(f"{args.model} on {worker.device} in {args.dtype}: attention {worker.runner.attention.name}; "
           f"{args.rows} rows{' (mixed sampling)' if args.mixed else ''}"
@@ -124,7 +150,10 @@ def main() -> None:
           f"{args.steps} steps in windows of {args.window}", flush=True)
     first, _ = decode(worker, args, 1, profile=False)
     second, rate = decode(worker, args, 1 + args.rows, profile=args.profile_range and worker.device.type == "cuda")
-    print(f"decode: {rate:,.0f} tokens/s ({args.rows} rows)")
+    print(f"decode: {rate:,.0f} tokens/s ({args.rows} rows)"
+          + (f"; {accepted[0]} proposals accepted" if args.speculative != "none" else ""))
+    if args.speculative != "none" and not accepted[0]:
+        raise SystemExit("--speculative: no proposal was accepted")
     differ = [i for i, (a, b) in enumerate(zip(first, second, strict=True)) if a != b]
     if differ or any(len(out) != args.steps + 1 for out in first):
         raise SystemExit(f"the two runs differ: rows {differ[:10]} (lengths {[len(o) for o in first[:10]]})")

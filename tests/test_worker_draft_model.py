@@ -7,7 +7,10 @@ target's tokens and goes on from there); a long prompt reaches the draft over se
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +152,16 @@ def test_a_long_prompt_catches_up_over_several_steps(worker: Worker, drafts: dic
     # first steps proposed nothing; the 14-token one proposed from its third step.
     first_drafting = next(i for i, m in enumerate(drafted.messages) if m.rids.count(0) > 1)
     assert first_drafting >= 4
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_the_device_checks_decode_runs_with_speculation(method: str) -> None:
+    """``scripts/gpu_checks.sh``'s speculative stage, on the CPU with the tiny model: two runs
+    of a mixed batch give the same tokens, and proposals are accepted (the script fails
+    otherwise), so the stage a GPU session runs does not rot between them."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_decode.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--dtype", "float32", "--model", "tiny",
+                           "--rows", "5", "--context", "40", "--steps", "24", "--window", "4", "--mixed",
+                           "--speculative", method], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-2000:]
+    assert "proposals accepted" in done.stdout and "both runs gave the same tokens" in done.stdout
