@@ -207,3 +207,17 @@ def test_a_draft_model_gives_the_same_answers(servers: tuple[SluiceServer, Sluic
         stats = settled_stats(drafting, ADMIN)
         assert stats["kv_blocks_used"] == 0 and stats["running"] == 0
         assert stats["spec_accepted_tokens"] >= 0.9 * stats["spec_draft_tokens"] > 0
+
+
+def test_n_choices_are_the_choices_without_speculation(servers: tuple[SluiceServer, SluiceServer]) -> None:
+    """``n`` > 1 (the prompt's blocks shared by the choices, copied on write): each seeded choice
+    drafts on its own and ends as it does without speculation."""
+    body = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": NEW_TOKENS, "n": 3,
+            "temperature": 0.7, "seed": 11}
+    before = settled_stats(servers[0], ADMIN)["spec_accepted_tokens"]
+    drafted, plain = ([c["message"]["content"] for c in sorted(
+        httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=300).json()["choices"],
+        key=lambda c: c["index"])] for s in servers)
+    assert drafted == plain and len(set(plain)) > 1  # the same three answers, not all alike
+    stats = settled_stats(servers[0], ADMIN)
+    assert stats["spec_accepted_tokens"] > before and stats["kv_blocks_used"] == 0
