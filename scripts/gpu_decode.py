@@ -61,8 +61,10 @@ def row_params(i: int, steps: int, mixed: bool, constrained: int) -> SamplingPar
     return base
 
 
-def decode(worker: Worker, args: argparse.Namespace, first_rid: int, profile: bool) -> tuple[list[list[int]], float]:
-    """One run: prefill every row, decode, forget them; the tokens of each row and decode tok/s."""
+def decode(worker: Worker, args: argparse.Namespace, first_rid: int,
+           profile: bool) -> tuple[list[list[int]], float, int]:
+    """One run: prefill every row, decode, forget them; the tokens of each row, decode tok/s and
+    the proposals accepted."""
     runner = worker.runner
     per_row = blocks_per_row(args)
     rids = list(range(first_rid, first_rid + args.rows))
@@ -73,12 +75,14 @@ def decode(worker: Worker, args: argparse.Namespace, first_rid: int, profile: bo
     plan_ids = itertools.count(first_rid * 1000 + 1)
     outputs: dict[int, list[int]] = {rid: [] for rid in rids}
     drafts = DRAFTS if args.speculative != "none" else 0
+    accepted = 0
 
     def run(plan: StepPlan) -> None:
+        nonlocal accepted
         for msg in runner.execute(plan):
             for rid, token in zip(msg.rids, msg.token_ids, strict=True):
                 outputs[rid].append(token)
-            accepted[0] += sum(msg.accepted)
+            accepted += sum(msg.accepted)
 
     run(StepPlan(next(plan_ids), news, rids, [args.context] * args.rows, tables))
     sync(worker.device)
@@ -103,11 +107,10 @@ def decode(worker: Worker, args: argparse.Namespace, first_rid: int, profile: bo
         torch.cuda.profiler.stop()
     for rid in rids:
         runner.forget(rid)
-    return [outputs[rid] for rid in rids], args.rows * args.steps / seconds
+    return [outputs[rid] for rid in rids], args.rows * args.steps / seconds, accepted
 
 
 DRAFTS = 4  # most proposed tokens a row verifies per step, with --speculative
-accepted = [0]  # proposals accepted so far
 
 
 def blocks_per_row(args: argparse.Namespace) -> int:
@@ -148,11 +151,12 @@ def main() -> None:
           f"{args.rows} rows{' (mixed sampling)' if args.mixed else ''}"
           f"{f', {args.constrained} constrained' if args.constrained and not args.mixed else ''}, "
           f"{args.steps} steps in windows of {args.window}", flush=True)
-    first, _ = decode(worker, args, 1, profile=False)
-    second, rate = decode(worker, args, 1 + args.rows, profile=args.profile_range and worker.device.type == "cuda")
+    first, _, _ = decode(worker, args, 1, profile=False)
+    second, rate, accepted = decode(worker, args, 1 + args.rows,
+                                    profile=args.profile_range and worker.device.type == "cuda")
     print(f"decode: {rate:,.0f} tokens/s ({args.rows} rows)"
-          + (f"; {accepted[0]} proposals accepted" if args.speculative != "none" else ""))
-    if args.speculative != "none" and not accepted[0]:
+          + (f"; {accepted} proposals accepted" if args.speculative != "none" else ""))
+    if args.speculative != "none" and not accepted:
         raise SystemExit("--speculative: no proposal was accepted")
     differ = [i for i, (a, b) in enumerate(zip(first, second, strict=True)) if a != b]
     if differ or any(len(out) != args.steps + 1 for out in first):

@@ -40,7 +40,6 @@ class DraftModel:
         self.runner = runner
         self.num_tokens = num_tokens  # most tokens proposed per step
         self.catch_up = catch_up  # most tokens a target step's proposals compute before they decode
-        self._sent: dict[int, int] = {}  # rid -> how many of the target's blocks its copy holds
         self._plan_ids = itertools.count(1)
 
     def propose(self, requests: list[tuple[SequenceState, int]], blocks_of: BlocksOf) -> list[list[int]]:
@@ -59,28 +58,22 @@ class DraftModel:
             if limit <= 0:
                 continue
             draft = self.runner.seqs.get(rid)
-            if draft is None:
-                params = SamplingParams(max_tokens=self.runner.max_model_len, temperature=0.0, ignore_eos=True)
-                new.append(NewRequest(rid, list(tokens), len(tokens), params))
-                computed = 0
-                self._sent[rid] = 0
-            else:
+            if draft is not None:
                 draft.rewind(tokens)
-                computed = draft.num_computed
-            unseen = len(tokens) - computed
+            unseen = len(tokens) - (draft.num_computed if draft is not None else 0)
             if unseen > 1:  # (one token, the target's last sample, is every step's)
                 if budget <= 0:
-                    if draft is None:
-                        new.pop()
-                        del self._sent[rid]
                     continue
                 if unseen > budget:  # a chunk of it this step, no proposal yet
                     unseen, limit = budget, 0
                 budget -= unseen
+            if draft is None:
+                params = SamplingParams(max_tokens=self.runner.max_model_len, temperature=0.0, ignore_eos=True)
+                new.append(NewRequest(rid, list(tokens), len(tokens), params))
+            # The target's blocks the draft's copy does not hold yet (its own input batch counts them).
+            new_blocks.append(blocks_of(rid, self.runner.batch.blocks_of(rid) if draft is not None else 0))
             rids.append(rid)
             num_tokens.append(unseen)
-            new_blocks.append(blocks_of(rid, self._sent[rid]))
-            self._sent[rid] += len(new_blocks[-1])
             limits[rid] = limit
         guesses: dict[int, list[int]] = {rid: [] for rid in rids}
         if rids:
@@ -100,9 +93,3 @@ class DraftModel:
 
     def forget(self, rid: int) -> None:
         self.runner.forget(rid)
-        self._sent.pop(rid, None)
-
-    def reset(self) -> None:
-        """Forget every request (the target forgot them all)."""
-        for rid in list(self._sent):
-            self.forget(rid)

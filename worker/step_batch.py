@@ -111,11 +111,7 @@ class StepRows:
         logits_indices: list[int] = []
         offsets: list[int] = []
         expected: list[int] = []
-        if not any(proposed for *_, proposed in self.sampling):  # (most steps)
-            samplers = [seq for seq, *_ in self.sampling]
-            logits_indices = [index for _, index, *_ in self.sampling]
-            return StepBatch(self.seqs, self.starts, self.lengths, samplers, logits_indices,
-                             host_ids=torch.tensor(self.ids, dtype=torch.long), prompt=self.prompt, pool=self.pool)
+        drafted = any(proposed for *_, proposed in self.sampling)
         for seq, index, after, proposed in self.sampling:
             samplers.append(seq)
             logits_indices.append(index)
@@ -126,10 +122,12 @@ class StepRows:
                 self.seqs.append(seq)
                 self.starts.append(after + j)
                 self.lengths.append(1)
-            offsets.extend(range(len(proposed) + 1))
-            expected.extend(proposed)
-            expected.append(-1)
+            if drafted:
+                offsets.extend(range(len(proposed) + 1))
+                expected.extend(proposed)
+                expected.append(-1)
         batch = StepBatch(self.seqs, self.starts, self.lengths, samplers, logits_indices,
                           host_ids=torch.tensor(self.ids, dtype=torch.long), prompt=self.prompt, pool=self.pool)
-        batch.offsets, batch.expected = offsets, expected
+        if drafted:
+            batch.offsets, batch.expected = offsets, expected
         return batch
