@@ -73,6 +73,26 @@ def test_records_read_back_the_weight_and_any_of_its_rows(qtype: Q | None) -> No
     assert torch.equal(quant_records.unpack(packed, fmt, 70).dequantize(), w.dequantize())
     rows = torch.tensor([69, 0, 17, 17, 33])
     assert torch.equal(quant_records.unpack(packed, fmt, 70, rows).dequantize(), w.dequantize()[rows])
+    if LIB is not None:  # the C read-back a tied embedding looks its rows up with (every build has it)
+        assert torch.equal(cpu_kernels.dequantize_rows(LIB, packed, fmt, 70, rows), w.dequantize()[rows])
+        assert torch.equal(cpu_kernels.dequantize_rows(LIB, packed, fmt, 70, torch.arange(70)), w.dequantize())
+        for outside in (70, 71, -1):  # 71: a padding row of the last block is not a row either
+            with pytest.raises(IndexError):
+                cpu_kernels.dequantize_rows(LIB, packed, fmt, 70, torch.tensor([0, outside]))
+
+
+@pytest.mark.skipif(LIB is None, reason="no C compiler here")
+def test_rows_read_back_in_c_widen_every_fp16_scale_exactly() -> None:
+    """fp16 factors of every kind of value (subnormal, zero, negative zero, the largest, negative)
+    widened as torch widens them, with and without mins."""
+    special = torch.tensor([6e-8, 3e-5, 0.0, -0.0, 65504.0, -1.5, 0.1, -2e-6], dtype=torch.float16)
+    scales = special.repeat(4).reshape(16, 2)  # [16 outputs, 2 groups of 32]
+    codes = torch.randint(0, 256, (16, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    for mins in (None, special.flip(0).repeat(4).reshape(16, 2)):
+        w = QuantizedWeight(codes, 8, 32, scales, mins, -128.0 if mins is None else 0.0, ("test",))
+        packed, fmt = quant_records.pack(w)
+        got = cpu_kernels.dequantize_rows(LIB, packed, fmt, 16, torch.arange(16))
+        assert torch.equal(got.view(torch.int32), w.dequantize().view(torch.int32))  # the bits, signed zeros too
 
 
 def test_parts_of_different_types_stack_exactly_and_of_one_type_keep_it() -> None:

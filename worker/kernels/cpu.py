@@ -168,6 +168,8 @@ def load() -> ctypes.CDLL | None:
         entry.restype = None
     lib.linear_q.argtypes = [p, i64, p, p, p, i32, i32, i32, i32, p, i32, i32]
     lib.linear_q.restype = None
+    lib.dequantize_rows.argtypes = [p, i32, i32, i32, p, i32, p]
+    lib.dequantize_rows.restype = i32
     for available in (lib.linear_available, lib.linear_q_available, lib.attention_path, lib.vector_lanes):
         available.argtypes = []
         available.restype = i32
@@ -405,6 +407,20 @@ def linear_q(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, bias: torc
     lib.linear_q(_ptr(x), x.stride(0), _ptr(packed), None if bias is None else _ptr(bias), _ptr(y), rows,
                  out_features, in_features, fmt.word, _ptr(scratch), int(x.dtype == torch.bfloat16),
                  torch.get_num_threads())
+    return y
+
+
+def dequantize_rows(lib: ctypes.CDLL, packed: torch.Tensor, fmt: PackedFormat, out_features: int,
+                    rows: torch.Tensor) -> torch.Tensor:
+    """Rows of a weight packed by ``quant_records.pack`` as float32 [len(rows), in]: the values
+    ``quant_records.unpack(packed, fmt, out_features, rows).dequantize()`` gives, in one C call
+    (a tied embedding's lookup, every step)."""
+    assert packed.is_contiguous()
+    blocks = packed.shape[1] * 8 // (8 * fmt.record + fmt.header)
+    ids = rows.to(torch.int64).contiguous()
+    y = torch.empty((len(ids), blocks * QBLOCK), dtype=torch.float32)
+    if lib.dequantize_rows(_ptr(packed), fmt.word, out_features, blocks * QBLOCK, _ptr(ids), len(ids), _ptr(y)):
+        raise IndexError(f"a row id outside 0..{out_features - 1}: {ids.tolist()}")
     return y
 
 

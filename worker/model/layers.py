@@ -69,6 +69,8 @@ class Linear(nn.Module):
         if self.quantized is not None:
             return self.quantized.rows(rows).dequantize()
         assert self.packed is not None and self.quant_format is not None
+        if self.kernels is not None:
+            return cpu_kernels.dequantize_rows(self.kernels, self.packed, self.quant_format, self.out_features, rows)
         return quant_records.unpack(self.packed, self.quant_format, self.out_features, rows).dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

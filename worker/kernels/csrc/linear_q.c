@@ -554,6 +554,82 @@ void linear_q(const void *x, int64_t x_stride, const uint8_t *packed, const void
     linear_q_rows(x, x_stride, packed, bias, y, num_rows, out, in, format, scratch, bf16);
 }
 
+/* ------------------------------------------------------------------ rows read back */
+
+/* An fp16 as float32, exactly (no F16C here: this runs in every build). */
+static inline float half_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    if (exp == 0) { /* zero or subnormal: mant * 2^-24, exact in float32 */
+        const float v = (float)mant * 0x1p-24f;
+        return sign ? -v : v;
+    }
+    const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | mant << 13 : (exp + 112) << 23 | mant << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Factor `lane` of the 16 at `at`, widened: a float32, an fp16, or an int8 times its super-factor. */
+static inline float factor_of(const uint8_t *at, int kind, int lane, const uint8_t *super) {
+    if (kind == KIND_FLOAT) {
+        float v;
+        memcpy(&v, at + 4 * lane, sizeof v);
+        return v;
+    }
+    uint16_t h;
+    if (kind == KIND_HALF) {
+        memcpy(&h, at + 2 * lane, sizeof h);
+        return half_to_f32(h);
+    }
+    memcpy(&h, super + 2 * lane, sizeof h);
+    return half_to_f32(h) * (float)(int8_t)at[lane]; /* exact: 11 bits times 8 */
+}
+
+/* Rows ids[0..n-1] of a weight packed in `format` (out rows, in inputs) back as float32 out [n, in]:
+ * a tied embedding's lookup, in the arithmetic of quant_records.unpack(...).dequantize(), code times
+ * scale rounded, then plus min rounded, so the values are the same bit for bit. One call does what
+ * that took a few dozen torch operators for. Returns -1, having written nothing, if an id is not
+ * a row; 0 otherwise. Plain C: every build has it, whatever the product kernel's instructions. */
+int dequantize_rows(const uint8_t *packed, int format, int out, int in, const int64_t *ids, int n, float *y) {
+    const qformat f = parse_format(format);
+    const int blocks = in / QBLOCK, unit = f.kind == KIND_FLOAT ? 64 : f.kind == KIND_HALF ? 32 : 16;
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= out) return -1;
+    for (int i = 0; i < n; i++) {
+        const int lane = (int)(ids[i] % 16);
+        const uint8_t *w = records_of(packed, &f, (int)(ids[i] / 16), blocks), *header = 0;
+        float *row = y + (int64_t)i * in;
+        for (int k = 0; k < blocks; k++, w += f.record) {
+            if (f.header && k % 8 == 0) {
+                header = w;
+                w += f.header;
+            }
+            for (int g = 0; g < 8; g++) {
+                const int p = f.parts == 2 ? g / 4 : 0; /* two parts: inputs 0-15, then 16-31 */
+                const uint8_t *at = w + f.code_bytes + p * f.part_bytes;
+                const float scale = factor_of(at, f.kind, lane, header);
+                const float min = f.mins ? factor_of(at + unit, f.kind, lane, header ? header + 32 : 0)
+                                         : scale * f.offset; /* a power of two: exact */
+                for (int j = 0; j < 4; j++) {
+                    const int b = 4 * lane + j;
+                    int code;
+                    if (f.bits == 8) {
+                        code = w[64 * g + b];
+                    } else {
+                        const int byte = w[64 * (g & 3) + b];
+                        code = g < 4 ? byte & 15 : byte >> 4;
+                        if (f.bits == 5) code |= ((w[256 + b] >> g) & 1) << 4;
+                        if (f.bits == 6) code |= ((w[256 + 64 * (g / 4) + b] >> (2 * (g % 4))) & 3) << 4;
+                    }
+                    const float scaled = (float)code * scale;
+                    row[k * QBLOCK + 4 * g + j] = scaled + min;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 int linear_q_available(void) {
     return QUANTIZED_ISA; /* 0: quantized files are served dequantized */
 }
