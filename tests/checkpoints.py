@@ -221,3 +221,42 @@ def save_gemma3(path: Path, released_pattern: bool = False) -> Path:
 
     return _save_hf(path, config, Gemma3ForCausalLM, {"bos_token": "<s>", "eos_token": "</s>"}, seed=11,
                     prepare=norms_around_zero)
+
+
+def save_gemma3_multimodal(path: Path) -> Path:
+    """An image-and-text Gemma 3 (``Gemma3ForConditionalGeneration``, as the 4B-27B models are
+    released): ``save_gemma3``'s text model and weights under ``language_model.``, beside a small
+    random image tower, with a config.json whose ``text_config`` holds only what differs from
+    ``Gemma3TextConfig``'s defaults (as the released files' do: the rest comes from the class), its
+    token ids at the top level, and the chat template in ``chat_template.json``."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForCausalLM,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    text = json.loads((save_gemma3(path / "text") / "config.json").read_text())
+    defaults = Gemma3TextConfig().to_dict()
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=Gemma3TextConfig(**{k: v for k, v in text.items() if k in defaults}).to_dict(),
+                          vision_config=vision.to_dict(), mm_tokens_per_image=4, image_token_index=317,
+                          boi_token_index=318, eoi_token_index=319, eos_token_id=[2, 316])
+    torch.manual_seed(12)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # the text model's weights: the same model as save_gemma3's
+        model.model.language_model.load_state_dict(Gemma3ForCausalLM.from_pretrained(path / "text").model.state_dict())
+        model.lm_head.weight = model.model.language_model.embed_tokens.weight
+    model.save_pretrained(path)
+    saved = json.loads((path / "config.json").read_text())
+    saved["text_config"] = {k: v for k, v in saved["text_config"].items()
+                            if k not in ("architectures", "dtype", "bos_token_id", "eos_token_id")
+                            and (k not in defaults or v != defaults[k] or k == "model_type")}
+    (path / "config.json").write_text(json.dumps(saved))
+    build_byte_level_tokenizer(320).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": "{% for m in messages %}<{{ m['role'] }}>"
+                                                         "{{ m['content'] }}{% endfor %}<assistant>"}))
+    return path

@@ -54,10 +54,11 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
             backend = CpuPagedBackend(kernel, device, sliding_window)
         elif not why_not:
             why_not = "the C kernels could not be built here"
+    layers = f" ({sliding_window}-token window)" if sliding_window else ""  # Gemma 3: one line per kind of layer
     if backend is None:
         backend = SdpaBackend(device, sliding_window)
         if why_not:
-            log.log(level, "attention backend: %s, because %s", backend.name, why_not)
+            log.log(level, "attention backend%s: %s, because %s", layers, backend.name, why_not)
             return backend
-    log.info("attention backend: %s", backend.name)
+    log.info("attention backend%s: %s", layers, backend.name)
     return backend

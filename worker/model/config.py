@@ -107,6 +107,7 @@ class LlamaConfig:
                 f"{path}: unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {', '.join(FAMILIES)}"
             )
+        raw = FAMILIES[arch].text_config(raw)
         try:
             cfg = _parse(raw, arch)
         except (KeyError, TypeError, ValueError) as e:

@@ -16,7 +16,8 @@ The frontend never reads model files; this is where their tokenizer-side facts a
   False (GPT-2/Qwen2-style byte-level tokenizers, which add nothing). The frontend never adds a
   second BOS when the ids already start with one.
 * ``chat_template``: ``tokenizer_config.json``'s (a string, or the named-list form's
-  ``default``), else ``chat_template.jinja``, else None (the frontend's plain default);
+  ``default``), else ``chat_template.jinja``, else ``chat_template.json``'s (where an
+  image-and-text model's processor keeps it), else None (the frontend's plain default);
   ``tool_chat_template``: the named-list form's ``tool_use``, which requests with tools get.
 """
 
@@ -81,6 +82,8 @@ def _chat_template(model_dir: Path, tok_cfg: dict[str, Any], name: str = "defaul
     jinja_file = model_dir / "chat_template.jinja"
     if template is None and name == "default" and jinja_file.exists():
         template = jinja_file.read_text()
+    if template is None and name == "default":  # an image-and-text checkpoint's processor keeps it here
+        template = _json_file(model_dir / "chat_template.json").get("chat_template")
     return template if isinstance(template, str) else None
 
 

@@ -187,11 +187,12 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def _read_weights(files: list[Path], expected: dict[str, torch.Size], dtype: torch.dtype, device: torch.device,
-                  layout: ShardLayout | None = None, checkpoint_name: Callable[[str], str] = same_name
+                  layout: ShardLayout | None = None, checkpoint_name: Callable[[str], str | None] = same_name
                   ) -> dict[str, torch.Tensor]:
     """Every tensor of ``files`` (shapes as ``expected``), cast; with a ``layout``, only this
     rank's part of each (``safe_open``'s slices read just those bytes)."""
     state: dict[str, torch.Tensor] = {}
+    skipped: list[str] = []
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
@@ -199,6 +200,9 @@ def _read_weights(files: list[Path], expected: dict[str, torch.Size], dtype: tor
                     if stored.endswith(_IGNORED_SUFFIXES):
                         continue
                     name = checkpoint_name(stored)  # the family's names for its tensors, as the model's
+                    if name is None:
+                        skipped.append(stored)
+                        continue
                     if name not in expected:
                         raise ModelLoadError(f"{file}: unexpected tensor {stored} (not part of this "
                                              f"architecture as config.json describes it)")
@@ -216,6 +220,11 @@ def _read_weights(files: list[Path], expected: dict[str, torch.Size], dtype: tor
                     state[name] = tensor.to(device=device, dtype=dtype)
         except SafetensorError as e:
             raise ModelLoadError(f"{file}: unreadable safetensors file ({e})") from None
+    if skipped:
+        towers = sorted({name.split(".")[0] if not name.startswith("model.") else ".".join(name.split(".")[:2])
+                         for name in skipped})
+        log.info("text only: %d tensors of the checkpoint's other parts not loaded (%s)", len(skipped),
+                 ", ".join(towers))
     return state
 
 

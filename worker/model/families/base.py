@@ -42,8 +42,12 @@ class Shape:
     rope: dict[str, Any]  # ``rope_parameters``: the global layers' (``rope_parameters`` below)
 
 
-def same_name(name: str) -> str:
+def same_name(name: str) -> str | None:
     return name
+
+
+def whole_config(raw: Raw) -> Raw:
+    return raw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +56,11 @@ class Family:
     architectures: tuple[str, ...]  # config.json's ``architectures`` entries
     fields: Callable[[Raw, Shape], dict[str, Any]]  # LlamaConfig fields beyond the common ones
     unsupported: Callable[[Raw, LlamaConfig], str | None] = lambda raw, cfg: None  # what it cannot serve
-    checkpoint_name: Callable[[str], str] = same_name  # a file's tensor name under the model's names
+    # A file's tensor name under the model's names; None: a tensor of a part Sluice does not serve
+    # (an image-and-text checkpoint's image tower), skipped at load.
+    checkpoint_name: Callable[[str], str | None] = same_name
+    # The config.json fields the text model reads: an image-and-text checkpoint nests them.
+    text_config: Callable[[Raw], Raw] = whole_config
     gguf: dict[str, str] = dataclasses.field(default_factory=dict)  # GGUF architecture -> config.json's
     activation: str = "silu"  # hidden_act (or hidden_activation) the family's MLP computes
     # GGUF: the family's LlamaConfig fields from a file's header (over the ones every file gives),

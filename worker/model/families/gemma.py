@@ -1,4 +1,5 @@
-"""Gemma 3 (text: ``Gemma3ForCausalLM``).
+"""Gemma 3: the text models (``Gemma3ForCausalLM``: 270M, 1B) and the text model of the image-and-text
+checkpoints (``Gemma3ForConditionalGeneration``: 4B, 12B, 27B), whose image tower is not loaded.
 
 Norms as (1 + weight) in float32, four per layer (the attention's and the MLP's outputs are
 normalised too), GeGLU with gelu-tanh, embeddings times sqrt(hidden), queries scaled by
@@ -13,6 +14,44 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from worker.model.families.base import PLAIN, Family, GGUFView, Raw, Shape, rope_parameters
+
+# Gemma3TextConfig's defaults, which the image-and-text checkpoints rely on: their config.json's
+# ``text_config`` holds only what differs (the 4B model's: hidden and MLP sizes, layers, the
+# window, the rope scaling), and ``transformers`` fills in the rest from its class.
+TEXT_DEFAULTS: Raw = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+    rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
+    query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6)
+ROPE_DEFAULTS: Raw = dict(rope_theta=1_000_000.0, rope_local_base_freq=10_000.0)  # where no rope_parameters
+# The parts of an image-and-text checkpoint that are not the text model, in both spellings
+# (``transformers`` < 4.52 and the released files; newer versions under ``model.``).
+IMAGE_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_config(raw: Raw) -> Raw:
+    """An image-and-text checkpoint's config.json as its text model's: ``text_config`` over the
+    class defaults, with the top level's token ids and tying where it sets them."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        return raw
+    merged = TEXT_DEFAULTS | ({} if "rope_parameters" in text else ROPE_DEFAULTS) | text
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings"):
+        if raw.get(key) is not None:
+            merged[key] = raw[key]
+    return merged | {"architectures": raw.get("architectures")}
+
+
+def checkpoint_name(name: str) -> str | None:
+    """The text model's tensors of an image-and-text checkpoint under the text model's names
+    (``language_model.model.X`` or ``model.language_model.X`` -> ``model.X``); its image tower's
+    are not loaded."""
+    if name.startswith(IMAGE_PARTS):
+        return None
+    for prefix in ("language_model.model.", "model.language_model."):
+        if name.startswith(prefix):
+            return "model." + name.removeprefix(prefix)
+    return name.removeprefix("language_model.")  # language_model.lm_head.weight (untied)
 
 if TYPE_CHECKING:
     from worker.model.config import LlamaConfig
@@ -55,7 +94,8 @@ def _gemma3_gguf(view: GGUFView) -> dict[str, Any]:
                 final_logit_softcapping=float(view.get("final_logit_softcapping") or 0.0))
 
 
-FAMILIES = (Family("gemma3", ("Gemma3ForCausalLM",), _gemma3, _unsupported, activation="gelu_pytorch_tanh",
+FAMILIES = (Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), _gemma3, _unsupported,
+                   checkpoint_name=checkpoint_name, text_config=text_config, activation="gelu_pytorch_tanh",
                    gguf={"gemma3": "Gemma3ForCausalLM"}, gguf_fields=_gemma3_gguf,
                    gguf_names={"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                                "post_ffw_norm": "post_feedforward_layernorm"},
