@@ -17,6 +17,7 @@ import pytest
 import torch
 from checkpoints import (
     hf_greedy,
+    save_gemma2,
     save_gemma3,
     save_mixtral,
     save_phi3,
@@ -36,6 +37,7 @@ from worker.engine import Worker
 from worker.gguf.convert import convert
 from worker.gguf.file import GGUFFile
 from worker.gguf.tokenizer import build_tokenizer
+from worker.model.config import ModelLoadError
 
 PROMPTS = {1: [5, 17, 42, 99, 3, 250, 7], 2: [300, 12, 12, 60, 201, 8, 33, 150, 4, 77, 91]}
 NEW_TOKENS = 10
@@ -55,6 +57,7 @@ _FAMILY_LAYER = {
     "gemma3": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"},
 }
+_FAMILY_LAYER["gemma2"] = _FAMILY_LAYER["gemma3"]
 
 
 def _gguf_name(hf: str, arch: str = "") -> str:
@@ -93,8 +96,12 @@ def write_qwen_gguf(ckpt: Path, arch: str, path: Path, matrices: Q = Q.F32) -> P
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(cfg["sliding_window"])
+    if cfg.get("attn_logit_softcapping"):
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+    if cfg.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
@@ -120,7 +127,7 @@ def write_qwen_gguf(ckpt: Path, arch: str, path: Path, matrices: Q = Q.F32) -> P
             layer, expert, proj = match.groups()
             stacked.setdefault(f"blk.{layer}.ffn_{_EXPERT_PROJ[proj]}_exps.weight", {})[int(expert)] = state.pop(name)
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
-    if arch == "gemma3":  # llama.cpp's converter stores Gemma's norm weights as 1 + w
+    if arch in ("gemma2", "gemma3"):  # llama.cpp's converter stores Gemma's norm weights as 1 + w
         state = {name: t + 1 if name.endswith("norm.weight") else t for name, t in state.items()}
     tensors = {_gguf_name(name, arch): t for name, t in state.items()}
     tensors |= {name: torch.stack([parts[e] for e in sorted(parts)]) for name, parts in stacked.items()}
@@ -255,23 +262,29 @@ def test_quantized_experts_stay_quantized(tmp_path: Path) -> None:
 
 
 OTHERS: dict[str, Callable[[Path], Path]] = {
-    "phi3": save_phi3, "phi4_mini": lambda p: save_phi3(p, 0.75), "gemma3": lambda p: save_gemma3(p, True)}
+    "phi3": save_phi3, "phi4_mini": lambda p: save_phi3(p, 0.75), "gemma3": lambda p: save_gemma3(p, True),
+    "gemma2": lambda p: save_gemma2(p, True)}
 
 
 @pytest.mark.parametrize("model", list(OTHERS))
 def test_phi_and_gemma_ggufs_generate_what_transformers_generates(model: str, tmp_path: Path) -> None:
     """Phi-3 (fused attn_qkv and ffn_up, LongRoPE's factors as tensors; Phi-4-mini rotating 12 of
-    16 dimensions) and Gemma 3 (its norms stored as 1 + w, its own norm names, the window and
-    llama.cpp's every-sixth-layer global) as llama.cpp writes them. The prompts reach past
-    LongRoPE's original 32 positions, and past Gemma's 6-token window."""
-    arch = "gemma3" if model == "gemma3" else "phi3"
+    16 dimensions), Gemma 3 (its norms stored as 1 + w, its own norm names, the window and
+    llama.cpp's every-sixth-layer global) and Gemma 2 (every other layer windowed, both soft-caps
+    in the header) as llama.cpp writes them. The prompts reach past LongRoPE's original 32
+    positions, and past Gemma's 6-token window."""
+    arch = model if model.startswith("gemma") else "phi3"
     ckpt = OTHERS[model](tmp_path / "hf")
     path = write_qwen_gguf(ckpt, arch, tmp_path / "model.gguf")
     worker = Worker(WorkerConfig(model=str(path), num_kv_blocks=64, block_size=8, dtype="float32"))
     cfg = worker.runner.model.config
     if arch == "gemma3":
         assert cfg.gemma and cfg.layer_windows == (6, 6, 6, 6, 6, 0)
+    elif arch == "gemma2":
+        assert cfg.gemma and cfg.layer_windows == (6, 0, 6, 0, 6) and (cfg.attention_softcap, cfg.final_logit_softcapping) == (3, 5)
     else:
         assert cfg.fused_checkpoint and cfg.rope_scaling is not None and cfg.rotated_dims == (12 if "4" in model else 16)
     want = dict(zip(PROMPTS, hf_greedy(ckpt, list(PROMPTS.values()), NEW_TOKENS), strict=True))
     assert _greedy(worker) == want
+    with pytest.raises(ModelLoadError, match="files are not converted"):  # its config.json would be another model's
+        convert(path, tmp_path / "converted")

@@ -141,6 +141,44 @@ def test_mixed_steps_attend_as_the_torch_path(seed: int, window: int | None, dty
     assert torch.equal(caches[0].keys[0], keys) and torch.equal(caches[0].values[0], values)
 
 
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("bs", "head_dim"), [(4, 24), (16, 64)])  # plain loops; vectors (bfloat16: the pairs layout)
+def test_soft_capped_scores_attend_as_the_torch_path(decode: bool, dtype: torch.dtype, bs: int, head_dim: int) -> None:
+    """Gemma 2's attention logit soft-capping (each scaled score s -> cap tanh(s / cap)) in every
+    path of the kernel, decode rows and mixed steps, against the torch path's written-out scores;
+    with queries large enough that the cap changes the result, and a cap so high it does not."""
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    heads, kv_heads, num_blocks = 6, 2, 120
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    lengths = [1 if decode or i % 2 else rng.randrange(2, 12) for i in range(6)]
+    starts = [rng.randrange(0, 50) for _ in lengths]
+    tables = [[free.pop() for _ in range((st + n - 1) // bs + 1)] for st, n in zip(starts, lengths, strict=True)]
+    caches = [KVCache(1, num_blocks, bs, kv_heads, head_dim, dtype, torch.device("cpu")) for _ in range(2)]
+    fill = torch.randn_like(caches[0].keys[0]), torch.randn_like(caches[0].values[0])
+    caches[0].keys[0].copy_(fill[0])
+    caches[0].values[0].copy_(fill[1])
+    _fill(caches[1], *fill)
+    total = sum(lengths)
+    q = (6 * torch.randn(total, heads, head_dim)).to(dtype)  # scores of several units: a cap of 2 bites
+    k, v = torch.randn(total, kv_heads, head_dim, dtype=dtype), torch.randn(total, kv_heads, head_dim, dtype=dtype)
+    cpu = torch.device("cpu")
+    tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    results = {}
+    for cap in (2.0, 0.0, 1e6):
+        ref = SdpaBackend(cpu, None, cap).build(caches[0], tables, starts, lengths, [total - 1])
+        meta = CpuPagedBackend(kernel, cpu, None, cap).build(caches[1], tables, starts, lengths, [total - 1])
+        assert (meta.decode_only() is not None) == decode
+        want = ref.attend(0, q, k, v, head_dim**-0.5)
+        got = meta.attend(0, q, k, v, head_dim**-0.5)
+        torch.testing.assert_close(got, want, **tol)
+        results[cap] = got
+    assert not torch.allclose(results[2.0], results[0.0], **tol)  # the cap was applied
+    torch.testing.assert_close(results[1e6], results[0.0], **tol)  # and is the identity far below it
+
+
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize(("bs", "head_dim"), [(4, 24), (16, 64)])  # the plain loops, the vector path

@@ -13,6 +13,7 @@ import pytest
 import torch
 from checkpoints import (
     hf_greedy,
+    save_gemma2,
     save_gemma3,
     save_gemma3_multimodal,
     save_llama_checkpoint,
@@ -234,7 +235,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
 
 FAMILIES = {"qwen2": save_qwen2, "qwen3": save_qwen3, "mistral": save_mistral, "mixtral": save_mixtral,
             "qwen3_moe": save_qwen3_moe, "phi3": save_phi3, "phi4_mini": lambda p: save_phi3(p, 0.75),
-            "gemma3": save_gemma3, "gemma3_multimodal": save_gemma3_multimodal}
+            "gemma2": save_gemma2, "gemma3": save_gemma3, "gemma3_multimodal": save_gemma3_multimodal}
 FAMILY_NEW = 12
 
 
@@ -255,6 +256,10 @@ def test_family_loads_what_its_files_say(family: tuple[Worker, dict[int, list[in
     elif cfg.architecture == "Gemma3ForCausalLM":
         assert cfg.gemma and cfg.qk_norm and cfg.layer_windows == (6, 6, 0, 6, 6, 0) and cfg.local_rope_theta == 10000.0
         assert cfg.attention_scale == pytest.approx(24**-0.5) and w.runner.model.cpu_decoder is None
+    elif cfg.architecture == "Gemma2ForCausalLM":
+        assert cfg.gemma and not cfg.qk_norm and cfg.layer_windows == (6, 0, 6, 0, 6) and cfg.local_rope_theta == 10000.0
+        assert (cfg.attention_softcap, cfg.final_logit_softcapping) == (3.0, 5.0) and w.runner.model.cpu_decoder is None
+        assert w.runner.attention.softcap == 3.0 and w.runner.windowed[6].softcap == 3.0
     elif cfg.architecture == "Gemma3ForConditionalGeneration":  # the text model; text_config's gaps filled in
         assert cfg.gemma and cfg.qk_norm and cfg.layer_windows == (6, 6, 0, 6, 6, 0) and cfg.local_rope_theta == 10000.0
         assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.num_heads, cfg.vocab_size) == (1e6, 1e-6, 8, 320)

@@ -100,11 +100,12 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         cfg = model.config
         self.attention = select_backend(device, cache.keys[0].dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                        cache.block_size, cfg.sliding_window)
+                                        cache.block_size, cfg.sliding_window, cfg.attention_softcap)
         # Gemma 3's sliding-window layers: each window's own backend, whose metadata rides along
         # with the step's (``AttentionMetadata.windowed``).
         self.windowed = {w: select_backend(device, cache.keys[0].dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                           cache.block_size, w) for w in sorted(set(cfg.layer_windows) - {0})}
+                                           cache.block_size, w, cfg.attention_softcap)
+                         for w in sorted(set(cfg.layer_windows) - {0})}
         self.seqs: dict[int, SequenceState] = {}
         max_blocks = -(-max_model_len // cache.block_size)
         self.batch = InputBatch(max_num_seqs, max_blocks, pin_memory=device.type == "cuda")

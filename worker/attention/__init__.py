@@ -29,13 +29,15 @@ log = logging.getLogger("sluice.worker")
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                   block_size: int, sliding_window: int | None = None) -> AttentionBackend:
+                   block_size: int, sliding_window: int | None = None, softcap: float = 0.0) -> AttentionBackend:
     """CUDA: FlashInfer where it is installed and supports the model. CPU: the C decode kernel
     where it builds and supports the model. Elsewhere, and as the fallback: ``sdpa``."""
     backend: AttentionBackend | None = None
     why_not = ""
     level = logging.INFO
-    if device.type == "cuda":
+    if device.type == "cuda" and softcap:
+        why_not = "FlashInfer is not planned with attention logit soft-capping here (Gemma 2)"
+    elif device.type == "cuda":
         from worker.attention.flashinfer import (  # imports nothing of flashinfer's until asked
             FlashInferBackend,
             Refused,
@@ -51,12 +53,12 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
         why_not = cpu_kernels.unsupported(dtype, num_heads, num_kv_heads, head_dim, block_size) or ""
         kernel = None if why_not else cpu_kernels.load()
         if kernel is not None:
-            backend = CpuPagedBackend(kernel, device, sliding_window)
+            backend = CpuPagedBackend(kernel, device, sliding_window, softcap)
         elif not why_not:
             why_not = "the C kernels could not be built here"
     layers = f" ({sliding_window}-token window)" if sliding_window else ""  # Gemma 3: one line per kind of layer
     if backend is None:
-        backend = SdpaBackend(device, sliding_window)
+        backend = SdpaBackend(device, sliding_window, softcap)
         if why_not:
             log.log(level, "attention backend%s: %s, because %s", layers, backend.name, why_not)
             return backend

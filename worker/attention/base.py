@@ -74,9 +74,10 @@ class DecodeRows:
 class AttentionBackend(abc.ABC):
     name: str
 
-    def __init__(self, device: torch.device, sliding_window: int | None = None) -> None:
+    def __init__(self, device: torch.device, sliding_window: int | None = None, softcap: float = 0.0) -> None:
         self.device = device
         self.sliding_window = sliding_window
+        self.softcap = softcap  # > 0: each scaled score s is softcap * tanh(s / softcap) (Gemma 2)
         self.to_device = HostToDevice(device)  # one staged copy per step, buffers kept across steps
 
     @abc.abstractmethod

@@ -61,8 +61,9 @@ class CpuPagedMetadata(AttentionMetadata):
 class CpuPagedBackend(AttentionBackend):
     name = "cpu-paged (C kernels reading the paged cache in place, decode and prefill)"
 
-    def __init__(self, kernel: ctypes.CDLL, device: torch.device, sliding_window: int | None = None) -> None:
-        super().__init__(device, sliding_window)
+    def __init__(self, kernel: ctypes.CDLL, device: torch.device, sliding_window: int | None = None,
+                 softcap: float = 0.0) -> None:
+        super().__init__(device, sliding_window, softcap)
         self.kernel = kernel
 
     def build(self, cache: KVCache, block_tables: RowTables | list[list[int]], starts: list[int], lengths: list[int],
@@ -99,9 +100,9 @@ class CpuPagedBackend(AttentionBackend):
                 rows = meta.decode
                 return cpu_kernels.decode(self.kernel, q, cache.key_slots[layer], cache.value_slots[layer],
                                           rows.block_table, rows.context_lens, rows.first_positions,
-                                          cache.block_size, scale)
+                                          cache.block_size, scale, self.softcap)
             chunks = meta.chunks
             assert chunks is not None
             return cpu_kernels.attention(self.kernel, q, cache.key_slots[layer], cache.value_slots[layer],
                                          chunks.block_table, chunks.ends, chunks.lengths, chunks.first_tokens,
-                                         chunks.first_positions, chunks.window, cache.block_size, scale)
+                                         chunks.first_positions, chunks.window, cache.block_size, scale, self.softcap)

@@ -105,10 +105,11 @@ class SdpaBackend(AttentionBackend):
         cache.key_slots[layer].index_copy_(0, meta.slot_mapping, k)
         cache.value_slots[layer].index_copy_(0, meta.slot_mapping, v)
         if meta.groups[0].tokens is None:  # one group: the whole step, in order
-            return _attend(q, *_gather_both(cache, layer, meta.groups[0], meta), meta.groups[0], scale)
+            return _attend(q, *_gather_both(cache, layer, meta.groups[0], meta), meta.groups[0], scale, self.softcap)
         out = torch.empty_like(q)
         for group in meta.groups:
-            out[group.tokens] = _attend(q[group.tokens], *_gather_both(cache, layer, group, meta), group, scale)
+            out[group.tokens] = _attend(q[group.tokens], *_gather_both(cache, layer, group, meta), group, scale,
+                                        self.softcap)
         return out
 
 
@@ -217,17 +218,33 @@ def _gather_both(cache: KVCache, layer: int, group: AttentionGroup, meta: SdpaMe
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: AttentionGroup,
-            scale: float) -> torch.Tensor:
+            scale: float, softcap: float = 0.0) -> torch.Tensor:
     """The group's queries q [Tg, H, D] against its gathered context -> [Tg, H, D]."""
     if group.max_q == 1:
         q_pad = q.unsqueeze(1)  # decode: one token per row, already in row order
     else:
         q_pad = q.new_zeros((group.block_table.shape[0], group.max_q, q.shape[1], q.shape[2]))
         q_pad[group.query_rows, group.query_cols] = q
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), keys, values, attn_mask=group.mask, scale=scale,
-        enable_gqa=keys.shape[1] != q.shape[1],
-    ).transpose(1, 2)  # [G, max_q, H, D]
+    if softcap:
+        out = _capped_attention(q_pad.transpose(1, 2), keys, values, group.mask, scale, softcap)
+    else:
+        out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys, values, attn_mask=group.mask, scale=scale,
+                                             enable_gqa=keys.shape[1] != q.shape[1])
+    out = out.transpose(1, 2)  # [G, max_q, H, D]
     if group.max_q == 1:
         return out.squeeze(1)
     return out[group.query_rows, group.query_cols]
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                      softcap: float) -> torch.Tensor:
+    """``scaled_dot_product_attention`` (q [G, H, Q, D], k/v [G, KVH, L, D], ``mask`` bool) with
+    each scaled score s soft-capped to softcap * tanh(s / softcap) before the mask and the softmax
+    (Gemma 2), which SDPA cannot do: the scores written out, as ``transformers``' eager attention
+    computes them, in float32 whatever the dtype (as SDPA's CPU kernels accumulate)."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.tanh((q.float() @ k.float().transpose(-1, -2)) * scale / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return (probs @ v.float()).to(q.dtype)

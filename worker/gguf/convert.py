@@ -82,6 +82,11 @@ def convert(source: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
     if cfg.num_experts:
         raise ModelLoadError(f"{source}: mixture-of-experts files are not converted (yet); "
                              "sluice serve reads them as they are")
+    if cfg.gemma or cfg.fused_checkpoint or cfg.rope_scaling is not None or cfg.rotary_dim:
+        # hf_config writes the fields of Llama, Mistral, Qwen2 and Qwen3 only: a Gemma or Phi
+        # config.json from it would describe another model
+        raise ModelLoadError(f"{source}: {cfg.architecture} files are not converted (yet): only Llama and Qwen "
+                             "files without rope scaling are; sluice serve reads it as it is")
     model = load_model(source, cfg, dtype, torch.device("cpu"), cfg.max_position_embeddings, weights=ckpt.weights)
     state = {name: t.contiguous() for name, t in model.checkpoint_state().items()}
     if cfg.tie_word_embeddings:

@@ -142,9 +142,10 @@ def load() -> ctypes.CDLL | None:
     lib.kv_layout.argtypes = [i32, i32, i32, i32]
     lib.kv_layout.restype = i32
     # The float32 entries take one more int before the threads: 1 where the cache is bfloat16.
-    lib.paged_decode_bf16.argtypes = [p, i64, p, p, p, i32, p, p, p, i32, i32, i32, i32, i32, f32, i32]
+    lib.paged_decode_bf16.argtypes = [p, i64, p, p, p, i32, p, p, p, i32, i32, i32, i32, i32, f32, f32, i32]
     lib.paged_decode.argtypes = [*lib.paged_decode_bf16.argtypes[:-1], i32, i32]
-    lib.paged_attention_bf16.argtypes = [p, i64, p, p, p, i32, p, p, p, p, i32, p, i32, i32, i32, i32, i32, f32, i32]
+    lib.paged_attention_bf16.argtypes = [p, i64, p, p, p, i32, p, p, p, p, i32, p, i32, i32, i32, i32, i32, f32, f32,
+                                         i32]
     lib.paged_attention.argtypes = [*lib.paged_attention_bf16.argtypes[:-1], i32, i32]
     for entry in (lib.paged_decode, lib.paged_decode_bf16, lib.paged_attention, lib.paged_attention_bf16):
         entry.restype = None
@@ -254,10 +255,11 @@ def kernel_layout(keys: torch.Tensor, values: torch.Tensor, layout: str) -> tupl
 
 def decode(lib: ctypes.CDLL, q: torch.Tensor, key_slots: torch.Tensor, value_slots: torch.Tensor,
            block_table: torch.Tensor, context_lens: torch.Tensor, first_positions: torch.Tensor, block_size: int,
-           scale: float) -> torch.Tensor:
+           scale: float, softcap: float = 0.0) -> torch.Tensor:
     """q [B, H, D] (rows may be strided) against each row's context -> [B, H, D] in q's dtype:
     float32 (over a float32 or a bfloat16 cache) or bfloat16 (over a bfloat16 cache); the
-    arithmetic is float32.
+    arithmetic is float32. ``softcap`` > 0: each scaled score s becomes softcap * tanh(s / softcap)
+    before the softmax (Gemma 2's attention logit soft-capping).
 
     ``block_table`` [B, max blocks] int32 contiguous; ``context_lens`` / ``first_positions`` [B]
     int32: row b attends positions first_positions[b] .. context_lens[b] - 1."""
@@ -265,7 +267,7 @@ def decode(lib: ctypes.CDLL, q: torch.Tensor, key_slots: torch.Tensor, value_slo
     out = torch.empty((rows, heads, head_dim), dtype=q.dtype)
     args = [_ptr(q), q.stride(0), _ptr(key_slots), _ptr(value_slots), _ptr(block_table), block_table.shape[1],
             _ptr(context_lens), _ptr(first_positions), _ptr(out), rows, heads, key_slots.shape[1], head_dim, block_size,
-            scale]
+            scale, softcap]
     if q.dtype == torch.bfloat16:
         assert key_slots.dtype == torch.bfloat16, "bfloat16 queries read a bfloat16 cache"
         lib.paged_decode_bf16(*args, torch.get_num_threads())
@@ -362,7 +364,8 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor, inter: int) -> torch.Tenso
 
 def attention(lib: ctypes.CDLL, q: torch.Tensor, key_slots: torch.Tensor, value_slots: torch.Tensor,
               block_table: torch.Tensor, ends: torch.Tensor, lengths: torch.Tensor, first_tokens: torch.Tensor,
-              first_positions: torch.Tensor, window: int, block_size: int, scale: float) -> torch.Tensor:
+              first_positions: torch.Tensor, window: int, block_size: int, scale: float,
+              softcap: float = 0.0) -> torch.Tensor:
     """q [T, H, D] (rows may be strided) of rows of any length against their contexts -> [T, H, D].
     Row r's ``lengths[r]`` queries end at position ``ends[r] - 1`` and are tokens
     ``first_tokens[r]`` onwards; ``block_table`` [B, max blocks] and the per-row tensors int32;
@@ -372,7 +375,7 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, key_slots: torch.Tensor, value_
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
     args = [_ptr(q), q.stride(0), _ptr(key_slots), _ptr(value_slots), _ptr(block_table), block_table.shape[1],
             _ptr(ends), _ptr(lengths), _ptr(first_tokens), _ptr(first_positions), window, _ptr(out), len(ends), heads,
-            key_slots.shape[1], head_dim, block_size, scale]
+            key_slots.shape[1], head_dim, block_size, scale, softcap]
     if q.dtype == torch.bfloat16:
         assert key_slots.dtype == torch.bfloat16, "bfloat16 queries read a bfloat16 cache"
         lib.paged_attention_bf16(*args, torch.get_num_threads())

@@ -71,6 +71,7 @@ class LlamaConfig:
     local_rope_theta: float = 0.0
     attention_scale: float = 0.0  # 0: head_dim ** -0.5
     final_logit_softcapping: float = 0.0  # 0: none; else logits = cap * tanh(logits / cap)
+    attention_softcap: float = 0.0  # 0: none; else each scaled attention score s = cap * tanh(s / cap) (Gemma 2)
 
     def window_of(self, layer: int) -> int | None:
         """The attention window of ``layer`` (None: it sees its whole context)."""

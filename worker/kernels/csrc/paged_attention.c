@@ -142,6 +142,7 @@ typedef struct {
     int max_blocks;
     const int32_t *ends, *lengths, *first_tokens, *first_positions;
     int window;
+    float softcap; /* > 0: scores soft-capped, cap tanh(score / cap), before the softmax (Gemma 2) */
 } Rows;
 
 static inline int row_length(const Rows *rows, int r) { return rows->lengths ? rows->lengths[r] : 1; }
@@ -264,6 +265,7 @@ static inline __attribute__((always_inline)) void attend_rows(
                         float s = 0.0f;
                         for (int d = 0; d < head_dim; d++)
                             s += qs[s_][d] * load(k_cache, keys + i + (int64_t)d * block_size, kv16);
+                        if (rows->softcap > 0.0f) s = rows->softcap * tanhf(s / rows->softcap);
                         scores[g][i] = s;
                         if (s > block_max) block_max = s;
                     }
@@ -479,6 +481,12 @@ static inline __attribute__((always_inline)) void attend_rows_vec(
                 }
                 score_set(qp, sp, k_cache, keys, head_dim, block_size, c_lo, c_hi, n, kv16);
             }
+            if (rows->softcap > 0.0f) {
+                const vf cap = vset1(rows->softcap), inv_cap = vset1(1.0f / rows->softcap);
+                for (int j = 0; j < active; j++)
+                    for (int at = KEY_CHUNK * c_lo; at < KEY_CHUNK * c_hi; at += VL)
+                        vstore(scores[heads[j]], at, vmul(cap, vtanh(vmul(vloadu(scores[heads[j]] + at), inv_cap))), 0);
+            }
             for (int j = 0; j < active; j++) {
                 const int s_ = heads[j], a = run_lo[j], b = run_hi[j];
                 float *sc = scores[s_];
@@ -583,8 +591,8 @@ typedef struct {
  * the same in the full-span path as in the general one. */
 static inline __attribute__((always_inline)) void span_heads(
         const int32_t *const *qs, const int *slots, const __m512i *const *keys, const __m512i *const *values,
-        const SpanView *view, float scale, __m512 (*acc)[MAX_HEAD_DIM / 16], float *running_max, float *running_sum,
-        const int n, const int chunks, const int full) {
+        const SpanView *view, float scale, float softcap, __m512 (*acc)[MAX_HEAD_DIM / 16], float *running_max,
+        float *running_sum, const int n, const int chunks, const int full) {
     const int pairs = chunks * 8;
     const int sub_a = full ? 0 : view->sub_a, sub_b = full ? SUBS - 1 : view->sub_b;
     const float scale_log2e = scale * 1.44269504088896341f; /* running_max[] holds raw scores */
@@ -608,6 +616,12 @@ static inline __attribute__((always_inline)) void span_heads(
                     scores[g][sub] = _mm512_dpbf16_ps(scores[g][sub], kd, (__m512bh)_mm512_set1_epi32(qs[g][d]));
             }
         }
+    }
+    if (softcap > 0.0f) { /* on raw scores: (cap / scale) tanh(raw scale / cap), whose scaled value is capped */
+        const __m512 to = _mm512_set1_ps(scale / softcap), back = _mm512_set1_ps(softcap / scale);
+        for (int g = 0; g < n; g++)
+            for (int sub = sub_a; sub <= sub_b; sub++)
+                scores[g][sub] = _mm512_mul_ps(back, vtanh(_mm512_mul_ps(scores[g][sub], to)));
     }
     int32_t p_pairs[HEAD_SET_VECTORS][SUBS][KEYS / 2];
     for (int g = 0; g < n; g++) {
@@ -661,13 +675,13 @@ static inline __attribute__((always_inline)) void span_heads(
  * count compiled with its constant. */
 static inline __attribute__((always_inline)) void span_head_set(
         const int32_t *const *qs, const int *slots, const __m512i *const *keys, const __m512i *const *values,
-        const SpanView *view, float scale, __m512 (*acc)[MAX_HEAD_DIM / 16], float *running_max, float *running_sum,
-        int n, const int chunks, const int full) {
+        const SpanView *view, float scale, float softcap, __m512 (*acc)[MAX_HEAD_DIM / 16], float *running_max,
+        float *running_sum, int n, const int chunks, const int full) {
     switch (n) {
-        case 1: span_heads(qs, slots, keys, values, view, scale, acc, running_max, running_sum, 1, chunks, full); break;
-        case 2: span_heads(qs, slots, keys, values, view, scale, acc, running_max, running_sum, 2, chunks, full); break;
-        case 3: span_heads(qs, slots, keys, values, view, scale, acc, running_max, running_sum, 3, chunks, full); break;
-        default: span_heads(qs, slots, keys, values, view, scale, acc, running_max, running_sum, 4, chunks, full); break;
+        case 1: span_heads(qs, slots, keys, values, view, scale, softcap, acc, running_max, running_sum, 1, chunks, full); break;
+        case 2: span_heads(qs, slots, keys, values, view, scale, softcap, acc, running_max, running_sum, 2, chunks, full); break;
+        case 3: span_heads(qs, slots, keys, values, view, scale, softcap, acc, running_max, running_sum, 3, chunks, full); break;
+        default: span_heads(qs, slots, keys, values, view, scale, softcap, acc, running_max, running_sum, 4, chunks, full); break;
     }
 }
 
@@ -721,7 +735,7 @@ static inline __attribute__((always_inline)) void attend_rows_bf16_dot(
                         pending_q[pending] = qp + g * (head_dim / 2);
                         pending_slot[pending++] = t * group + g;
                         if (pending == set_size) {
-                            span_head_set(pending_q, pending_slot, keys, values, 0, scale, acc, running_max,
+                            span_head_set(pending_q, pending_slot, keys, values, 0, scale, rows->softcap, acc, running_max,
                                           running_sum, pending, chunks, 1);
                             pending = 0;
                         }
@@ -745,11 +759,11 @@ static inline __attribute__((always_inline)) void attend_rows_bf16_dot(
                         qs[i] = qp + (g0 + i) * (head_dim / 2);
                         slots[i] = t * group + g0 + i;
                     }
-                    span_head_set(qs, slots, keys, values, &view, scale, acc, running_max, running_sum, n, chunks, 0);
+                    span_head_set(qs, slots, keys, values, &view, scale, rows->softcap, acc, running_max, running_sum, n, chunks, 0);
                 }
             }
             if (pending > 0)
-                span_head_set(pending_q, pending_slot, keys, values, 0, scale, acc, running_max, running_sum, pending,
+                span_head_set(pending_q, pending_slot, keys, values, 0, scale, rows->softcap, acc, running_max, running_sum, pending,
                               chunks, 1);
         }
         for (int t = 0; t < nq; t++) {
@@ -835,72 +849,75 @@ static __attribute__((noinline)) void attend_bf16(const void *q, int64_t q_strid
  * b, out row b) and sees from first_positions[b]. The work-sharing bodies share the threads of an
  * enclosing parallel region (decoder.c's layer loop); called outside one, one thread does all.
  * The float32 entries read a float32 cache, or a bfloat16 one where kv16 is 1. */
+static inline void attend_f32_any(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                                   const Rows *rows, float *out, int num_rows, int num_heads, int kv_heads,
+                                   int head_dim, int block_size, float scale, int kv16) {
+    if (kv16)
+        attend_f32_kv16(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim, block_size,
+                        scale);
+    else
+        attend_f32(q, q_stride, k_cache, v_cache, rows, out, num_rows, num_heads, kv_heads, head_dim, block_size,
+                   scale);
+}
+
 void paged_decode_rows_f32(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int32_t *block_table, int max_blocks, const int32_t *context_lens,
                            const int32_t *first_positions, float *out, int num_rows, int num_heads, int kv_heads,
                            int head_dim, int block_size, float scale, int kv16) {
-    const Rows rows = {block_table, max_blocks, context_lens, 0, 0, first_positions, 0};
-    if (kv16)
-        attend_f32_kv16(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size,
-                        scale);
-    else
-        attend_f32(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size,
-                   scale);
+    const Rows rows = {block_table, max_blocks, context_lens, 0, 0, first_positions, 0, 0.0f};
+    attend_f32_any(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size,
+                    scale, kv16);
 }
 
 void paged_decode_rows_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                             const int32_t *block_table, int max_blocks, const int32_t *context_lens,
                             const int32_t *first_positions, uint16_t *out, int num_rows, int num_heads, int kv_heads,
                             int head_dim, int block_size, float scale) {
-    const Rows rows = {block_table, max_blocks, context_lens, 0, 0, first_positions, 0};
+    const Rows rows = {block_table, max_blocks, context_lens, 0, 0, first_positions, 0, 0.0f};
     attend_bf16(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale);
 }
 
+/* The same, in a parallel region of their own, scores soft-capped where softcap > 0. */
 void paged_decode(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                   const int32_t *block_table, int max_blocks, const int32_t *context_lens,
                   const int32_t *first_positions, float *out, int num_rows, int num_heads,
-                  int kv_heads, int head_dim, int block_size, float scale, int kv16, int num_threads) {
+                  int kv_heads, int head_dim, int block_size, float scale, float softcap, int kv16, int num_threads) {
+    const Rows rows = {block_table, max_blocks, context_lens, 0, 0, first_positions, 0, softcap};
 #pragma omp parallel num_threads(num_threads)
-    paged_decode_rows_f32(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out,
-                          num_rows, num_heads, kv_heads, head_dim, block_size, scale, kv16);
+    attend_f32_any(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size,
+                    scale, kv16);
 }
 
 void paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *block_table, int max_blocks, const int32_t *context_lens,
                        const int32_t *first_positions, uint16_t *out, int num_rows, int num_heads,
-                       int kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+                       int kv_heads, int head_dim, int block_size, float scale, float softcap, int num_threads) {
+    const Rows rows = {block_table, max_blocks, context_lens, 0, 0, first_positions, 0, softcap};
 #pragma omp parallel num_threads(num_threads)
-    paged_decode_rows_bf16(q, q_stride, k_cache, v_cache, block_table, max_blocks, context_lens, first_positions, out,
-                           num_rows, num_heads, kv_heads, head_dim, block_size, scale);
+    attend_bf16(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale);
 }
 
 /* Rows of any length (prefill chunks, decode rows, mixed): row r computes lengths[r] queries
  * ending at position ends[r] - 1, at flat tokens first_tokens[r] onwards (q rows q_stride elements
  * apart; out [tokens, heads, head_dim] contiguous); with a sliding window (window > 0) a query at
- * p sees from max(first_positions[r], p - window + 1). */
+ * p sees from max(first_positions[r], p - window + 1); scores soft-capped where softcap > 0. */
 void paged_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                      const int32_t *block_table, int max_blocks, const int32_t *ends, const int32_t *lengths,
                      const int32_t *first_tokens, const int32_t *first_positions, int window, float *out,
-                     int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale, int kv16,
-                     int num_threads) {
-    const Rows rows = {block_table, max_blocks, ends, lengths, first_tokens, first_positions, window};
+                     int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale,
+                     float softcap, int kv16, int num_threads) {
+    const Rows rows = {block_table, max_blocks, ends, lengths, first_tokens, first_positions, window, softcap};
 #pragma omp parallel num_threads(num_threads)
-    {
-        if (kv16)
-            attend_f32_kv16(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim,
-                            block_size, scale);
-        else
-            attend_f32(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size,
-                       scale);
-    }
+    attend_f32_any(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size,
+                    scale, kv16);
 }
 
 void paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                           const int32_t *block_table, int max_blocks, const int32_t *ends, const int32_t *lengths,
                           const int32_t *first_tokens, const int32_t *first_positions, int window, uint16_t *out,
                           int num_rows, int num_heads, int kv_heads, int head_dim, int block_size, float scale,
-                          int num_threads) {
-    const Rows rows = {block_table, max_blocks, ends, lengths, first_tokens, first_positions, window};
+                          float softcap, int num_threads) {
+    const Rows rows = {block_table, max_blocks, ends, lengths, first_tokens, first_positions, window, softcap};
 #pragma omp parallel num_threads(num_threads)
     attend_bf16(q, q_stride, k_cache, v_cache, &rows, out, num_rows, num_heads, kv_heads, head_dim, block_size, scale);
 }

@@ -104,6 +104,10 @@ static inline vf vkeep_range(vf v, int lo, int hi, float fill) {
     const unsigned below_lo = lo >= 16 ? 0xFFFFu : lo <= 0 ? 0u : (1u << lo) - 1;
     return _mm512_mask_blend_ps((__mmask16)(below_hi & ~below_lo), _mm512_set1_ps(fill), v);
 }
+/* Lane by lane: if_below where x < limit, else otherwise. */
+static inline vf vblend_below(vf x, float limit, vf if_below, vf otherwise) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_LT_OQ), otherwise, if_below);
+}
 /* A vector of VL bfloat16 pairs (2 VL values) as float32: each pair's first, and its second. */
 static inline vf vpair_first(vf pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(pairs), 16)); }
 static inline vf vpair_second(vf pairs) {
@@ -210,6 +214,10 @@ static inline vf vkeep_range(vf v, int lo, int hi, float fill) {
     return _mm256_blendv_ps(_mm256_set1_ps(fill), v, keep);
 }
 
+static inline vf vblend_below(vf x, float limit, vf if_below, vf otherwise) {
+    return _mm256_blendv_ps(otherwise, if_below, _mm256_cmp_ps(x, _mm256_set1_ps(limit), _CMP_LT_OQ));
+}
+
 static inline vf vpair_first(vf pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(pairs), 16)); }
 static inline vf vpair_second(vf pairs) {
     return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(pairs), _mm256_set1_epi32((int)0xFFFF0000u)));
@@ -236,6 +244,23 @@ static inline vf vexp(vf x) {
     p = vfma(p, f, vset1(1.0f));
     p = vfma(p, f, vset1(1.0f));
     return vscale_pow2(p, n);
+}
+
+/* tanh(x), relative error ~3e-7: (1 - e) / (1 + e) with e = exp(-2x), x clamped to [-9, 9]
+ * (beyond, tanh is +-1 within 3e-8); below |x| = 0.3, where 1 - e would cancel, its Taylor series
+ * x (1 - x^2/3 + 2 x^4/15 - ...) to x^11 (the next term is 2e-9 of x there). The same operations
+ * lane for lane on either width. */
+static inline vf vtanh(vf x) {
+    const vf e = vexp(vmul(vmin(vmax(x, vset1(-9.0f)), vset1(9.0f)), vset1(-2.0f)));
+    const vf far = vdiv(vsub(vset1(1.0f), e), vadd(vset1(1.0f), e));
+    const vf x2 = vmul(x, x);
+    vf p = vset1(-1382.0f / 155925.0f);
+    p = vfma(p, x2, vset1(62.0f / 2835.0f));
+    p = vfma(p, x2, vset1(-17.0f / 315.0f));
+    p = vfma(p, x2, vset1(2.0f / 15.0f));
+    p = vfma(p, x2, vset1(-1.0f / 3.0f));
+    const vf near = vfma(vmul(x, x2), p, x);
+    return vblend_below(x2, 0.09f, near, far);
 }
 #endif
 

@@ -1,13 +1,16 @@
-"""Gemma 3: the text models (``Gemma3ForCausalLM``: 270M, 1B) and the text model of the image-and-text
-checkpoints (``Gemma3ForConditionalGeneration``: 4B, 12B, 27B), whose image tower is not loaded.
+"""Gemma 2 (``Gemma2ForCausalLM``) and Gemma 3: the text models (``Gemma3ForCausalLM``: 270M, 1B)
+and the text model of the image-and-text checkpoints (``Gemma3ForConditionalGeneration``: 4B, 12B,
+27B), whose image tower is not loaded.
 
 Norms as (1 + weight) in float32, four per layer (the attention's and the MLP's outputs are
 normalised too), GeGLU with gelu-tanh, embeddings times sqrt(hidden), queries scaled by
 ``query_pre_attn_scalar``, q/k norms; layers alternate a sliding window (``layer_types``, or
 every ``sliding_window_pattern``-th layer global) and rotate with their own base
 (``rope_parameters.sliding_attention`` or ``rope_local_base_freq``) where the global layers use
-``rope_theta`` and the scaling. Gemma 2's attention logit soft-capping and EmbeddingGemma's
-bidirectional attention are not served."""
+``rope_theta`` and the scaling. Gemma 2 has the same layer without the q/k norms, every other
+layer windowed (from the first) with one rope base for all, and its attention scores and final
+logits soft-capped (``cap tanh(x / cap)``). EmbeddingGemma's bidirectional attention is not
+served."""
 
 from __future__ import annotations
 
@@ -71,9 +74,23 @@ def _gemma3(raw: Raw, shape: Shape) -> dict[str, Any]:
         final_logit_softcapping=float(raw.get("final_logit_softcapping") or 0.0))
 
 
+def _gemma2(raw: Raw, shape: Shape) -> dict[str, Any]:
+    window = int(raw["sliding_window"])
+    kinds = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                       for i in range(shape.layers)]
+    return PLAIN | dict(
+        gemma=True, layer_windows=tuple(window if k == "sliding_attention" else 0 for k in kinds),
+        local_rope_theta=float(shape.rope.get("rope_theta", 10000.0)),
+        attention_scale=float(raw.get("query_pre_attn_scalar") or shape.head_dim) ** -0.5,
+        final_logit_softcapping=float(raw.get("final_logit_softcapping") or 0.0),
+        attention_softcap=float(raw.get("attn_logit_softcapping") or 0.0))
+
+
 def _unsupported(raw: Raw, cfg: LlamaConfig) -> str | None:
-    if raw.get("attn_logit_softcapping") or raw.get("use_bidirectional_attention"):
-        return "attention logit soft-capping and bidirectional attention (Gemma 2, EmbeddingGemma) are not supported"
+    if raw.get("use_bidirectional_attention"):
+        return "bidirectional attention (EmbeddingGemma) is not supported"
+    if raw.get("attn_logit_softcapping") and not cfg.attention_softcap:
+        return "attention logit soft-capping is supported in Gemma 2 only"
     return None
 
 
@@ -94,10 +111,31 @@ def _gemma3_gguf(view: GGUFView) -> dict[str, Any]:
                 final_logit_softcapping=float(view.get("final_logit_softcapping") or 0.0))
 
 
-FAMILIES = (Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), _gemma3, _unsupported,
+def _gemma2_gguf(view: GGUFView) -> dict[str, Any]:
+    """llama.cpp's gemma2 files: the window as ``attention.sliding_window`` in every other layer from
+    the first, one rope base, both soft-caps, and the query scaling llama.cpp sets in its code
+    (1/sqrt(head width), but 1/sqrt(hidden / heads) in the 27B model, of 46 layers)."""
+    layers, heads = int(view.get("block_count")), int(view.get("attention.head_count"))
+    hidden = int(view.get("embedding_length"))
+    head_dim = int(view.get("attention.key_length") or hidden // heads)
+    window = int(view.get("attention.sliding_window"))
+    scalar = hidden / heads if layers == 46 else head_dim
+    return dict(gemma=True, head_dim=head_dim, layer_windows=tuple(window if i % 2 == 0 else 0 for i in range(layers)),
+                local_rope_theta=float(view.get("rope.freq_base") or 10000.0), attention_scale=scalar**-0.5,
+                final_logit_softcapping=float(view.get("final_logit_softcapping") or 0.0),
+                attention_softcap=float(view.get("attn_logit_softcapping") or 0.0))
+
+
+# llama.cpp's names for the four norms of a Gemma layer
+GGUF_NORMS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+              "post_ffw_norm": "post_feedforward_layernorm"}
+
+FAMILIES = (Family("gemma2", ("Gemma2ForCausalLM",), _gemma2, _unsupported, activation="gelu_pytorch_tanh",
+                   gguf={"gemma2": "Gemma2ForCausalLM"}, gguf_fields=_gemma2_gguf, gguf_names=GGUF_NORMS,
+                   gguf_norm_offset=-1.0),
+            Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), _gemma3, _unsupported,
                    checkpoint_name=checkpoint_name, text_config=text_config, activation="gelu_pytorch_tanh",
                    gguf={"gemma3": "Gemma3ForCausalLM"}, gguf_fields=_gemma3_gguf,
-                   gguf_names={"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-                               "post_ffw_norm": "post_feedforward_layernorm"},
+                   gguf_names=GGUF_NORMS,
                    # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies by w)
                    gguf_norm_offset=-1.0),)
