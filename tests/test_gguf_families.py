@@ -8,9 +8,11 @@ checkpoint of the same family."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from checkpoints import (
     hf_greedy,
     save_gemma2,
     save_gemma3,
+    save_llama_checkpoint,
     save_mixtral,
     save_phi3,
     save_qwen2,
@@ -96,6 +99,8 @@ def write_qwen_gguf(ckpt: Path, arch: str, path: Path, matrices: Q = Q.F32) -> P
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    if rope.get("rope_type") == "llama3":  # as llama.cpp's converter keeps Llama 3's scaling
+        writer.add_tensor("rope_freqs.weight", _llama3_freq_factors(float(rope["rope_theta"]), head_dim, rope))
     if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(cfg["sliding_window"])
     if cfg.get("attn_logit_softcapping"):
@@ -143,6 +148,25 @@ def write_qwen_gguf(ckpt: Path, arch: str, path: Path, matrices: Q = Q.F32) -> P
             writer.add_tensor(name, w)
     write_gguf(writer)
     return path
+
+
+def _llama3_freq_factors(base: float, head_dim: int, rope: dict[str, Any]) -> np.ndarray:
+    """What llama.cpp's converter writes as ``rope_freqs`` for Llama 3's scaling: per rotated pair,
+    the divisor of its frequency (1 for short wavelengths, the factor for long ones, and between
+    them the interpolation's inverse)."""
+    factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    original = float(rope["original_max_position_embeddings"])
+    out = []
+    for freq in (1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)).tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -287,4 +311,25 @@ def test_phi_and_gemma_ggufs_generate_what_transformers_generates(model: str, tm
     want = dict(zip(PROMPTS, hf_greedy(ckpt, list(PROMPTS.values()), NEW_TOKENS), strict=True))
     assert _greedy(worker) == want
     with pytest.raises(ModelLoadError, match="files are not converted"):  # its config.json would be another model's
+        convert(path, tmp_path / "converted")
+
+
+def test_a_llama3_gguf_turns_with_its_frequency_factors(tmp_path: Path) -> None:
+    """Llama 3.1-3.3 files keep Llama 3's rope scaling as per-pair frequency divisors (the tensor
+    ``rope_freqs``, not a weight): greedy ids equal ``transformers``' on the checkpoint, with a
+    prompt well past the original 64 positions; ``sluice convert`` refuses what its config.json
+    would lose."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    ckpt = save_llama_checkpoint(tmp_path / "hf", seed=1, rope_scaling=scaling, max_position_embeddings=512)
+    path = write_qwen_gguf(ckpt, "llama", tmp_path / "l3.gguf")
+    worker = Worker(WorkerConfig(model=str(path), num_kv_blocks=64, block_size=8, dtype="float32"))
+    assert worker.runner.model.config.rope_scaling["rope_type"] == "freq_factors"
+    prompt = [1, *(t % 300 + 3 for t in range(137))]
+    d = Driver(worker.runner)
+    d.plan([(1, len(prompt))], [NewRequest(1, prompt, len(prompt), greedy(12))])
+    while d.live():
+        d.plan([(1, 1)])
+    assert d.outputs[1] == hf_greedy(ckpt, [prompt], 12)[0]
+    with pytest.raises(ModelLoadError, match="files are not converted"):
         convert(path, tmp_path / "converted")

@@ -52,6 +52,7 @@ _LAYER_NAMES = {
     "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+ROPE_FREQS = "rope_freqs.weight"  # a rotated pair's frequency divisors (Llama 3's scaling)
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # A mixture of experts' tensors: the router, and each projection of every expert stacked in one
 # 3-D tensor [experts, rows, columns] (each expert's rows contiguous), split here into the experts.
@@ -90,11 +91,19 @@ class GGUFCheckpoint:
         heads = int(self._field(f"{a}.attention.head_count"))
         hidden = int(self._field(f"{a}.embedding_length"))
         scaling_type = self.metadata.get(f"{a}.rope.scaling.type", "none") or "none"
-        if scaling_type not in ("none", "linear") or "rope_freqs.weight" in self.tensors:
+        if scaling_type not in ("none", "linear"):
             raise ModelLoadError(f"{self.path}: rope scaling {scaling_type!r} in GGUF files is not supported "
-                                 "(none or linear)")
-        scaling = {"rope_type": "linear", "factor": float(self._field(f"{a}.rope.scaling.factor"))} \
-            if scaling_type == "linear" else None
+                                 "(none, linear, or frequency factors as the tensor rope_freqs)")
+        scaling: dict[str, Any] | None = None
+        if scaling_type == "linear":
+            scaling = {"rope_type": "linear", "factor": float(self._field(f"{a}.rope.scaling.factor"))}
+        if ROPE_FREQS in self.tensors:
+            # Llama 3's scaling (3.1, 3.2, 3.3), as llama.cpp's converter writes it: each rotated
+            # pair's frequency divided by its factor, the factors computed from the config's
+            # rope_scaling (which the file does not keep)
+            if scaling is not None:
+                raise ModelLoadError(f"{self.path}: both linear rope scaling and frequency factors (rope_freqs)")
+            scaling = {"rope_type": "freq_factors", "factors": self._floats(ROPE_FREQS)}
         experts = int(self.metadata.get(f"{a}.expert_count", 0))
         moe: dict[str, Any] = {}
         if experts:
@@ -160,7 +169,7 @@ class GGUFCheckpoint:
     def _named_tensors(self) -> Iterator[tuple[str, str, GGUFTensor]]:
         """(GGUF name, model name, tensor) of every tensor, a mixture's stacked experts one by one."""
         for name, t in self.tensors.items():
-            if name in self.family.gguf_config_tensors:
+            if name in self.family.gguf_config_tensors or name == ROPE_FREQS:
                 continue  # read into the config (``config``), not a weight
             match = _EXPERT_NAME.match(name)
             if match is None:

@@ -18,7 +18,9 @@ from typing import Any
 from worker.model.families import FAMILIES
 from worker.model.families.base import Shape, rope_parameters
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn", "longrope")
+# freq_factors: each rotated pair's frequency divided by its factor, as GGUF files keep Llama 3's
+# scaling (the tensor rope_freqs); not a config.json kind
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn", "longrope", "freq_factors")
 
 
 class ModelLoadError(RuntimeError):

@@ -166,6 +166,8 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     elif kind == "longrope":
         inv_freq = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu")
                           * cfg.rope_theta ** exponents)
+    elif kind == "freq_factors":  # as llama.cpp turns a pair: position x base^-exponent / factor
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     return inv_freq
 
 
