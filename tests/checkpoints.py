@@ -184,6 +184,25 @@ def save_qwen3_moe(path: Path) -> Path:
                     prepare=_randomised_routers)
 
 
+def save_qwen2_moe(path: Path) -> Path:
+    """A random Qwen2-MoE: Qwen2's q/k/v biases, 6 experts of 24 rows, 2 per token, weights not
+    renormalised, and a shared expert of 40 rows every token runs, gated by sigmoid of its
+    one-output gate (random, as the routers are); its second layer dense (``mlp_only_layers``)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(**SMALL, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=6,
+                            num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
+                            tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+    def prepare(model: Any) -> None:
+        _randomised_routers(model)
+        for name, p in model.named_parameters():
+            if name.endswith("shared_expert_gate.weight"):
+                p.copy_(torch.randn_like(p))
+
+    return _save_hf(path, config, Qwen2MoeForCausalLM, {"bos_token": None, "eos_token": "</s>"}, seed=10,
+                    prepare=prepare)
+
 def save_phi3(path: Path, partial_rotary_factor: float = 1.0) -> Path:
     """A random Phi-3: q/k/v and gate/up fused in the file, LongRoPE (short factors inside the
     original 32 positions, long ones after), untied; with ``partial_rotary_factor`` 0.75 and tied

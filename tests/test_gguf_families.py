@@ -25,6 +25,7 @@ from checkpoints import (
     save_mixtral,
     save_phi3,
     save_qwen2,
+    save_qwen2_moe,
     save_qwen3,
     save_qwen3_moe,
     write_gguf,
@@ -48,7 +49,9 @@ NEW_TOKENS = 10
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
+          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+          "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+          "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 _EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
@@ -121,6 +124,8 @@ def write_qwen_gguf(ckpt: Path, arch: str, path: Path, matrices: Q = Q.F32) -> P
         writer.add_expert_used_count(cfg["num_experts_per_tok"])
         if "moe_intermediate_size" in cfg:
             writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     writer.add_add_bos_token(False)
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(ckpt.glob("*.safetensors")):
@@ -142,6 +147,8 @@ def write_qwen_gguf(ckpt: Path, arch: str, path: Path, matrices: Q = Q.F32) -> P
             tensors[_gguf_name(name, arch)] = _llama_cpp_permute(tensor, heads[proj])
     for name, tensor in tensors.items():
         w = tensor.float().numpy()
+        if name.endswith("ffn_gate_inp_shexp.weight"):  # llama.cpp's shape for the one-output gate: a vector
+            w = w.reshape(-1)
         if w.ndim >= 2 and matrices != Q.F32 and w.shape[-1] % 32 == 0:  # else float, as llama.cpp falls back
             writer.add_tensor(name, quants.quantize(w, matrices), raw_dtype=matrices)
         else:
@@ -176,7 +183,8 @@ def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 FAMILIES: dict[str, Callable[[Path], Path]] = {"qwen2": save_qwen2, "qwen3": save_qwen3}
 # GGUF architecture -> a checkpoint of its family with experts (Mixtral is a ``llama`` file)
-MIXTURES: dict[str, Callable[[Path], Path]] = {"qwen3moe": save_qwen3_moe, "llama": save_mixtral}
+MIXTURES: dict[str, Callable[[Path], Path]] = {"qwen3moe": save_qwen3_moe, "llama": save_mixtral,
+                                               "qwen2moe": save_qwen2_moe}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -248,7 +256,8 @@ def test_the_qwen2_split_keeps_every_digit_apart(family: tuple[str, Path, Path])
 def test_a_mixture_of_experts_gguf_generates_what_transformers_generates(arch: str, tmp_path: Path) -> None:
     """Experts stacked per projection in the file, split into the model's experts; the router;
     Qwen3-MoE's unnormalised weights are llama.cpp's renormalised ones, so that checkpoint is
-    written with norm_topk_prob on here (as Qwen3-MoE's released models have it)."""
+    written with norm_topk_prob on here (as Qwen3-MoE's released models have it); Qwen2-MoE's
+    shared expert, its gate a vector in the file, and its weights never renormalised."""
     ckpt = MIXTURES[arch](tmp_path / "hf")
     if arch == "qwen3moe":
         cfg = json.loads((ckpt / "config.json").read_text())
@@ -256,9 +265,12 @@ def test_a_mixture_of_experts_gguf_generates_what_transformers_generates(arch: s
     path = write_qwen_gguf(ckpt, arch, tmp_path / "model.gguf")
     worker = Worker(WorkerConfig(model=str(path), num_kv_blocks=64, block_size=8, dtype="float32"))
     cfg = worker.runner.model.config
-    assert cfg.architecture == {"qwen3moe": "Qwen3MoeForCausalLM", "llama": "MixtralForCausalLM"}[arch]
-    assert cfg.num_experts == (6 if arch == "qwen3moe" else 5) and cfg.normalize_expert_weights
-    assert cfg.dense_layers == ((1,) if arch == "qwen3moe" else ())
+    assert cfg.architecture == {"qwen3moe": "Qwen3MoeForCausalLM", "llama": "MixtralForCausalLM",
+                                "qwen2moe": "Qwen2MoeForCausalLM"}[arch]
+    assert cfg.num_experts == (5 if arch == "llama" else 6)
+    assert cfg.normalize_expert_weights == (arch != "qwen2moe")
+    assert cfg.dense_layers == (() if arch == "llama" else (1,))
+    assert cfg.shared_expert_intermediate_size == (40 if arch == "qwen2moe" else 0)
     want = dict(zip(PROMPTS, hf_greedy(ckpt, list(PROMPTS.values()), NEW_TOKENS), strict=True))
     assert _greedy(worker) == want
 

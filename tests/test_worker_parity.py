@@ -21,6 +21,7 @@ from checkpoints import (
     save_mixtral,
     save_phi3,
     save_qwen2,
+    save_qwen2_moe,
     save_qwen3,
     save_qwen3_moe,
 )
@@ -234,7 +235,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
 
 
 FAMILIES = {"qwen2": save_qwen2, "qwen3": save_qwen3, "mistral": save_mistral, "mixtral": save_mixtral,
-            "qwen3_moe": save_qwen3_moe, "phi3": save_phi3, "phi4_mini": lambda p: save_phi3(p, 0.75),
+            "qwen3_moe": save_qwen3_moe, "qwen2_moe": save_qwen2_moe, "phi3": save_phi3, "phi4_mini": lambda p: save_phi3(p, 0.75),
             "gemma2": save_gemma2, "gemma3": save_gemma3, "gemma3_multimodal": save_gemma3_multimodal}
 FAMILY_NEW = 12
 
@@ -273,6 +274,9 @@ def test_family_loads_what_its_files_say(family: tuple[Worker, dict[int, list[in
     elif cfg.architecture == "Qwen3MoeForCausalLM":
         assert (cfg.num_experts, cfg.experts_per_token, cfg.expert_intermediate_size) == (6, 3, 24)
         assert cfg.dense_layers == (1,) and not cfg.normalize_expert_weights and cfg.qk_norm
+    elif cfg.architecture == "Qwen2MoeForCausalLM":
+        assert (cfg.num_experts, cfg.experts_per_token, cfg.shared_expert_intermediate_size) == (6, 2, 40)
+        assert cfg.dense_layers == (1,) and not cfg.normalize_expert_weights and cfg.qkv_bias
     elif cfg.architecture == "Qwen3ForCausalLM":
         assert cfg.qk_norm and not cfg.qkv_bias and (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (6, 2, 16)
         assert w.info.bos_token_id is None and cfg.tie_word_embeddings
@@ -302,15 +306,17 @@ def test_family_batched_and_chunked_match_transformers(family: tuple[Worker, dic
     assert d.outputs == want
 
 
-def test_tensor_parallel_ranks_each_hold_a_share_of_every_expert(tmp_path: Path) -> None:
-    """Two ranks' mixtures of experts (every expert's rows split, the router whole), summed as the
-    all-reduce sums them, give the whole model's."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_tensor_parallel_ranks_each_hold_a_share_of_every_expert(family: str, tmp_path: Path) -> None:
+    """Two ranks' mixtures of experts (every expert's rows split, the router whole; Qwen2-MoE's
+    shared expert split alike, its gate whole), summed as the all-reduce sums them, give the
+    whole model's."""
     from worker.model.config import LlamaConfig
     from worker.model.llama import SparseMoE
     from worker.model.loader import load_model
     from worker.model.sharding import ShardLayout
 
-    ckpt = save_qwen3_moe(tmp_path / "moe")
+    ckpt = FAMILIES[family](tmp_path / "moe")
     cfg = LlamaConfig.from_file(ckpt / "config.json")
     cpu = torch.device("cpu")
     whole = load_model(ckpt, cfg, torch.float32, cpu, 64)
@@ -320,6 +326,8 @@ def test_tensor_parallel_ranks_each_hold_a_share_of_every_expert(tmp_path: Path)
     parts = [r.model.decoder_layers()[0].mlp for r in ranks]
     assert isinstance(moe, SparseMoE) and all(isinstance(p, SparseMoE) for p in parts)
     assert [p.mlps()[0].inter for p in parts] == [cfg.expert_intermediate_size // 2] * 2
+    if cfg.shared_expert_intermediate_size:
+        assert [p.mlps()[-1].inter for p in parts] == [cfg.shared_expert_intermediate_size // 2] * 2
     with torch.inference_mode():
         assert torch.allclose(sum(p(x) for p in parts), moe(x), atol=1e-5)
 

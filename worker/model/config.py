@@ -58,6 +58,9 @@ class LlamaConfig:
     expert_intermediate_size: int = 0
     normalize_expert_weights: bool = True
     dense_layers: tuple[int, ...] = ()
+    # Qwen2-MoE: beside the chosen experts, a shared expert every token runs (an MLP this wide;
+    # 0: none), its output scaled by sigmoid of a one-output gate (``shared_expert_gate``).
+    shared_expert_intermediate_size: int = 0
     # Phi-3 / Phi-4-mini: the files hold q/k/v and gate/up fused as the model holds them
     # (``qkv_proj``, ``gate_up_proj``), and Phi-4-mini rotates only the first ``rotary_dim`` of
     # each head's dimensions (``partial_rotary_factor``). 0: the whole head.

@@ -97,10 +97,11 @@ class MLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A mixture of experts in place of the MLP (Mixtral, Qwen3-MoE): the router (``gate``) scores
-    every expert for each token; the ``top_k`` best, with their softmax weights (renormalised over
-    the chosen ones where the model does), each run their MLP on the token, and the weighted
-    outputs are summed.
+    """A mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the router
+    (``gate``) scores every expert for each token; the ``top_k`` best, with their softmax weights
+    (renormalised over the chosen ones where the model does), each run their MLP on the token, and
+    the weighted outputs are summed. Qwen2-MoE adds a shared expert that every token runs, scaled
+    by sigmoid(``shared_expert_gate``), after the chosen ones' sum.
 
     The tokens are grouped by expert (one stable sort of the step's choices), and each expert that
     was chosen runs once over its group: a step reads the weights of the experts its tokens chose,
@@ -114,6 +115,9 @@ class SparseMoE(nn.Module):
         self.top_k, self.normalize = cfg.experts_per_token, cfg.normalize_expert_weights
         self.gate = Linear(h, e, bias=False)
         self.experts = nn.ModuleList(MLP(h, cfg.expert_intermediate_size, bias=False) for _ in range(e))
+        shared = cfg.shared_expert_intermediate_size
+        self.shared_expert = MLP(h, shared, bias=False) if shared else None
+        self.shared_expert_gate = Linear(h, 1, bias=False) if shared else None
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum the ranks' outputs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,10 +137,15 @@ class SparseMoE(nn.Module):
                 y = self.experts[expert](x[rows])
                 out.index_add_(0, rows, (y * weights[start : start + n]).to(x.dtype))
                 start += n
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            # a rank's share of the shared expert's rows, scaled alike on every rank: the sum is whole
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.reduce(out) if self.reduce is not None else out
 
     def mlps(self) -> list[MLP]:
-        return [cast(MLP, m) for m in self.experts]
+        """Every MLP of the mixture: the experts, and the shared one where the model has it."""
+        shared = [self.shared_expert] if self.shared_expert is not None else []
+        return [cast(MLP, m) for m in [*self.experts, *shared]]
 
 
 class DecoderLayer(nn.Module):
@@ -373,6 +382,7 @@ def _unfused(name: str, cfg: LlamaConfig) -> list[tuple[str, int]] | None:
         return [(f"{prefix}self_attn.{p}_proj.{rest}", rows) for p, rows in (("q", q), ("k", kv), ("v", kv))]
     prefix, _, rest = name.partition("gate_up_proj.")
     if rest:
-        rows = cfg.expert_intermediate_size if ".experts." in prefix else cfg.intermediate_size
+        rows = (cfg.expert_intermediate_size if ".experts." in prefix else
+                cfg.shared_expert_intermediate_size if ".shared_expert." in prefix else cfg.intermediate_size)
         return [(f"{prefix}{p}_proj.{rest}", rows) for p in ("gate", "up")]
     return None

@@ -10,7 +10,8 @@ With k ranks, rank r holds:
   ``j // (local heads / local KV heads)``, the layout the attention kernels already take;
 * the MLP: rows ``[r*I/k, ...)`` of gate and up (column-parallel), those columns of down
   (row-parallel, one all-reduce); in a mixture of experts, every expert's the same way (each
-  rank holds every expert, a k-th of its rows), the router whole, one all-reduce of the sum;
+  rank holds every expert, a k-th of its rows; a shared expert too, its gate whole), the router
+  whole, one all-reduce of the sum;
 * the vocabulary: rows ``[r*S, (r+1)*S)`` of the embedding and of lm_head, ``S = ceil(V/k)``
   (the last shard padded with zero rows). The embedding looks up the ids in its rows and
   all-reduces; lm_head's logits are gathered on rank 0, which samples;
@@ -59,7 +60,7 @@ def pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
-_LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?(\w+)_proj\.(weight|bias)$")
+_LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.|shared_expert\.)?(\w+)_proj\.(weight|bias)$")
 
 
 class ShardLayout:
@@ -77,9 +78,11 @@ class ShardLayout:
         if inter % size:
             raise ModelLoadError(f"--tensor-parallel-size {size} does not divide the model's intermediate size "
                                  f"{inter}")
-        if cfg.expert_intermediate_size % size:
-            raise ModelLoadError(f"--tensor-parallel-size {size} does not divide the model's experts' intermediate "
-                                 f"size {cfg.expert_intermediate_size}")
+        for what, rows in (("experts'", cfg.expert_intermediate_size),
+                           ("shared expert's", cfg.shared_expert_intermediate_size)):
+            if rows % size:
+                raise ModelLoadError(f"--tensor-parallel-size {size} does not divide the model's {what} intermediate "
+                                     f"size {rows}")
         self.cfg, self.rank, self.size = cfg, rank, size
         self.heads = h // size
         self.head_start = rank * self.heads
@@ -88,6 +91,7 @@ class ShardLayout:
         self.kv_start = self.head_start // (h // kv) if self.replicated_kv else rank * self.kv_heads
         self.inter = inter // size
         self.expert_inter = cfg.expert_intermediate_size // size  # each expert's rows, as the MLP's
+        self.shared_inter = cfg.shared_expert_intermediate_size // size
         self.vocab = -(-cfg.vocab_size // size)
         self.vocab_start = rank * self.vocab
 
@@ -95,6 +99,7 @@ class ShardLayout:
         """The model one rank builds: its heads, KV heads, MLP rows and vocabulary rows."""
         return dataclasses.replace(self.cfg, num_heads=self.heads, num_kv_heads=self.kv_heads,
                                    intermediate_size=self.inter, expert_intermediate_size=self.expert_inter,
+                                   shared_expert_intermediate_size=self.shared_inter,
                                    vocab_size=self.vocab)
 
     def describe(self) -> str:
@@ -115,7 +120,7 @@ class ShardLayout:
         if match is None:
             return None  # norms
         _, expert, proj, kind = match.groups()
-        inter = self.expert_inter if expert else self.inter
+        inter = self.shared_inter if expert == "shared_expert." else self.expert_inter if expert else self.inter
         if proj == "q":
             return Slice(0, self.head_start * d, (self.head_start + self.heads) * d, self.heads * d)
         if proj in ("k", "v"):
