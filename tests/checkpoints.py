@@ -203,6 +203,19 @@ def save_qwen2_moe(path: Path) -> Path:
     return _save_hf(path, config, Qwen2MoeForCausalLM, {"bos_token": None, "eos_token": "</s>"}, seed=10,
                     prepare=prepare)
 
+def save_olmoe(path: Path, clip_qkv: float | None = 1.5) -> Path:
+    """A random OLMoE: 6 experts of 24 rows, 2 per token in every layer, weights not renormalised,
+    q/k norms over the whole query and key (random weights: a per-head norm would differ), GQA
+    (a key norm narrower than the query's), and q, k, v clamped at ``clip_qkv`` (low enough to
+    bite on this model)."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    config = OlmoeConfig(**SMALL | dict(intermediate_size=24), num_experts=6, num_experts_per_tok=2,
+                         norm_topk_prob=False, clip_qkv=clip_qkv, tie_word_embeddings=False, pad_token_id=0,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return _save_hf(path, config, OlmoeForCausalLM, {"bos_token": "<s>", "eos_token": "</s>"}, seed=14,
+                    prepare=_randomised_routers)
+
 def save_phi3(path: Path, partial_rotary_factor: float = 1.0) -> Path:
     """A random Phi-3: q/k/v and gate/up fused in the file, LongRoPE (short factors inside the
     original 32 positions, long ones after), untied; with ``partial_rotary_factor`` 0.75 and tied

@@ -23,6 +23,7 @@ from checkpoints import (
     save_gemma3,
     save_llama_checkpoint,
     save_mixtral,
+    save_olmoe,
     save_phi3,
     save_qwen2,
     save_qwen2_moe,
@@ -106,6 +107,8 @@ def write_qwen_gguf(ckpt: Path, arch: str, path: Path, matrices: Q = Q.F32) -> P
         writer.add_tensor("rope_freqs.weight", _llama3_freq_factors(float(rope["rope_theta"]), head_dim, rope))
     if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(cfg["sliding_window"])
+    if cfg.get("clip_qkv"):
+        writer.add_clamp_kqv(cfg["clip_qkv"])
     if cfg.get("attn_logit_softcapping"):
         writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
     if cfg.get("final_logit_softcapping"):
@@ -184,7 +187,7 @@ def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 FAMILIES: dict[str, Callable[[Path], Path]] = {"qwen2": save_qwen2, "qwen3": save_qwen3}
 # GGUF architecture -> a checkpoint of its family with experts (Mixtral is a ``llama`` file)
 MIXTURES: dict[str, Callable[[Path], Path]] = {"qwen3moe": save_qwen3_moe, "llama": save_mixtral,
-                                               "qwen2moe": save_qwen2_moe}
+                                               "qwen2moe": save_qwen2_moe, "olmoe": save_olmoe}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -257,7 +260,8 @@ def test_a_mixture_of_experts_gguf_generates_what_transformers_generates(arch: s
     """Experts stacked per projection in the file, split into the model's experts; the router;
     Qwen3-MoE's unnormalised weights are llama.cpp's renormalised ones, so that checkpoint is
     written with norm_topk_prob on here (as Qwen3-MoE's released models have it); Qwen2-MoE's
-    shared expert, its gate a vector in the file, and its weights never renormalised."""
+    shared expert, its gate a vector in the file, and its weights never renormalised; OLMoE's
+    whole-vector q/k norms and its clamp."""
     ckpt = MIXTURES[arch](tmp_path / "hf")
     if arch == "qwen3moe":
         cfg = json.loads((ckpt / "config.json").read_text())
@@ -266,10 +270,11 @@ def test_a_mixture_of_experts_gguf_generates_what_transformers_generates(arch: s
     worker = Worker(WorkerConfig(model=str(path), num_kv_blocks=64, block_size=8, dtype="float32"))
     cfg = worker.runner.model.config
     assert cfg.architecture == {"qwen3moe": "Qwen3MoeForCausalLM", "llama": "MixtralForCausalLM",
-                                "qwen2moe": "Qwen2MoeForCausalLM"}[arch]
+                                "qwen2moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}[arch]
     assert cfg.num_experts == (5 if arch == "llama" else 6)
-    assert cfg.normalize_expert_weights == (arch != "qwen2moe")
-    assert cfg.dense_layers == (() if arch == "llama" else (1,))
+    assert cfg.normalize_expert_weights == (arch in ("qwen3moe", "llama"))
+    assert cfg.dense_layers == ((1,) if arch in ("qwen3moe", "qwen2moe") else ())
+    assert (cfg.qk_norm_whole, cfg.clip_qkv) == ((True, 1.5) if arch == "olmoe" else (False, 0.0))
     assert cfg.shared_expert_intermediate_size == (40 if arch == "qwen2moe" else 0)
     want = dict(zip(PROMPTS, hf_greedy(ckpt, list(PROMPTS.values()), NEW_TOKENS), strict=True))
     assert _greedy(worker) == want

@@ -1,5 +1,5 @@
 """Greedy parity with ``transformers`` through a real ``sluice serve --model <checkpoint dir>``,
-for each family (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, Qwen2-MoE): each prompt alone, all four batched together, and
+for each family (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, Qwen2-MoE, OLMoE): each prompt alone, all four batched together, and
 prefilled in chunks. The servers also show the start-up defaults: the model's own length limit,
 and a KV cache sized from ``--kv-cache-memory`` and logged."""
 
@@ -16,6 +16,7 @@ from checkpoints import (
     hf_greedy,
     save_llama_checkpoint,
     save_mistral,
+    save_olmoe,
     save_qwen2,
     save_qwen2_moe,
     save_qwen3,
@@ -30,8 +31,9 @@ PROMPTS = [[1, *range(10, 14)], [1, *range(20, 36)], [1, *range(40, 79)], [1, *(
 
 FAMILIES: dict[str, Callable[[Path], Path]] = {
     "llama": save_llama_checkpoint, "qwen2": save_qwen2, "qwen3": save_qwen3, "mistral": save_mistral,
-    "qwen3_moe": save_qwen3_moe, "qwen2_moe": save_qwen2_moe}
-MAX_POSITIONS = {"llama": 512, "qwen2": 256, "qwen3": 256, "mistral": 256, "qwen3_moe": 256, "qwen2_moe": 256}  # what the checkpoints' configs say
+    "qwen3_moe": save_qwen3_moe, "qwen2_moe": save_qwen2_moe, "olmoe": save_olmoe}
+MAX_POSITIONS = {"llama": 512, "qwen2": 256, "qwen3": 256, "mistral": 256, "qwen3_moe": 256, "qwen2_moe": 256,
+                 "olmoe": 256}  # what the checkpoints' configs say
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

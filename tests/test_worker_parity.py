@@ -19,6 +19,7 @@ from checkpoints import (
     save_llama_checkpoint,
     save_mistral,
     save_mixtral,
+    save_olmoe,
     save_phi3,
     save_qwen2,
     save_qwen2_moe,
@@ -235,7 +236,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
 
 
 FAMILIES = {"qwen2": save_qwen2, "qwen3": save_qwen3, "mistral": save_mistral, "mixtral": save_mixtral,
-            "qwen3_moe": save_qwen3_moe, "qwen2_moe": save_qwen2_moe, "phi3": save_phi3, "phi4_mini": lambda p: save_phi3(p, 0.75),
+            "qwen3_moe": save_qwen3_moe, "qwen2_moe": save_qwen2_moe, "olmoe": save_olmoe, "phi3": save_phi3, "phi4_mini": lambda p: save_phi3(p, 0.75),
             "gemma2": save_gemma2, "gemma3": save_gemma3, "gemma3_multimodal": save_gemma3_multimodal}
 FAMILY_NEW = 12
 
@@ -274,6 +275,9 @@ def test_family_loads_what_its_files_say(family: tuple[Worker, dict[int, list[in
     elif cfg.architecture == "Qwen3MoeForCausalLM":
         assert (cfg.num_experts, cfg.experts_per_token, cfg.expert_intermediate_size) == (6, 3, 24)
         assert cfg.dense_layers == (1,) and not cfg.normalize_expert_weights and cfg.qk_norm
+    elif cfg.architecture == "OlmoeForCausalLM":
+        assert cfg.qk_norm_whole and cfg.clip_qkv == 1.5 and (cfg.num_experts, cfg.experts_per_token) == (6, 2)
+        assert w.runner.model.model.decoder_layers()[0].self_attn.k_norm.weight.shape == (32,)  # the whole key
     elif cfg.architecture == "Qwen2MoeForCausalLM":
         assert (cfg.num_experts, cfg.experts_per_token, cfg.shared_expert_intermediate_size) == (6, 2, 40)
         assert cfg.dense_layers == (1,) and not cfg.normalize_expert_weights and cfg.qkv_bias
@@ -330,6 +334,16 @@ def test_tensor_parallel_ranks_each_hold_a_share_of_every_expert(family: str, tm
         assert [p.mlps()[-1].inter for p in parts] == [cfg.shared_expert_intermediate_size // 2] * 2
     with torch.inference_mode():
         assert torch.allclose(sum(p(x) for p in parts), moe(x), atol=1e-5)
+
+
+def test_tensor_parallel_refuses_norms_across_heads(tmp_path: Path) -> None:
+    """OLMoE's q/k norms take every head at once: split across ranks, each would see only its own."""
+    from worker.model.config import LlamaConfig, ModelLoadError
+    from worker.model.sharding import ShardLayout
+
+    cfg = LlamaConfig.from_file(save_olmoe(tmp_path / "olmoe") / "config.json")
+    with pytest.raises(ModelLoadError, match="q/k norms span every head"):
+        ShardLayout(cfg, 0, 2)
 
 
 ROPE_SCALINGS = {

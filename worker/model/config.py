@@ -61,6 +61,10 @@ class LlamaConfig:
     # Qwen2-MoE: beside the chosen experts, a shared expert every token runs (an MLP this wide;
     # 0: none), its output scaled by sigmoid of a one-output gate (``shared_expert_gate``).
     shared_expert_intermediate_size: int = 0
+    # OLMoE: the q/k norms take the whole projection (every head at once), not each head; and
+    # q, k, v clamped to +-clip_qkv after them where the config sets it (0: not clamped).
+    qk_norm_whole: bool = False
+    clip_qkv: float = 0.0
     # Phi-3 / Phi-4-mini: the files hold q/k/v and gate/up fused as the model holds them
     # (``qkv_proj``, ``gate_up_proj``), and Phi-4-mini rotates only the first ``rotary_dim`` of
     # each head's dimensions (``partial_rotary_factor``). 0: the whole head.

@@ -143,6 +143,8 @@ def _unsupported(model: LlamaForCausalLM) -> str | None:
         return "decoder.c has no stages for Gemma's norms, GeGLU and sliding-window layers"
     if model.config.attention_softcap:
         return "decoder.c's attention does not soft-cap scores"
+    if model.config.qk_norm_whole or model.config.clip_qkv:
+        return "decoder.c normalises q and k head by head, and clamps nothing"
     if model.rotary.partial:
         return "decoder.c rotates whole heads, and this model rotates part of each (partial_rotary_factor)"
     layers = model.model.decoder_layers()

@@ -40,9 +40,11 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias)
         # Qwen3: each query and key head RMS-normalised (one weight per family of heads) before
-        # the rotation.
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.gemma) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.gemma) if cfg.qk_norm else None
+        # the rotation; OLMoE: the whole query and the whole key (all heads as one vector).
+        self.whole_qk_norm, self.clip = cfg.qk_norm_whole, cfg.clip_qkv
+        q_width, k_width = (self.q_size, self.kv_size) if self.whole_qk_norm else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps, cfg.gemma) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps, cfg.gemma) if cfg.qk_norm else None
         self.scale = cfg.attention_scale or self.head_dim**-0.5
         # Gemma 3: this layer's own window, read through the step's metadata for it.
         self.window = cfg.window_of(layer) if cfg.layer_windows else None
@@ -51,8 +53,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: StepRope) -> torch.Tensor:
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        if self.whole_qk_norm and self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+            qk = torch.cat([self.q_norm(q.contiguous()), self.k_norm(k.contiguous())], dim=-1)
+        if self.clip:  # after the norms, as OLMoE clamps
+            qk, v = qk.clamp(-self.clip, self.clip), v.clamp(-self.clip, self.clip)
         qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and not self.whole_qk_norm:
             qk = self._norm_heads(qk, self.q_norm, self.k_norm)
         # q and k are adjacent columns: one rotation for both.
         qk = rope.rotate(qk)

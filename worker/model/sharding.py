@@ -69,6 +69,9 @@ class ShardLayout:
         if cfg.fused_checkpoint:
             raise ModelLoadError(f"--tensor-parallel-size {size}: {cfg.architecture}'s files hold q/k/v and "
                                  f"gate/up fused, which are not split across ranks yet")
+        if cfg.qk_norm_whole:
+            raise ModelLoadError(f"--tensor-parallel-size {size}: {cfg.architecture}'s q/k norms span every head, "
+                                 f"which are not split across ranks yet")
         if size > h or h % size:
             raise ModelLoadError(f"--tensor-parallel-size {size} does not divide the model's {h} attention heads "
                                  f"(use a divisor of {h})")

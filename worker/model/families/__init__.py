@@ -6,10 +6,10 @@ block, and its tests (``tests/test_worker_parity.py`` checks each against ``tran
 
 from __future__ import annotations
 
-from worker.model.families import gemma, llama, mixtral, phi, qwen
+from worker.model.families import gemma, llama, mixtral, olmoe, phi, qwen
 from worker.model.families.base import Family
 
-FAMILIES: dict[str, Family] = {arch: family for module in (llama, qwen, mixtral, phi, gemma)
+FAMILIES: dict[str, Family] = {arch: family for module in (llama, qwen, mixtral, olmoe, phi, gemma)
                                for family in module.FAMILIES for arch in family.architectures}
 # GGUF's architecture names (``general.architecture``), as llama.cpp's converter writes them
 GGUF_ARCHITECTURES: dict[str, str] = {gguf: arch for family in FAMILIES.values() for gguf, arch in family.gguf.items()}
