@@ -23,6 +23,18 @@ for _name in re.findall(r"`(SLUICE_[A-Z_]+)`", environment_table()):
     os.environ.pop(_name, None)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failing test's report ends with the log of every ``sluice serve`` running at the time
+    (its frontend's, scheduler's and worker's lines): what happened inside the server is then in
+    CI's output, not only in a temporary directory that is gone by the time anyone looks."""
+    outcome: Any = yield
+    report = outcome.get_result()
+    if report.failed:
+        for server in list(SluiceServer.live):
+            report.sections.append((f"sluice serve log, {server.url} (its last lines)", server.log()[-3000:]))
+
+
 @pytest.fixture(scope="session")
 def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceServer]:
     """``sluice serve --model smollm2`` (float32, 256 KV blocks) for the modules that need only its

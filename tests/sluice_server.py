@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 
@@ -32,6 +33,8 @@ def free_port() -> int:
 
 
 class SluiceServer:
+    live: ClassVar[list[SluiceServer]] = []  # started and not yet stopped: conftest shows their logs when a test fails
+
     def __init__(self, *flags: str, log_dir: Path) -> None:
         if "--model" not in flags:
             flags = ("--model", "tiny", *flags)  # tests run the built-in model unless they say otherwise
@@ -49,6 +52,7 @@ class SluiceServer:
             env=env,
             start_new_session=True,  # its own process group: stop() can reach every child
         )
+        SluiceServer.live.append(self)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
@@ -67,6 +71,8 @@ class SluiceServer:
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM, then SIGKILL to the whole group if it lingers. Returns the exit code."""
+        if self in SluiceServer.live:
+            SluiceServer.live.remove(self)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -127,6 +133,9 @@ def started_server(*flags: str, log_dir: Path) -> Iterator[SluiceServer]:
     server = SluiceServer(*flags, log_dir=log_dir)
     try:
         yield server
+    except Exception as e:  # a test failing inside the with: its report shows what the server logged
+        e.add_note(f"sluice serve log, {server.url} (its last lines):\n{server.log()[-3000:]}")
+        raise
     finally:
         server.stop()
 
