@@ -256,7 +256,8 @@ def save_gemma3(path: Path, released_pattern: bool = False) -> Path:
 
 
 def save_gemma2(path: Path, released_scaling: bool = False) -> Path:
-    """A random Gemma 2: every other layer a 6-token window (layers 0, 2, 4), query scaling 24,
+    """A random Gemma 2: heads 32 wide (not hidden / heads: 16), every other layer a 6-token window
+    (layers 0, 2, 4), query scaling 24,
     attention scores soft-capped at 3 and final logits at 5 (the released models cap at 50 and
     30: here low enough to bite on a random model's scores), norm weights random around 0.
     ``released_scaling``: queries scaled by the head width, as the 2B and 9B models are (and as
@@ -264,7 +265,7 @@ def save_gemma2(path: Path, released_scaling: bool = False) -> Path:
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     config = Gemma2Config(**SMALL | dict(hidden_size=96, num_hidden_layers=5, num_attention_heads=6, num_key_value_heads=2),
-                          head_dim=16, sliding_window=6, query_pre_attn_scalar=16 if released_scaling else 24,
+                          head_dim=32, sliding_window=6, query_pre_attn_scalar=32 if released_scaling else 24,
                           attn_logit_softcapping=3.0,
                           final_logit_softcapping=5.0, pad_token_id=0)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from worker_testing import Driver, greedy
 from protocol.config import WorkerConfig
 from protocol.messages import NewRequest
 from worker.engine import Worker
+from worker.gguf.checkpoint import GGUFCheckpoint
 from worker.gguf.convert import convert
 from worker.gguf.file import GGUFFile
 from worker.gguf.tokenizer import build_tokenizer
@@ -350,3 +352,9 @@ def test_a_llama3_gguf_turns_with_its_frequency_factors(tmp_path: Path) -> None:
     assert d.outputs[1] == hf_greedy(ckpt, [prompt], 12)[0]
     with pytest.raises(ModelLoadError, match="files are not converted"):
         convert(path, tmp_path / "converted")
+    short = np.ones(3, dtype=np.float32)  # factors for fewer pairs than the rotation turns: refused by name
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys.modules[__name__], "_llama3_freq_factors", lambda *_: short)
+        bad = write_qwen_gguf(ckpt, "llama", tmp_path / "bad.gguf")
+    with pytest.raises(ModelLoadError, match="rope_freqs holds 3 factors, the rotation turns 8 pairs"):
+        GGUFCheckpoint(bad).config  # noqa: B018 - reading it is the test

@@ -141,20 +141,26 @@ def test_mixed_steps_attend_as_the_torch_path(seed: int, window: int | None, dty
     assert torch.equal(caches[0].keys[0], keys) and torch.equal(caches[0].values[0], values)
 
 
+@pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("decode", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("bs", "head_dim"), [(4, 24), (16, 64)])  # plain loops; vectors (bfloat16: the pairs layout)
-def test_soft_capped_scores_attend_as_the_torch_path(decode: bool, dtype: torch.dtype, bs: int, head_dim: int) -> None:
+def test_soft_capped_scores_attend_as_the_torch_path(window: int | None, decode: bool, dtype: torch.dtype, bs: int,
+                                                     head_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Gemma 2's attention logit soft-capping (each scaled score s -> cap tanh(s / cap)) in every
-    path of the kernel, decode rows and mixed steps, against the torch path's written-out scores;
-    with queries large enough that the cap changes the result, and a cap so high it does not."""
+    path of the kernel (contexts past 64 positions: the bfloat16 path's full spans), decode rows
+    and mixed steps, with and without a window, against the torch path's written-out scores (the
+    same whether it takes its queries in one chunk or one at a time); with queries large enough
+    that the cap changes the result, and a cap so high it does not."""
+    from worker.attention import sdpa
+
     rng = random.Random(7)
     torch.manual_seed(7)
-    heads, kv_heads, num_blocks = 6, 2, 120
+    heads, kv_heads, num_blocks = 6, 2, 400
     free = list(range(num_blocks))
     rng.shuffle(free)
     lengths = [1 if decode or i % 2 else rng.randrange(2, 12) for i in range(6)]
-    starts = [rng.randrange(0, 50) for _ in lengths]
+    starts = [rng.randrange(0, 160) for _ in lengths]
     tables = [[free.pop() for _ in range((st + n - 1) // bs + 1)] for st, n in zip(starts, lengths, strict=True)]
     caches = [KVCache(1, num_blocks, bs, kv_heads, head_dim, dtype, torch.device("cpu")) for _ in range(2)]
     fill = torch.randn_like(caches[0].keys[0]), torch.randn_like(caches[0].values[0])
@@ -168,13 +174,18 @@ def test_soft_capped_scores_attend_as_the_torch_path(decode: bool, dtype: torch.
     tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     results = {}
     for cap in (2.0, 0.0, 1e6):
-        ref = SdpaBackend(cpu, None, cap).build(caches[0], tables, starts, lengths, [total - 1])
-        meta = CpuPagedBackend(kernel, cpu, None, cap).build(caches[1], tables, starts, lengths, [total - 1])
+        ref = SdpaBackend(cpu, window, cap).build(caches[0], tables, starts, lengths, [total - 1])
+        meta = CpuPagedBackend(kernel, cpu, window, cap).build(caches[1], tables, starts, lengths, [total - 1])
         assert (meta.decode_only() is not None) == decode
         want = ref.attend(0, q, k, v, head_dim**-0.5)
         got = meta.attend(0, q, k, v, head_dim**-0.5)
         torch.testing.assert_close(got, want, **tol)
         results[cap] = got
+        if cap == 2.0:
+            monkeypatch.setattr(sdpa, "CAPPED_SCORES_BYTES", 1)  # a query at a time (another BLAS kernel: not bit for bit)
+            chunked = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else tol  # bfloat16: a last bit
+            torch.testing.assert_close(ref.attend(0, q, k, v, head_dim**-0.5), want, **chunked)
+            monkeypatch.undo()
     assert not torch.allclose(results[2.0], results[0.0], **tol)  # the cap was applied
     torch.testing.assert_close(results[1e6], results[0.0], **tol)  # and is the identity far below it
 

@@ -336,6 +336,22 @@ def test_tensor_parallel_ranks_each_hold_a_share_of_every_expert(family: str, tm
         assert torch.allclose(sum(p(x) for p in parts), moe(x), atol=1e-5)
 
 
+def test_gemma2_config_without_its_caps_takes_gemma2s_defaults(tmp_path: Path) -> None:
+    """A Gemma 2 config.json that leaves out the soft-caps and the window means Gemma2Config's
+    defaults (50, 30, 4096), as in transformers; an explicit null means no cap."""
+    from worker.model.config import LlamaConfig
+
+    ckpt = save_gemma2(tmp_path / "g2")
+    raw = json.loads((ckpt / "config.json").read_text())
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window", "layer_types"):
+        raw.pop(key)
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    cfg = LlamaConfig.from_file(ckpt / "config.json")
+    assert (cfg.attention_softcap, cfg.final_logit_softcapping, cfg.layer_windows[:2]) == (50.0, 30.0, (4096, 0))
+    (ckpt / "config.json").write_text(json.dumps(raw | {"attn_logit_softcapping": None}))
+    assert LlamaConfig.from_file(ckpt / "config.json").attention_softcap == 0.0
+
+
 def test_tensor_parallel_refuses_norms_across_heads(tmp_path: Path) -> None:
     """OLMoE's q/k norms take every head at once: split across ranks, each would see only its own."""
     from worker.model.config import LlamaConfig, ModelLoadError

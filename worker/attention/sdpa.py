@@ -236,15 +236,26 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: At
     return out[group.query_rows, group.query_cols]
 
 
+CAPPED_SCORES_BYTES = 256 << 20  # the capped path's float32 scores, at most about this much at once
+
+
 def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                       softcap: float) -> torch.Tensor:
-    """``scaled_dot_product_attention`` (q [G, H, Q, D], k/v [G, KVH, L, D], ``mask`` bool) with
-    each scaled score s soft-capped to softcap * tanh(s / softcap) before the mask and the softmax
-    (Gemma 2), which SDPA cannot do: the scores written out, as ``transformers``' eager attention
-    computes them, in float32 whatever the dtype (as SDPA's CPU kernels accumulate)."""
-    if k.shape[1] != q.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    scores = torch.tanh((q.float() @ k.float().transpose(-1, -2)) * scale / softcap) * softcap
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return (probs @ v.float()).to(q.dtype)
+    """``scaled_dot_product_attention`` (q [G, H, Q, D], k/v [G, KVH, L, D], ``mask`` [G, 1, Q, L]
+    bool) with each scaled score s soft-capped to softcap * tanh(s / softcap) before the mask and
+    the softmax (Gemma 2), which SDPA cannot do: the scores written out, as ``transformers``' eager
+    attention computes them, in float32 whatever the dtype (as SDPA's CPU kernels accumulate).
+    A query head reads its KV head through a broadcast (no copy of the cache per query head), and
+    the queries go in chunks that keep the float32 scores near ``CAPPED_SCORES_BYTES``."""
+    g, heads, nq, d = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    grouped = q.reshape(g, kv_heads, heads // kv_heads, nq, d)
+    keys, values = k.float().unsqueeze(2), v.float().unsqueeze(2)  # [G, KVH, 1, L, D]
+    out = torch.empty((g, kv_heads, heads // kv_heads, nq, d), dtype=q.dtype, device=q.device)
+    step = max(1, CAPPED_SCORES_BYTES // (4 * g * heads * length))
+    for first in range(0, nq, step):
+        rows = slice(first, min(nq, first + step))
+        scores = torch.tanh((grouped[:, :, :, rows].float() @ keys.transpose(-1, -2)) * scale / softcap) * softcap
+        scores = scores.masked_fill(~mask[:, :, rows].unsqueeze(2), float("-inf"))
+        out[:, :, :, rows] = (torch.softmax(scores, dim=-1) @ values).to(q.dtype)
+    return out.view(g, heads, nq, d)

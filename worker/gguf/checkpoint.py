@@ -146,7 +146,12 @@ class GGUFCheckpoint:
             **moe,
         )
         view = GGUFView(a, self.metadata, frozenset(self.tensors), self._floats)
-        return LlamaConfig(**fields | self.family.gguf_fields(view))
+        cfg = LlamaConfig(**fields | self.family.gguf_fields(view))
+        if scaling is not None and scaling["rope_type"] == "freq_factors" and \
+                len(scaling["factors"]) != cfg.rotated_dims // 2:
+            raise ModelLoadError(f"{self.path}: rope_freqs holds {len(scaling['factors'])} factors, the rotation "
+                                 f"turns {cfg.rotated_dims // 2} pairs of dimensions")
+        return cfg
 
     def _floats(self, name: str) -> list[float]:
         t = self.tensors[name]

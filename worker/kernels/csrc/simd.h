@@ -108,6 +108,8 @@ static inline vf vkeep_range(vf v, int lo, int hi, float fill) {
 static inline vf vblend_below(vf x, float limit, vf if_below, vf otherwise) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_LT_OQ), otherwise, if_below);
 }
+/* v, but x where x is NaN. */
+static inline vf vkeep_nan(vf x, vf v) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), v, x); }
 /* A vector of VL bfloat16 pairs (2 VL values) as float32: each pair's first, and its second. */
 static inline vf vpair_first(vf pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(pairs), 16)); }
 static inline vf vpair_second(vf pairs) {
@@ -218,6 +220,8 @@ static inline vf vblend_below(vf x, float limit, vf if_below, vf otherwise) {
     return _mm256_blendv_ps(otherwise, if_below, _mm256_cmp_ps(x, _mm256_set1_ps(limit), _CMP_LT_OQ));
 }
 
+static inline vf vkeep_nan(vf x, vf v) { return _mm256_blendv_ps(v, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
+
 static inline vf vpair_first(vf pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(pairs), 16)); }
 static inline vf vpair_second(vf pairs) {
     return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(pairs), _mm256_set1_epi32((int)0xFFFF0000u)));
@@ -248,8 +252,8 @@ static inline vf vexp(vf x) {
 
 /* tanh(x), relative error ~3e-7: (1 - e) / (1 + e) with e = exp(-2x), x clamped to [-9, 9]
  * (beyond, tanh is +-1 within 3e-8); below |x| = 0.3, where 1 - e would cancel, its Taylor series
- * x (1 - x^2/3 + 2 x^4/15 - ...) to x^11 (the next term is 2e-9 of x there). The same operations
- * lane for lane on either width. */
+ * x (1 - x^2/3 + 2 x^4/15 - ...) to x^11 (the next term is 2e-9 of x there). NaN stays NaN, as
+ * tanhf and torch keep it. The same operations lane for lane on either width. */
 static inline vf vtanh(vf x) {
     const vf e = vexp(vmul(vmin(vmax(x, vset1(-9.0f)), vset1(9.0f)), vset1(-2.0f)));
     const vf far = vdiv(vsub(vset1(1.0f), e), vadd(vset1(1.0f), e));
@@ -260,7 +264,7 @@ static inline vf vtanh(vf x) {
     p = vfma(p, x2, vset1(2.0f / 15.0f));
     p = vfma(p, x2, vset1(-1.0f / 3.0f));
     const vf near = vfma(vmul(x, x2), p, x);
-    return vblend_below(x2, 0.09f, near, far);
+    return vkeep_nan(x, vblend_below(x2, 0.09f, near, far));
 }
 #endif
 

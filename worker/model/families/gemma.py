@@ -74,7 +74,12 @@ def _gemma3(raw: Raw, shape: Shape) -> dict[str, Any]:
         final_logit_softcapping=float(raw.get("final_logit_softcapping") or 0.0))
 
 
+# Gemma2Config's defaults where a file leaves the key out (an explicit null: no cap)
+GEMMA2_DEFAULTS: Raw = dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=4096)
+
+
 def _gemma2(raw: Raw, shape: Shape) -> dict[str, Any]:
+    raw = GEMMA2_DEFAULTS | raw
     window = int(raw["sliding_window"])
     kinds = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
                                        for i in range(shape.layers)]
@@ -91,6 +96,8 @@ def _unsupported(raw: Raw, cfg: LlamaConfig) -> str | None:
         return "bidirectional attention (EmbeddingGemma) is not supported"
     if raw.get("attn_logit_softcapping") and not cfg.attention_softcap:
         return "attention logit soft-capping is supported in Gemma 2 only"
+    if cfg.attention_softcap < 0 or cfg.final_logit_softcapping < 0:
+        return "a soft-cap must be positive (or null: none)"
     return None
 
 
@@ -113,17 +120,19 @@ def _gemma3_gguf(view: GGUFView) -> dict[str, Any]:
 
 def _gemma2_gguf(view: GGUFView) -> dict[str, Any]:
     """llama.cpp's gemma2 files: the window as ``attention.sliding_window`` in every other layer from
-    the first, one rope base, both soft-caps, and the query scaling llama.cpp sets in its code
-    (1/sqrt(head width), but 1/sqrt(hidden / heads) in the 27B model, of 46 layers)."""
+    the first, one rope base, both soft-caps (llama.cpp's defaults, Gemma 2's, where early files
+    leave them out), and the query scaling llama.cpp sets in its code (1/sqrt(head width), but
+    1/sqrt(hidden / heads) in the 27B model, of 46 layers)."""
     layers, heads = int(view.get("block_count")), int(view.get("attention.head_count"))
     hidden = int(view.get("embedding_length"))
     head_dim = int(view.get("attention.key_length") or hidden // heads)
-    window = int(view.get("attention.sliding_window"))
+    window = int(view.get("attention.sliding_window", GEMMA2_DEFAULTS["sliding_window"]))
     scalar = hidden / heads if layers == 46 else head_dim
     return dict(gemma=True, head_dim=head_dim, layer_windows=tuple(window if i % 2 == 0 else 0 for i in range(layers)),
                 local_rope_theta=float(view.get("rope.freq_base") or 10000.0), attention_scale=scalar**-0.5,
-                final_logit_softcapping=float(view.get("final_logit_softcapping") or 0.0),
-                attention_softcap=float(view.get("attn_logit_softcapping") or 0.0))
+                final_logit_softcapping=float(view.get("final_logit_softcapping",
+                                                       GEMMA2_DEFAULTS["final_logit_softcapping"])),
+                attention_softcap=float(view.get("attn_logit_softcapping", GEMMA2_DEFAULTS["attn_logit_softcapping"])))
 
 
 # llama.cpp's names for the four norms of a Gemma layer
