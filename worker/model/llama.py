@@ -127,11 +127,16 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = Linear(h, 1, bias=False) if shared else None
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum the ranks' outputs
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's ``top_k`` experts [T, k] and their weights [T, k] (float32)."""
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)  # choices grouped by expert, each group in token order
         tokens = order // self.top_k
