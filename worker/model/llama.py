@@ -104,7 +104,7 @@ class MLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the router
+    """A mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): the router
     (``gate``) scores every expert for each token; the ``top_k`` best, with their softmax weights
     (renormalised over the chosen ones where the model does), each run their MLP on the token, and
     the weighted outputs are summed. Qwen2-MoE adds a shared expert that every token runs, scaled
