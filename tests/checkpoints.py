@@ -246,36 +246,32 @@ def save_gemma3(path: Path, released_pattern: bool = False) -> Path:
     config = Gemma3TextConfig(**SMALL | dict(num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2),
                               head_dim=16, sliding_window=6, layer_types=kinds,
                               query_pre_attn_scalar=16 if released_pattern else 24, pad_token_id=0)
-    def norms_around_zero(model: Any) -> None:
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(0.3 * torch.randn_like(p))
-
     return _save_hf(path, config, Gemma3ForCausalLM, {"bos_token": "<s>", "eos_token": "</s>"}, seed=11,
-                    prepare=norms_around_zero)
+                    prepare=_norms_around_zero)
+
+
+def _norms_around_zero(model: Any) -> None:
+    """Gemma's norms multiply by 1 + w: weights random around 0, not the initialiser's zeros."""
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.copy_(0.3 * torch.randn_like(p))
 
 
 def save_gemma2(path: Path, released_scaling: bool = False) -> Path:
     """A random Gemma 2: heads 32 wide (not hidden / heads: 16), every other layer a 6-token window
-    (layers 0, 2, 4), query scaling 24,
-    attention scores soft-capped at 3 and final logits at 5 (the released models cap at 50 and
-    30: here low enough to bite on a random model's scores), norm weights random around 0.
+    (layers 0, 2, 4), query scaling 24, attention scores soft-capped at 3 and final logits at 5
+    (the released models cap at 50 and 30: here low enough to bite on a random model's scores),
+    norm weights random around 0.
     ``released_scaling``: queries scaled by the head width, as the 2B and 9B models are (and as
     llama.cpp assumes)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    config = Gemma2Config(**SMALL | dict(hidden_size=96, num_hidden_layers=5, num_attention_heads=6, num_key_value_heads=2),
-                          head_dim=32, sliding_window=6, query_pre_attn_scalar=32 if released_scaling else 24,
-                          attn_logit_softcapping=3.0,
-                          final_logit_softcapping=5.0, pad_token_id=0)
-
-    def norms_around_zero(model: Any) -> None:
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(0.3 * torch.randn_like(p))
-
+    small = SMALL | dict(hidden_size=96, num_hidden_layers=5, num_attention_heads=6, num_key_value_heads=2)
+    config = Gemma2Config(**small, head_dim=32, sliding_window=6, query_pre_attn_scalar=32 if released_scaling else 24,
+                          attn_logit_softcapping=3.0, final_logit_softcapping=5.0, pad_token_id=0)
     return _save_hf(path, config, Gemma2ForCausalLM, {"bos_token": "<s>", "eos_token": "</s>"}, seed=13,
-                    prepare=norms_around_zero)
+                    prepare=_norms_around_zero)
+
 
 def save_gemma3_multimodal(path: Path) -> Path:
     """An image-and-text Gemma 3 (``Gemma3ForConditionalGeneration``, as the 4B-27B models are
