@@ -28,6 +28,18 @@ def _fill(cache: KVCache, keys: torch.Tensor, values: torch.Tensor, query_dtype:
     cache.values[0].copy_(values)
 
 
+def _twin_caches(num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype) -> list[KVCache]:
+    """Two caches of the same random keys and values: the torch path's (the natural layout) and
+    the kernels' (their layout)."""
+    caches = [KVCache(1, num_blocks, block_size, kv_heads, head_dim, dtype, torch.device("cpu")) for _ in range(2)]
+    fill = torch.randn_like(caches[0].keys[0]), torch.randn_like(caches[0].values[0])
+    caches[0].keys[0].copy_(fill[0])
+    caches[0].values[0].copy_(fill[1])
+    _fill(caches[1], *fill)
+    return caches
+
+
 def _natural(cache: KVCache, query_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What a cache the kernels wrote holds, in the natural layout."""
     layer = cache.keys[0]
@@ -61,14 +73,7 @@ def test_decode_kernel_matches_the_torch_path(heads: int, kv_heads: int, head_di
     rows = 13
     num_blocks = rows * (300 // block_size + 3)
     tables, starts = _layout(seed, rows, block_size, num_blocks, longest=300)
-    caches = []
-    for _ in range(2):
-        cache = KVCache(1, num_blocks, block_size, kv_heads, head_dim, dtype, torch.device("cpu"))
-        caches.append(cache)
-    fill = torch.randn_like(caches[0].keys[0]), torch.randn_like(caches[0].values[0])
-    caches[0].keys[0].copy_(fill[0])  # the torch path's cache: the natural layout
-    caches[0].values[0].copy_(fill[1])
-    _fill(caches[1], *fill)
+    caches = _twin_caches(num_blocks, block_size, kv_heads, head_dim, dtype)
     # As the model hands them over: q and k views of one rotated tensor, v a view of the projection.
     qk = torch.randn(rows, heads + kv_heads, head_dim, dtype=dtype)
     q, k = qk.split([heads, kv_heads], dim=1)
@@ -121,11 +126,7 @@ def test_mixed_steps_attend_as_the_torch_path(seed: int, window: int | None, dty
         tables.append([free.pop() for _ in range((start + n - 1) // bs + 1)])
         starts.append(start)
         lengths.append(n)
-    caches = [KVCache(1, num_blocks, bs, kv_heads, head_dim, dtype, torch.device("cpu")) for _ in range(2)]
-    fill = torch.randn_like(caches[0].keys[0]), torch.randn_like(caches[0].values[0])
-    caches[0].keys[0].copy_(fill[0])
-    caches[0].values[0].copy_(fill[1])
-    _fill(caches[1], *fill)
+    caches = _twin_caches(num_blocks, bs, kv_heads, head_dim, dtype)
     total = sum(lengths)
     q = torch.randn(total, heads, head_dim, dtype=dtype)
     k, v = torch.randn(total, kv_heads, head_dim, dtype=dtype), torch.randn(total, kv_heads, head_dim, dtype=dtype)
@@ -162,11 +163,7 @@ def test_soft_capped_scores_attend_as_the_torch_path(window: int | None, decode:
     lengths = [1 if decode or i % 2 else rng.randrange(2, 12) for i in range(6)]
     starts = [rng.randrange(0, 160) for _ in lengths]
     tables = [[free.pop() for _ in range((st + n - 1) // bs + 1)] for st, n in zip(starts, lengths, strict=True)]
-    caches = [KVCache(1, num_blocks, bs, kv_heads, head_dim, dtype, torch.device("cpu")) for _ in range(2)]
-    fill = torch.randn_like(caches[0].keys[0]), torch.randn_like(caches[0].values[0])
-    caches[0].keys[0].copy_(fill[0])
-    caches[0].values[0].copy_(fill[1])
-    _fill(caches[1], *fill)
+    caches = _twin_caches(num_blocks, bs, kv_heads, head_dim, dtype)
     total = sum(lengths)
     q = (6 * torch.randn(total, heads, head_dim)).to(dtype)  # scores of several units: a cap of 2 bites
     k, v = torch.randn(total, kv_heads, head_dim, dtype=dtype), torch.randn(total, kv_heads, head_dim, dtype=dtype)
